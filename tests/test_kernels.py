@@ -1,0 +1,177 @@
+"""Ragged paged attention: reference vs a dense naive oracle, kernel vs reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention_reference
+
+
+@dataclasses.dataclass
+class Batch:
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    kv_lens: np.ndarray
+    block_tables: np.ndarray
+    query_start_loc: np.ndarray
+    num_seqs: int
+
+    def args(self, dtype=jnp.float32):
+        return (
+            jnp.asarray(self.q, dtype),
+            jnp.asarray(self.k_cache, dtype),
+            jnp.asarray(self.v_cache, dtype),
+            jnp.asarray(self.kv_lens),
+            jnp.asarray(self.block_tables),
+            jnp.asarray(self.query_start_loc),
+            jnp.int32(self.num_seqs),
+        )
+
+    @property
+    def num_valid_tokens(self) -> int:
+        return int(self.query_start_loc[self.num_seqs])
+
+
+def make_batch(
+    rng: np.random.Generator,
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks: int | None = None,
+    pad_seqs: int = 0,
+    pad_tokens: int = 0,
+    spare_blocks: int = 3,
+) -> Batch:
+    """A random ragged batch: shuffled block tables, garbage in unused table slots."""
+    assert all(0 < q <= k for q, k in zip(q_lens, kv_lens))
+    num_seqs = len(q_lens)
+    pages = [-(-k // block_size) for k in kv_lens]
+    if max_blocks is None:
+        max_blocks = max(pages) + 2
+    num_blocks = sum(pages) + spare_blocks
+    order = rng.permutation(num_blocks)
+    num_padded_seqs = num_seqs + pad_seqs
+    # Garbage everywhere a sequence does not own a block, including out-of-range ids.
+    block_tables = rng.integers(-5, num_blocks + 1000, (num_padded_seqs, max_blocks))
+    used = 0
+    for i, n in enumerate(pages):
+        block_tables[i, :n] = order[used : used + n]
+        used += n
+    query_start_loc = np.zeros(num_padded_seqs + 1, np.int32)
+    query_start_loc[1 : num_seqs + 1] = np.cumsum(q_lens)
+    query_start_loc[num_seqs + 1 :] = query_start_loc[num_seqs]
+    num_tokens = int(query_start_loc[-1]) + pad_tokens
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return Batch(
+        q=rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32),
+        k_cache=rng.standard_normal(shape).astype(np.float32),
+        v_cache=rng.standard_normal(shape).astype(np.float32),
+        kv_lens=np.array(list(kv_lens) + [0] * pad_seqs, np.int32),
+        block_tables=block_tables.astype(np.int32),
+        query_start_loc=query_start_loc,
+        num_seqs=num_seqs,
+    )
+
+
+def naive_attention(batch: Batch, sm_scale: float | None = None) -> np.ndarray:
+    """Dense per-sequence causal attention in float64; padding rows are left 0."""
+    q = batch.q.astype(np.float64)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = batch.k_cache.shape
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    out = np.zeros_like(q)
+    for i in range(batch.num_seqs):
+        start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+        kv_len = int(batch.kv_lens[i])
+        positions = np.arange(kv_len)
+        blocks = batch.block_tables[i, positions // block_size]
+        k = batch.k_cache[blocks, positions % block_size].astype(np.float64)  # [L, Hkv, D]
+        v = batch.v_cache[blocks, positions % block_size].astype(np.float64)
+        k = np.repeat(k, group, axis=1)
+        v = np.repeat(v, group, axis=1)
+        for j, t in enumerate(range(start, end)):
+            pos = kv_len - (end - start) + j
+            logits = np.einsum("hd,lhd->hl", q[t], k[: pos + 1]) * scale
+            p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            out[t] = np.einsum("hl,lhd->hd", p, v[: pos + 1])
+    return out
+
+
+def assert_close_on_valid_rows(actual, expected, batch: Batch, atol: float):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    assert np.isfinite(actual).all(), "padding or valid rows are not finite"
+    n = batch.num_valid_tokens
+    diff = np.abs(actual[:n] - np.asarray(expected, np.float64)[:n]).max(initial=0.0)
+    assert diff <= atol, f"max abs diff {diff} > {atol}"
+    return diff
+
+
+# name: (q_lens, kv_lens, Hq, Hkv, D, block_size, pad_seqs, pad_tokens)
+CASES = {
+    "decode_mha": ([1, 1, 1], [5, 16, 33], 2, 2, 64, 16, 0, 0),
+    "decode_gqa_3to1_padded": ([1, 1], [17, 64], 6, 2, 64, 16, 2, 5),
+    "prefill_no_context_gqa_8to1": ([13, 32], [13, 32], 8, 1, 128, 32, 1, 3),
+    "prefill_chunk_with_context": ([7, 16], [40, 80], 4, 2, 64, 16, 0, 2),
+    "mixed_decode_and_prefill": ([1, 9, 1, 32], [70, 9, 1, 96], 6, 2, 128, 32, 2, 7),
+    "exact_block_multiples": ([16, 32], [32, 64], 2, 1, 64, 16, 0, 0),
+    "long_context_decode": ([1, 3], [300, 257], 3, 1, 64, 16, 1, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reference_matches_naive_dense_attention(case):
+    q_lens, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens = CASES[case]
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    batch = make_batch(
+        rng, q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+        block_size=bs, pad_seqs=pad_seqs, pad_tokens=pad_tokens,
+    )
+    expected = naive_attention(batch)
+    for chunk_blocks in (1, 3, None):
+        out = ragged_paged_attention_reference(*batch.args(), kv_chunk_blocks=chunk_blocks)
+        assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+
+
+def test_reference_jits_with_traced_num_seqs_and_padding_rows_are_finite():
+    rng = np.random.default_rng(0)
+    batch = make_batch(
+        rng, [3, 1], [20, 9], num_q_heads=4, num_kv_heads=2, head_dim=64,
+        block_size=16, pad_seqs=2, pad_tokens=6,
+    )
+    fn = jax.jit(ragged_paged_attention_reference)
+    out = fn(*batch.args())
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+    # Fewer live sequences under the same compiled function: sequence 1 turns into padding.
+    args = list(batch.args())
+    args[-1] = jnp.int32(1)
+    out = np.asarray(fn(*args))
+    assert np.isfinite(out).all()
+    batch.num_seqs = 1
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+
+
+def test_reference_bfloat16_close_to_float64_oracle():
+    rng = np.random.default_rng(1)
+    batch = make_batch(
+        rng, [1, 12], [50, 30], num_q_heads=8, num_kv_heads=2, head_dim=128,
+        block_size=16, pad_seqs=1, pad_tokens=2,
+    )
+    out = ragged_paged_attention_reference(*batch.args(jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16
+    # Compare against the oracle fed the same bf16-rounded inputs.
+    for name in ("q", "k_cache", "v_cache"):
+        setattr(batch, name, np.asarray(jnp.asarray(getattr(batch, name), jnp.bfloat16), np.float32))
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=2e-2)
