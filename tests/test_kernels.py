@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ragged_paged_attention_reference
+from pallas_kernels import ragged_paged_attention_reference, write_kv
 
 
 @dataclasses.dataclass
@@ -175,3 +175,35 @@ def test_reference_bfloat16_close_to_float64_oracle():
     for name in ("q", "k_cache", "v_cache"):
         setattr(batch, name, np.asarray(jnp.asarray(getattr(batch, name), jnp.bfloat16), np.float32))
     assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=2e-2)
+
+
+def test_write_kv_writes_exact_slots_and_skips_minus_one():
+    rng = np.random.default_rng(2)
+    num_blocks, block_size, hkv, d = 5, 4, 2, 8
+    k_cache = rng.standard_normal((num_blocks, block_size, hkv, d)).astype(np.float32)
+    v_cache = rng.standard_normal((num_blocks, block_size, hkv, d)).astype(np.float32)
+    k = rng.standard_normal((6, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((6, hkv, d)).astype(np.float32)
+    slot_mapping = np.array([7, -1, 0, 18, -1, 12], np.int32)
+    new_k, new_v = jax.jit(write_kv, donate_argnums=(0, 1))(
+        jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(k), jnp.asarray(v),
+        jnp.asarray(slot_mapping),
+    )
+    expected_k = k_cache.reshape(-1, hkv, d).copy()
+    expected_v = v_cache.reshape(-1, hkv, d).copy()
+    for t, slot in enumerate(slot_mapping):
+        if slot >= 0:
+            expected_k[slot] = k[t]
+            expected_v[slot] = v[t]
+    np.testing.assert_array_equal(np.asarray(new_k).reshape(-1, hkv, d), expected_k)
+    np.testing.assert_array_equal(np.asarray(new_v).reshape(-1, hkv, d), expected_v)
+    # The last slot (where a wrapped -1 would land) is untouched.
+    np.testing.assert_array_equal(np.asarray(new_k)[-1, -1], k_cache[-1, -1])
+
+
+def test_write_kv_casts_to_cache_dtype():
+    k_cache = jnp.ones((2, 4, 1, 8), jnp.bfloat16)
+    k = jnp.full((1, 1, 8), 0.5, jnp.float32)
+    new_k, _ = write_kv(k_cache, k_cache, k, k, jnp.array([5], jnp.int32))
+    assert new_k.dtype == jnp.bfloat16
+    assert float(new_k[1, 1, 0, 0]) == 0.5 and float(new_k[1, 2, 0, 0]) == 1.0

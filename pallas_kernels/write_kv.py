@@ -1,0 +1,37 @@
+"""Write this step's K/V into the paged cache through slot_mapping."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter k, v into the caches at their slots.
+
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D];
+    slot_mapping: int32[T], slot = block_id * block_size + row, -1 = skip.
+    Returns the updated (k_cache, v_cache). Inside a jitted step that donates
+    the caches XLA performs the scatter in place; slots that are -1 (or
+    otherwise out of range) leave the cache untouched.
+
+    A plain XLA scatter: on CPU nothing beats it, and it fuses into the step.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_slots = num_blocks * block_size
+    # -1 would wrap to the last slot under numpy indexing rules; send it out of
+    # range instead so mode="drop" discards it.
+    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
+
+    def scatter(cache, new):
+        flat = cache.reshape(num_slots, num_kv_heads, head_dim)
+        flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
+        return flat.reshape(cache.shape)
+
+    return scatter(k_cache, k), scatter(v_cache, v)
