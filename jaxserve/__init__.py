@@ -1,0 +1,24 @@
+"""jaxserve: a JAX/XLA serving engine for LLMs."""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "jaxserve.entrypoints.llm",
+    "SamplingParams": "jaxserve.sampling_params",
+    "RequestOutput": "jaxserve.outputs",
+    "CompletionOutput": "jaxserve.outputs",
+    "EngineConfig": "jaxserve.config",
+}
+
+
+def __getattr__(name: str):
+    # Lazy: `LLM` pulls in JAX and the model code; `import jaxserve` stays cheap.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "__version__"]

@@ -1,0 +1,156 @@
+"""Startup: load weights, place them, size the KV cache, build the runner, warm up.
+
+Everything here happens once, before the first request, and is logged so a
+person can read what the server is about to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention.backend import get_attention_backend
+from jaxserve.config import EngineConfig
+from jaxserve.models.arch import ModelArch
+from jaxserve.models.llama import params_from_weights
+from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
+from jaxserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
+           "bf16": jnp.bfloat16, "float16": jnp.float16, "half": jnp.float16}
+
+
+@dataclass
+class ModelSetup:
+    arch: ModelArch
+    tokenizer: Any
+    runner: ModelRunner
+    kv_plan: KVCachePlan
+    max_model_len: int
+    dtype: Any
+    eos_token_ids: list[int]
+    default_sampling_overrides: dict[str, Any]
+    model_path: str
+    num_params: int
+    warmup_seconds: float
+    load_seconds: float
+
+
+def resolve_dtype(name: str, platform: str):
+    if name == "auto":
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}") from None
+
+
+def enable_compilation_cache(directory: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache (so a second start skips compiles)."""
+    if directory == "off":
+        return None
+    directory = directory or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax")
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window and arch.sliding_window < limit:
+        logger.warning("sliding-window attention is not implemented; capping max_model_len at the "
+                       "window (%d)", arch.sliding_window)
+        limit = arch.sliding_window
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
+    return requested
+
+
+def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
+    ids = generation_config.get("eos_token_id")
+    ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return [int(i) for i in ids]
+
+
+_GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def setup_model(config: EngineConfig) -> ModelSetup:
+    from jaxserve.loader import load_model
+
+    platform = jax.default_backend()
+    config.finalize(platform)
+    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+    cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
+    dtype = resolve_dtype(mc.dtype, platform)
+
+    t0 = time.perf_counter()
+    loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer)
+    arch = ModelArch.from_hf_config(loaded.hf_config)
+    max_model_len = resolve_max_model_len(mc.max_model_len, arch)
+    if not sc.enable_chunked_prefill:
+        sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
+    num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
+    params = jax.device_put(params_from_weights(loaded.weights, arch))
+    del loaded.weights
+    weight_bytes = num_params * np.dtype(dtype).itemsize
+    load_seconds = time.perf_counter() - t0
+
+    devices = jax.devices()
+    logger.info("model %s: %s, %.1fM parameters, dtype %s, on %d %s device(s) (%s) [%.1f s]",
+                loaded.model_path, arch.architecture, num_params / 1e6, np.dtype(dtype).name,
+                len(devices), platform, devices[0].device_kind, load_seconds)
+
+    # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
+    # logits of S rows; leave generous room for them.
+    t_max = sc.max_num_batched_tokens
+    activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
+        min(t_max, sc.max_num_seqs) * arch.vocab_size * 4 * 4
+    kv_plan = plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes, max_model_len)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB; budget from %s); "
+                "max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
+                kv_plan.block_size, kv_plan.capacity_tokens, kv_plan.total_bytes / 2**30,
+                kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
+
+    eos = eos_ids(loaded.tokenizer, loaded.generation_config)
+    backend = get_attention_backend(config.runner_config.attention_backend, platform)
+    runner = ModelRunner(
+        arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
+        block_size=kv_plan.block_size, max_model_len=max_model_len,
+        max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_logprobs=mc.max_logprobs, eos_token_ids=eos)
+    logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
+                backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
+                cache_dir or "off")
+    warmup_seconds = runner.warmup(progress=True)
+
+    overrides = {}
+    if mc.generation_config != "vllm":
+        overrides = {k: v for k, v in loaded.generation_config.items() if k in _GEN_CONFIG_KEYS}
+        if overrides:
+            logger.info("default sampling params from generation_config.json: %s", overrides)
+    return ModelSetup(arch=arch, tokenizer=loaded.tokenizer, runner=runner, kv_plan=kv_plan,
+                      max_model_len=max_model_len, dtype=dtype, eos_token_ids=eos,
+                      default_sampling_overrides=overrides, model_path=loaded.model_path,
+                      num_params=num_params, warmup_seconds=warmup_seconds,
+                      load_seconds=load_seconds)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)

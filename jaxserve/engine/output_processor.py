@@ -1,0 +1,228 @@
+"""Host side of a request: validation, sampled tokens → text, stop checks, RequestOutputs.
+
+The scheduler decides who runs; this module decides when a sequence is done
+(EOS, stop token, stop string, max_tokens, max_model_len) and what the client
+sees (incrementally detokenized text that never shows half a character or the
+beginning of a stop string that is about to match).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.detokenizer import IncrementalDetokenizer, find_stop_string
+from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _SeqText:
+    detok: IncrementalDetokenizer | None
+    text: str = ""                 # full detokenized output (truncated at a matched stop string)
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    texts: list[_SeqText]
+    metrics: RequestMetrics
+    finished: bool = False
+    holdback: int = 0             # chars withheld from unfinished text (partial stop strings)
+    changed: bool = False
+    stop_token_ids: frozenset = field(default_factory=frozenset)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int,
+                 max_logprobs: int, default_overrides: dict[str, Any], seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.default_overrides = default_overrides
+        self._rng = random.Random(seed)
+        self.requests: dict[str, RequestState] = {}
+        self._finished_unsent: list[RequestState] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(not r.finished for r in self.requests.values())
+
+    def has_pending_outputs(self) -> bool:
+        return bool(self._finished_unsent)
+
+    # -- admission -----------------------------------------------------------------------------
+    def new_request(self, request_id: str, prompt: str | list[int] | None,
+                    prompt_token_ids: list[int] | None, params: SamplingParams,
+                    arrival_time: float) -> list[Sequence]:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, list):
+            prompt, prompt_token_ids = None, prompt
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                f"model length of {self.max_model_len}. Make sure that `max_model_len` is no "
+                "smaller than the number of text tokens plus one generated token.")
+        if self.default_overrides:
+            params = params.clone()
+            params.update_from_generation_config(self.default_overrides)
+        params.verify(self.max_logprobs, self.max_model_len)
+
+        seqs, texts = [], []
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = params.seed if i == 0 else hash((params.seed, i)) & 0x7FFFFFFF
+            else:
+                seed = self._rng.getrandbits(31)
+            seq = Sequence(request_id, prompt_token_ids, params, index=i, seed=seed,
+                           arrival_time=arrival_time)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            seqs.append(seq)
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens)
+            texts.append(_SeqText(detok))
+        holdback = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, seqs, texts,
+            RequestMetrics(arrival_time=arrival_time), holdback=holdback,
+            stop_token_ids=frozenset(params.stop_token_ids or ()))
+        return seqs
+
+    # -- per step ------------------------------------------------------------------------------
+    def mark_scheduled(self, seq: Sequence, now: float) -> None:
+        metrics = self.requests[seq.request_id].metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+
+    def append_token(self, seq: Sequence, result: Any, row: int, now: float
+                     ) -> SequenceStatus | None:
+        """Add the sampled token of batch row `row` to seq; return a finish status or None."""
+        state = self.requests[seq.request_id]
+        params = state.params
+        token = int(result.next_tokens[row])
+        seq.append_token(token)
+        state.changed = True
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        if seq.logprobs is not None:
+            seq.cumulative_logprob += float(result.sampled_logprobs[row])
+            seq.logprobs.append(self._logprob_entry(token, result, row, params.logprobs))
+
+        text = state.texts[seq.index]
+        if text.detok is not None:
+            delta = text.detok.step([token])
+            text.text += delta
+        status = self._check_stop(seq, state, text, token)
+        if status is not None:
+            seq.status = status
+            text.finish_reason = status.value
+            if all(s.is_finished for s in state.seqs):
+                state.finished = True
+                state.metrics.finished_time = now
+        return status
+
+    def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int
+                    ) -> SequenceStatus | None:
+        params = state.params
+        past_min = seq.num_output_tokens > params.min_tokens
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if past_min and token in state.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if params.stop and past_min and text.detok is not None:
+            match = find_stop_string(text.text, len(text.text), params.stop,
+                                     params.include_stop_str_in_output)
+            if match is not None:
+                seq.stop_reason, text.text = match
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _logprob_entry(self, token: int, result: Any, row: int, num_top: int
+                       ) -> dict[int, Logprob]:
+        top_ids = result.top_token_ids[row][:num_top]
+        top_lps = result.top_logprobs[row][:num_top]
+        entry: dict[int, Logprob] = {}
+        sampled_lp = float(result.sampled_logprobs[row])
+        rank = 1 + sum(1 for lp in result.top_logprobs[row] if lp > sampled_lp)
+        entry[token] = Logprob(sampled_lp, rank, self._decode_one(token))
+        for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
+            tid = int(tid)
+            if tid not in entry:
+                entry[tid] = Logprob(float(lp), r, self._decode_one(tid))
+        return entry
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    # -- results -------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is None or state.finished:
+            return
+        for seq, text in zip(state.seqs, state.texts):
+            if text.finish_reason is None:
+                text.finish_reason = "abort"
+                seq.status = SequenceStatus.FINISHED_ABORTED
+        state.finished = True
+        state.changed = True
+        state.metrics.finished_time = time.time()
+
+    def drain(self) -> list[RequestOutput]:
+        """RequestOutputs (cumulative, like vLLM) of every request that changed since last time."""
+        outputs = []
+        for request_id in [r for r, s in self.requests.items() if s.changed]:
+            state = self.requests[request_id]
+            state.changed = False
+            outputs.append(self._make_output(state))
+            if state.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        completions = []
+        for seq, text in zip(state.seqs, state.texts):
+            visible = text.text
+            if text.finish_reason is None and state.holdback:
+                visible = visible[:max(0, len(visible) - state.holdback)]
+            completions.append(CompletionOutput(
+                index=seq.index, text=visible, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=text.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids, outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=max(s.num_cached_tokens for s in state.seqs),
+            metrics=state.metrics)
