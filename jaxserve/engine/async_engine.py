@@ -1,0 +1,345 @@
+"""The server side of the engine: one background thread owns `LLMEngine` and steps it.
+
+`LLMEngine` is synchronous and not thread-safe, so exactly one thread (the
+engine thread) ever calls it. The asyncio side talks to it through a
+thread-safe inbox of commands (add, abort, stop) guarded by a condition
+variable; the engine thread sleeps on that condition while there is no work
+and steps back to back while there is. Outputs travel the other way through
+`loop.call_soon_threadsafe`, one call per step, into a per-request
+`asyncio.Queue`.
+
+    engine = AsyncLLMEngine(LLMEngine(config))    # starts the engine thread
+    async for out in engine.generate(request_id, None, params, prompt_token_ids=ids):
+        ...                                       # cumulative RequestOutputs
+    engine.shutdown()
+
+Leaving the `async for` early (client disconnect, cancellation, an exception)
+aborts the request, so its KV blocks return to the pool. An exception inside
+the engine thread fails every in-flight request with `EngineDeadError` and
+marks the engine dead (`is_healthy` turns False); it never leaves a client
+waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from jaxserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or was shut down; no request can complete."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges and counters, published by the engine thread after every step."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0          # fraction of KV blocks referenced, [0, 1]
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0        # tokens looked up / found in the prefix cache
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0           # totals since start
+    num_generation_tokens: int = 0
+
+
+# Observer of every step's outputs, called on the engine thread: (outputs, wall time).
+OutputObserver = Callable[[list[RequestOutput], float], None]
+
+
+class _RequestStream:
+    """Where one request's outputs go: an asyncio.Queue living on the caller's loop."""
+
+    __slots__ = ("request_id", "loop", "queue", "accepted", "finished")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = loop.create_future()
+        self.finished = False
+
+
+class AsyncLLMEngine:
+    """Runs an `LLMEngine` on its own thread and serves many asyncio callers."""
+
+    def __init__(self, engine: Any, *, start: bool = True) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._inbox: collections.deque = collections.deque()
+        self._streams: dict[str, _RequestStream] = {}     # touched by the engine thread only
+        self._accepting = True
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._observers: list[OutputObserver] = []
+        self.snapshot = EngineSnapshot()
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        if start:
+            self.start()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._publish_snapshot()
+        self._thread.start()
+
+    def add_output_observer(self, observer: OutputObserver) -> None:
+        """Call `observer(outputs, now)` on the engine thread after every step (metrics)."""
+        self._observers.append(observer)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    def shutdown(self, drain_timeout: float = 0.0, join_timeout: float = 30.0) -> None:
+        """Stop accepting; let in-flight requests run up to `drain_timeout` s; abort the rest.
+
+        Returns when the engine thread has exited (or `join_timeout` passed).
+        """
+        with self._cond:
+            self._accepting = False
+            self._cond.notify()
+        if drain_timeout > 0:
+            deadline = time.monotonic() + drain_timeout
+            with self._cond:
+                while self._streams and self._dead is None and self._thread.is_alive():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(join_timeout)
+            if self._thread.is_alive():
+                logger.warning("engine thread did not stop within %.0f s", join_timeout)
+
+    # -- the asyncio side ------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | None, sampling_params: Any, *,
+                          prompt_token_ids: list[int] | None = None,
+                          arrival_time: float | None = None) -> _RequestStream:
+        """Submit a request; returns once the engine accepted it.
+
+        Raises ValueError when the engine rejects it (nothing changes then), and
+        EngineDeadError when the engine is dead or shutting down.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _RequestStream(request_id, loop)
+        command = ("add", stream, prompt, sampling_params, prompt_token_ids,
+                   arrival_time or time.time())
+        self._submit(command)
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)     # may already be queued in the engine
+            raise
+        return stream
+
+    async def stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yield a request's cumulative RequestOutputs; leaving early aborts the request."""
+        try:
+            while True:
+                item = await stream.queue.get()
+                # Outputs are cumulative: when the consumer fell behind, only the newest counts.
+                while not isinstance(item, BaseException) and not item.finished \
+                        and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    async def generate(self, request_id: str, prompt: str | None, sampling_params: Any, *,
+                       prompt_token_ids: list[int] | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative RequestOutputs until it finishes."""
+        stream = await self.add_request(request_id, prompt, sampling_params,
+                                        prompt_token_ids=prompt_token_ids,
+                                        arrival_time=arrival_time)
+        async for output in self.stream_outputs(stream):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, idempotent; unknown ids are ignored)."""
+        if self._dead is None and self._thread.is_alive():
+            self._submit(("abort", request_id), force=True)
+
+    def _submit(self, command: tuple, force: bool = False) -> None:
+        with self._cond:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine is dead: {self._dead!r}")
+            if not force and not self._accepting:
+                raise EngineDeadError("the engine is shutting down")
+            self._inbox.append(command)
+            self._cond.notify()
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not self._stopping \
+                            and not engine.has_unfinished_requests():
+                        self._cond.wait()
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                    stopping = self._stopping
+                self._handle_commands(commands)
+                if stopping:
+                    self._abort_all()
+                    return
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self.last_step_time = time.monotonic()
+                    self._dispatch(outputs)
+                    self._publish_snapshot()
+        except BaseException as exc:   # noqa: BLE001 - every failure must reach the clients
+            logger.exception("engine thread failed; failing all in-flight requests")
+            self._fail_all(exc)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _handle_commands(self, commands: list[tuple]) -> None:
+        engine = self.engine
+        for command in commands:
+            if command[0] == "add":
+                _, stream, prompt, params, prompt_token_ids, arrival_time = command
+                if stream.request_id in self._streams:
+                    _resolve(stream, ValueError(
+                        f"request id {stream.request_id!r} is already in use"))
+                    continue
+                try:
+                    engine.add_request(stream.request_id, prompt, params,
+                                       prompt_token_ids=prompt_token_ids,
+                                       arrival_time=arrival_time)
+                except (ValueError, TypeError) as exc:
+                    _resolve(stream, ValueError(str(exc)))
+                    continue
+                self._streams[stream.request_id] = stream
+                _resolve(stream, None)
+            elif command[0] == "abort":
+                if command[1] in self._streams:
+                    engine.abort_request(command[1])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        for observer in self._observers:
+            try:
+                observer(outputs, now)
+            except Exception:   # noqa: BLE001 - metrics must never stop the engine
+                logger.exception("output observer failed")
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            _call_in_loop(loop, _put_all, items)
+        if not self._streams:
+            with self._cond:
+                self._cond.notify_all()      # a draining shutdown() waits for this
+
+    def _abort_all(self) -> None:
+        """Abort every in-flight request and deliver its final output (shutdown)."""
+        engine = self.engine
+        if self._streams:
+            logger.info("aborting %d in-flight request(s)", len(self._streams))
+            engine.abort_request(list(self._streams))
+            for _ in range(1000):
+                if not engine.has_unfinished_requests():
+                    break
+                self._dispatch(engine.step())
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._publish_snapshot()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            if not isinstance(exc, EngineDeadError):
+                self._dead = exc
+            elif self._dead is None:
+                self._dead = exc
+            pending = [c[1] for c in self._inbox if c[0] == "add"]
+            self._inbox.clear()
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"the engine failed: {exc!r}")
+        for stream in pending:
+            _resolve(stream, error)
+        for stream in self._streams.values():
+            _call_in_loop(stream.loop, stream.queue.put_nowait, error)
+        self._streams.clear()
+
+    def _publish_snapshot(self) -> None:
+        engine = self.engine
+        scheduler, blocks, stats = engine.scheduler, engine.block_manager, engine.stats
+        self.snapshot = EngineSnapshot(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            kv_cache_usage=blocks.usage, num_free_blocks=blocks.num_free_blocks,
+            num_blocks=blocks.num_blocks, prefix_cache_queries=blocks.prefix_cache_queries,
+            prefix_cache_hits=blocks.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_generation_tokens=stats.num_generation_tokens)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _resolve(stream: _RequestStream, error: BaseException | None) -> None:
+    """Settle a stream's `accepted` future from the engine thread."""
+    def settle() -> None:
+        if stream.accepted.done():
+            return
+        if error is None:
+            stream.accepted.set_result(None)
+        else:
+            stream.accepted.set_exception(error)
+    _call_in_loop(stream.loop, settle)
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:            # the caller's loop is closed: nobody is listening
+        pass

@@ -1,0 +1,214 @@
+"""`jaxserve serve [MODEL]` and `jaxserve chat [MODEL]`.
+
+Flags are generated from the config tree (`jaxserve.config`): one `--long-name`
+per leaf field, vLLM's names, help text from the field. `--config FILE.yaml`
+reads the same names as YAML keys; the command line wins over the file, the
+file over the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+from jaxserve.config import EngineConfig, ServeConfig, iter_leaf_fields, load_yaml, set_flat
+
+logger = logging.getLogger("jaxserve.cli")
+
+_SECTION_TITLES = {
+    "ModelConfig": "model", "CacheConfig": "KV cache", "SchedulerConfig": "scheduler",
+    "ParallelConfig": "parallelism", "RunnerConfig": "runner", "ServerConfig": "HTTP server",
+}
+
+_DESCRIPTION = """\
+jaxserve: a JAX/XLA LLM serving engine (paged KV cache, continuous batching,
+prefix caching) with an OpenAI-compatible API.
+
+  jaxserve serve                      serve the embedded SmolLM2-135M-Instruct on :8000
+  jaxserve serve /models/Qwen3-0.6B   serve a Hugging Face model directory
+  jaxserve serve --config configs/cpu.yaml --port 8080
+  jaxserve chat                       chat with a model in the terminal
+"""
+
+
+# -- flags from the config tree ----------------------------------------------------------------
+def _field_kind(field: dataclasses.Field) -> tuple[type, bool]:
+    """(scalar type, is_list) of a config field (annotations are strings here)."""
+    text = str(field.type).replace(" ", "")
+    is_list = text.startswith("list[")
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if text.split("|")[0].removeprefix("list[").rstrip("]") == name:
+            return kind, is_list
+    return str, is_list
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config: Any,
+                     skip: Sequence[str] = ()) -> None:
+    """One flag per leaf field of `config`, grouped by section. Defaults are SUPPRESSed so
+    that only flags given on the command line appear in the parsed namespace."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, name, field in iter_leaf_fields(config):
+        if name in skip:
+            continue
+        title = _SECTION_TITLES.get(type(section).__name__, type(section).__name__)
+        group = groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(f"{title} options"))
+        flag = "--" + name.replace("_", "-")
+        meta = dict(field.metadata)
+        help_text = meta.pop("help", "")
+        default = getattr(section, name)
+        kind, is_list = _field_kind(field)
+        kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS)
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            help_text += f" (default: {'on' if default else 'off'})"
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = name.split("_")[-1].upper() if "choices" not in meta else None
+            if is_list:
+                kwargs["nargs"] = meta.pop("nargs", "+")
+            meta.pop("nargs", None)
+            kwargs.update(meta)
+            if default is not None:
+                help_text += f" (default: {default})"
+        if "choices" in kwargs and kwargs.get("metavar") is None:
+            kwargs.pop("metavar")
+        group.add_argument(flag, help=help_text, **kwargs)
+
+
+def config_from_args(config: Any, args: argparse.Namespace) -> Any:
+    """Defaults ← `--config` YAML ← flags given on the command line."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_yaml(args.config))
+    leaves = {name for _, name, _ in iter_leaf_fields(config)}
+    values.update({k: v for k, v in vars(args).items() if k in leaves})
+    set_flat(config, values)
+    return config
+
+
+def config_to_yaml(config: Any) -> str:
+    """The config as YAML with long flag names as keys (what `--config` reads)."""
+    import yaml
+
+    data = {name.replace("_", "-"): getattr(section, name)
+            for section, name, _ in iter_leaf_fields(config)}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# -- the parser -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"jaxserve {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="start the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics ...).")
+    _add_common(serve)
+    add_config_flags(serve, ServeConfig())
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the resolved configuration as YAML and exit")
+
+    chat = commands.add_parser(
+        "chat", help="chat with a model in the terminal",
+        description="An interactive chat in the terminal, on the same engine as `serve`. "
+        "Type /reset to start over, /exit (or Ctrl-D) to leave.")
+    _add_common(chat)
+    add_config_flags(chat, EngineConfig())
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.add_argument("--max-tokens", type=int, default=512, help="tokens per reply")
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="sampling temperature (default: the model's)")
+    return parser
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                        help="model directory, .gguf file or cached HF name (default: the "
+                        "embedded SmolLM2-135M-Instruct); same as --model")
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file whose keys are these long flag names; flags given "
+                        "on the command line override it")
+    parser.add_argument("--log-level", default=os.environ.get("JAXSERVE_LOG_LEVEL", "info"),
+                        choices=["debug", "info", "warning", "error"],
+                        help="jaxserve's log level (default: info)")
+
+
+def parse_serve_args(argv: Sequence[str]) -> ServeConfig:
+    """`jaxserve serve ...` arguments (without the 'serve') → a ServeConfig."""
+    args = build_parser().parse_args(["serve", *argv])
+    return _serve_config(args)
+
+
+def _serve_config(args: argparse.Namespace) -> ServeConfig:
+    config = config_from_args(ServeConfig(), args)
+    if args.model_positional is not None:
+        config.engine.model_config.model = args.model_positional
+    return config
+
+
+def _version() -> str:
+    from jaxserve import __version__
+    return __version__
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _serve_config(args)
+    if args.print_config:
+        sys.stdout.write(config_to_yaml(config))
+        return 0
+    setup_logging(args.log_level)
+    from jaxserve.entrypoints.openai.api_server import run_server
+
+    return run_server(config)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    config = config_from_args(EngineConfig(), args)
+    if args.model_positional is not None:
+        config.model_config.model = args.model_positional
+    setup_logging(args.log_level if args.log_level != "info" else "warning")
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.entrypoints.chat import run_chat
+
+    print("loading the model ...", file=sys.stderr, flush=True)
+    engine = LLMEngine(config, log_stats=False)
+    return run_chat(engine, system=args.system, max_tokens=args.max_tokens,
+                    temperature=args.temperature)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return cmd_serve(args) if args.command == "serve" else cmd_chat(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        # Bad options, files or values: one readable line (the traceback with --log-level debug).
+        if args.log_level == "debug":
+            raise
+        print(f"jaxserve {args.command}: error: {exc} (--log-level debug shows the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

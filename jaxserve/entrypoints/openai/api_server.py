@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP server: app factory, routes, error handlers, auth, `serve`.
+
+    engine = AsyncLLMEngine(LLMEngine(config.engine))
+    app = build_app(engine, config)           # FastAPI; routes below
+    run_server(config)                        # all of it, plus uvicorn and clean shutdown
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
+Every error is `{"error": {"message", "type", "param", "code"}}` with 400 for
+any invalid request (never FastAPI's 422), 401 for a missing or wrong API key,
+404 for an unknown model. `--api-key` guards every route but /health and
+/metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import jaxserve
+from jaxserve.config import ServeConfig
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeRequest, error_body)
+from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_engine import (APIError, ClientGone, parse_body,
+                                                        validation_error)
+from jaxserve.metrics import CONTENT_TYPE, attach_metrics
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+# A request that the engine hasn't stepped for this long while it has work is "stuck".
+_HEALTH_STALL_SECONDS = 600.0
+
+
+def served_model_names(config: ServeConfig, engine: AsyncLLMEngine) -> list[str]:
+    names = config.engine.model_config.served_model_name
+    if names:
+        return list(names)
+    setup = getattr(engine.engine, "setup", None)
+    return [config.engine.model_config.model or getattr(setup, "model_path", None) or "default"]
+
+
+def api_key_from(config: ServeConfig) -> str | None:
+    return config.server.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware: `Authorization: Bearer KEY` on every path but OPEN_PATHS.
+
+    It runs before the body is read, so a request without the key gets 401 whatever
+    else is wrong with it.
+    """
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS \
+                or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if not hmac.compare_digest(given, self.expected):
+            response = JSONResponse(
+                error_body("Incorrect API key provided." if given else
+                           "Missing API key: send 'Authorization: Bearer YOUR_KEY'.",
+                           "authentication_error", code="invalid_api_key"), status_code=401)
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """A FastAPI app serving `engine`. The caller starts and shuts down the engine."""
+    config = config or ServeConfig(engine=engine.config)
+    names = served_model_names(config, engine)
+    completions = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names)
+    metrics = attach_metrics(engine, names[0])
+    created = int(time.time())
+
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__,
+                  description="OpenAI-compatible LLM server on JAX/XLA")
+    app.state.engine = engine
+    app.state.metrics = metrics
+    key = api_key if api_key is not None else api_key_from(config)
+    if key:
+        app.add_middleware(APIKeyMiddleware, api_key=key)
+
+    def handle(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
+        async def endpoint(raw_request: Request) -> Response:
+            try:
+                return await fn(raw_request)
+            except APIError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
+            except ClientGone:
+                return Response(status_code=499)
+        endpoint.__name__ = fn.__name__
+        endpoint.__doc__ = fn.__doc__
+        return endpoint
+
+    @app.post("/v1/completions")
+    @handle
+    async def create_completion(raw_request: Request) -> Response:
+        """OpenAI completions (text or token-id prompts), streamed or not."""
+        request = await parse_body(raw_request, CompletionRequest)
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    @handle
+    async def create_chat_completion(raw_request: Request) -> Response:
+        """OpenAI chat completions, streamed or not."""
+        request = await parse_body(raw_request, ChatCompletionRequest)
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        root = config.engine.model_config.model or names[0]
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+             "root": root, "parent": None, "max_model_len": engine.max_model_len}
+            for name in names]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine thread is alive and stepping; 503 otherwise."""
+        stalled = (engine.snapshot.num_running > 0 and
+                   time.monotonic() - engine.last_step_time > _HEALTH_STALL_SECONDS)
+        if engine.is_healthy and not stalled:
+            return Response(status_code=200)
+        reason = repr(engine.dead_error) if engine.dead_error else "engine stopped"
+        return JSONResponse(error_body(f"unhealthy: {reason}", "service_unavailable"),
+                            status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": jaxserve.__version__}
+
+    @app.post("/tokenize")
+    @handle
+    async def tokenize(raw_request: Request) -> Response:
+        """Text (`prompt`) or chat `messages` → token ids (vLLM's /tokenize)."""
+        request = await parse_body(raw_request, TokenizeRequest)
+        completions.model_name(request.model)
+        if request.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in request.messages]
+            tokens = await chat.render(request, messages, request.add_generation_prompt)
+        else:
+            tokens = await completions.encode(request.prompt,
+                                              add_special_tokens=request.add_special_tokens)
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len,
+                                "tokens": tokens}
+        if request.return_token_strs:
+            body["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    @handle
+    async def detokenize(raw_request: Request) -> Response:
+        """Token ids → text (vLLM's /detokenize)."""
+        request = await parse_body(raw_request, DetokenizeRequest)
+        completions.model_name(request.model)
+        completions.check_token_ids(request.tokens, param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # Anything FastAPI or Starlette raises on its own still leaves in OpenAI's shape.
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+        error = validation_error(exc)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        status = exc.status_code
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind, code=status), status_code=status,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_error(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {exc!r}", "internal_server_error"),
+                            status_code=500)
+
+    return app
+
+
+# -- running it -----------------------------------------------------------------------------------
+def run_server(config: ServeConfig, drain_timeout: float = 5.0) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, shut down cleanly; returns 0."""
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(config.engine))
+    try:
+        app = build_app(engine, config)
+        server_config = config.server
+        uv_config = uvicorn.Config(
+            app, host=server_config.host or "0.0.0.0", port=server_config.port,
+            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=drain_timeout,
+            access_log=server_config.uvicorn_log_level in ("debug", "trace"))
+        server = _Server(uv_config, names=served_model_names(config, engine))
+        server.run()
+    finally:
+        logger.info("shutting down the engine")
+        engine.shutdown(drain_timeout=0.0)
+    logger.info("bye")
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server, plus our 'serving on' line and an exit 0 after SIGINT/SIGTERM.
+
+    uvicorn re-raises a caught SIGTERM after its graceful shutdown (so the process
+    dies by the signal); a server that shut down cleanly should exit 0 instead.
+    """
+
+    def __init__(self, config: Any, names: list[str]) -> None:
+        super().__init__(config)
+        self.names = names
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.config.host, self.config.port
+            for server in getattr(self, "servers", []):
+                for sock in server.sockets:
+                    host, port = sock.getsockname()[:2]
+                    break
+            shown = "localhost" if host in ("0.0.0.0", "::") else host
+            logger.info("serving %s on http://%s:%d (OpenAI API at http://%s:%d/v1; "
+                        "Ctrl-C to stop)", ", ".join(self.names), host, port, shown, port)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,225 @@
+"""OpenAI API request models (pydantic) and response shapes, with vLLM's extra fields.
+
+Requests are validated models; unknown fields are accepted (clients such as
+LangChain send vendor fields) and logged once per endpoint and name.
+Responses are plain dicts built by the functions at the bottom, in OpenAI's
+field names: streaming sends one per token, and a dict with `json.dumps` is
+the cheapest correct thing to send.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128                  # OpenAI's own limit on `n`
+
+_warned_lock = threading.Lock()
+_warned_fields: set[tuple[str, str]] = set()
+
+
+class OpenAIBaseModel(BaseModel):
+    """Accepts unknown fields and logs each unknown name once per request type."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_extra_fields(self) -> "OpenAIBaseModel":
+        extra = self.model_extra or {}
+        if extra:
+            kind = type(self).__name__
+            with _warned_lock:
+                new = [name for name in extra if (kind, name) not in _warned_fields]
+                _warned_fields.update((kind, name) for name in new)
+            if new:
+                logger.warning("%s: ignoring unsupported field(s) %s (logged once)", kind,
+                               ", ".join(sorted(new)))
+        return self
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    best_of: int | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams kwargs for the fields every endpoint shares (unset ones omitted)."""
+        kwargs: dict[str, Any] = dict(
+            n=self.n, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias, seed=self.seed)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "best_of"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return kwargs
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt` is text, texts, token ids, or lists of token ids."""
+
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> "CompletionRequest":
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(self.prompt, list) and any(isinstance(p, list) and not p
+                                                 for p in self.prompt):
+            raise ValueError("prompt token id lists must not be empty")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class TextPart(OpenAIBaseModel):
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | str] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true")
+        return self
+
+    def messages_as_dicts(self) -> list[dict[str, Any]]:
+        out = []
+        for message in self.messages:
+            item = message.model_dump(exclude_none=True)
+            if isinstance(message.content, list):
+                item["content"] = [p if isinstance(p, str) else p.model_dump(exclude_none=True)
+                                   for p in message.content]
+            out.append(item)
+        return out
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: either `prompt` (text) or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses (plain dicts, OpenAI's field names) ------------------------------------------------
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], usage: dict | None,
+                        created: int | None = None, chunk: bool = False) -> dict[str, Any]:
+    body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
+            "model": model, "choices": choices}
+    if not chunk or usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def chat_response(request_id: str, model: str, choices: list[dict], usage: dict | None,
+                  created: int | None = None, chunk: bool = False) -> dict[str, Any]:
+    body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
+            "created": created or int(time.time()), "model": model, "choices": choices}
+    if not chunk or usage is not None:
+        body["usage"] = usage
+    return body

@@ -1,0 +1,317 @@
+"""What the completion and chat endpoints share: request parsing, validation, errors,
+prompt limits, sampling params, logprob formats, disconnect handling, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
+from jaxserve.outputs import CompletionOutput, Logprob
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+
+MAX_BODY_BYTES = 32 << 20          # a request body larger than this is refused (400)
+_TOKENIZE_INLINE_CHARS = 8192      # longer texts are tokenized off the event loop
+
+
+class APIError(Exception):
+    """An error to send in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = (
+            message, status, type, param, code)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """Map an exception from the engine side to an API error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503, "service_unavailable", code="engine_dead")
+    return APIError(f"internal error: {exc!r}", 500, "internal_server_error")
+
+
+async def parse_body(raw_request: Request, model_type: type[ModelT]) -> ModelT:
+    """Read and validate a JSON body ourselves, so every failure is a 400 in OpenAI's shape."""
+    length = raw_request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(f"request body too large ({length} bytes; the limit is "
+                       f"{MAX_BODY_BYTES})")
+    chunks, size = [], 0
+    async for chunk in raw_request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(f"request body too large (more than {MAX_BODY_BYTES} bytes)")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"request body is not valid UTF-8: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError("request body must be a JSON object")
+    try:
+        return model_type.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError | Any) -> APIError:
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        param = param or loc or None
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return APIError("; ".join(parts) or str(exc), param=param)
+
+
+class OpenAIServing:
+    """Model names, limits and helpers every OpenAI endpoint uses."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = len(self.tokenizer)
+        model_config = engine.config.model_config
+        self.max_logprobs = model_config.max_logprobs
+        self.chat_template = model_config.chat_template
+
+    # -- checks ----------------------------------------------------------------------------------
+    def model_name(self, requested: str | None) -> str:
+        """The name to report; raises 404 for a model this server does not serve."""
+        if requested is None or requested in self.served_model_names:
+            return requested or self.served_model_names[0]
+        raise APIError(f"The model `{requested}` does not exist.", 404, param="model",
+                       code="model_not_found")
+
+    def check_engine(self) -> None:
+        if not self.engine.is_healthy:
+            raise APIError("the engine is not running", 503, "service_unavailable",
+                           code="engine_dead")
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= _TOKENIZE_INLINE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: list(
+            self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"token id(s) {bad[:5]} out of range [0, {self.vocab_size})",
+                           param=param)
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Check prompt + max_tokens against max_model_len (vLLM's wording); return max_tokens."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {num_prompt_tokens} input tokens. Please reduce the length of the input "
+                "messages.", param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}.",
+                           param="max_tokens")
+        if num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        kwargs = request.sampling_kwargs()
+        try:
+            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            params.verify(self.max_logprobs, self.max_model_len, self.vocab_size)
+        except (ValueError, TypeError) as exc:
+            raise APIError(str(exc)) from None
+        return params
+
+    # -- running ---------------------------------------------------------------------------------
+    async def start_requests(self, prefix: str, prompts: list[list[int]],
+                             params: list[SamplingParams]) -> list[AsyncIterator]:
+        """Submit one engine request per prompt; all accepted, or none (then raise)."""
+        self.check_engine()
+        streams, ids = [], []
+        try:
+            for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
+                request_id = f"{prefix}-{i}"
+                stream = await self.engine.add_request(request_id, None, sampling_params,
+                                                       prompt_token_ids=token_ids)
+                ids.append(request_id)
+                streams.append(self.engine.stream_outputs(stream))
+        except BaseException as exc:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            if isinstance(exc, (ValueError, EngineDeadError)):
+                raise engine_error(exc) from None
+            raise
+        return streams
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(awaitable)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientGone()
+    return task.result()
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators, yielding (index of the iterator, item)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+
+    async def next_item(stream: AsyncIterator[T]) -> T:
+        return await stream.__anext__()
+
+    pending = {asyncio.ensure_future(next_item(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(next_item(streams[i]))] = i
+                yield i, item
+    finally:
+        for future in pending:
+            future.cancel()
+        if pending:     # let cancelled streams finish (and abort) before closing them
+            await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+# -- server-sent events ------------------------------------------------------------------------
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    return sse(engine_error(exc).body())
+
+
+# -- logprobs in OpenAI's two formats ---------------------------------------------------------
+def _token_text(entry: Logprob, token_id: int, tokenizer: Any) -> str:
+    if entry.decoded_token is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(output: CompletionOutput, start: int, end: int, text_offset: int,
+                        tokenizer: Any) -> dict[str, Any]:
+    """Completions format for output tokens [start, end): tokens, token_logprobs,
+    top_logprobs (the sampled token plus the top N, token text -> logprob), text_offset."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(output.token_ids[start:end], (output.logprobs or [])[start:end]):
+        sampled = entry.get(token_id)
+        text = _token_text(sampled, token_id, tokenizer) if sampled else \
+            tokenizer.decode([token_id])
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob if sampled else None)
+        top_logprobs.append({_token_text(lp, tid, tokenizer): lp.logprob
+                             for tid, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def prompt_logprobs_echo(prompt_token_ids: list[int], tokenizer: Any) -> dict[str, Any]:
+    """Echoed prompt tokens in the completions logprobs format (their logprobs unknown)."""
+    tokens = [tokenizer.decode([t]) for t in prompt_token_ids]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [None] * len(tokens),
+            "top_logprobs": [None] * len(tokens), "text_offset": offsets}
+
+
+def chat_logprobs(output: CompletionOutput, start: int, end: int, num_top: int,
+                  tokenizer: Any) -> list[dict[str, Any]]:
+    """Chat format: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+    content = []
+    for token_id, entry in zip(output.token_ids[start:end], (output.logprobs or [])[start:end]):
+        sampled = entry.get(token_id)
+        text = _token_text(sampled, token_id, tokenizer) if sampled else \
+            tokenizer.decode([token_id])
+        ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items()
+                         if lp.rank is not None and lp.rank <= num_top), key=lambda x: x[0])
+        top = []
+        for _, tid, lp in ranked[:num_top]:
+            token_text = _token_text(lp, tid, tokenizer)
+            top.append({"token": token_text, "logprob": lp.logprob,
+                        "bytes": list(token_text.encode("utf-8"))})
+        content.append({"token": text, "logprob": sampled.logprob if sampled else None,
+                        "bytes": list(text.encode("utf-8")), "top_logprobs": top})
+    return content
+
+
+def reraise_disconnect(exc: BaseException) -> bool:
+    """True for exceptions that mean the client went away (nothing left to send)."""
+    return isinstance(exc, (ClientGone, ClientDisconnect, asyncio.CancelledError,
+                            GeneratorExit))

@@ -1,0 +1,478 @@
+"""The HTTP layer and AsyncLLMEngine against a fake, instant engine (no JAX, no model).
+
+The fake has LLMEngine's surface (add_request / abort_request / step / ...) and a
+byte-level tokenizer; it "generates" a fixed text cycle. These tests cover what
+the HTTP side decides on its own: request parsing, errors, streaming framing,
+disconnects, engine death, auth and shutdown. tests/test_server.py repeats the
+important ones against the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from jaxserve.config import EngineConfig, ServeConfig
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+CYCLE = "the quick brown fox jumps over the lazy dog. "
+EOS = 256
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0..255; 256 is EOS."""
+    chat_template = "fake"
+    eos_token_id = EOS
+
+    def __len__(self) -> int:
+        return 257
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.decode([i]) for i in ids]
+
+    def apply_chat_template(self, messages, chat_template=None, tokenize=False,
+                            add_generation_prompt=True, **kwargs) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """LLMEngine's surface; each step appends one character of CYCLE to every sequence."""
+
+    def __init__(self, max_model_len: int = 128, step_delay: float = 0.0) -> None:
+        self.config = EngineConfig()
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.requests: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.fail_next_step = False
+        self.stats = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0)
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
+        self.block_manager = SimpleNamespace(usage=0.0, num_free_blocks=64, num_blocks=64,
+                                             prefix_cache_queries=0, prefix_cache_hits=0)
+
+    def add_request(self, request_id, prompt, params: SamplingParams, *, prompt_token_ids=None,
+                    arrival_time=None) -> None:
+        ids = prompt_token_ids if prompt_token_ids is not None else \
+            self.tokenizer.encode(prompt)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(ids) >= self.max_model_len:
+            raise ValueError("prompt too long")
+        start = sum(ids) % len(CYCLE)
+        self.requests[request_id] = dict(
+            ids=ids, params=params, outs=[[] for _ in range(params.n)],
+            finish=[None] * params.n, start=start, changed=False,
+            metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+        self.stats.num_prompt_tokens += len(ids)
+        self._update_gauges()
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            self.aborted.append(request_id)
+            state["finish"] = [f or "abort" for f in state["finish"]]
+            state["changed"] = True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        if self.fail_next_step:
+            raise RuntimeError("injected engine failure")
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        now = time.time()
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            params: SamplingParams = state["params"]
+            for j, out in enumerate(state["outs"]):
+                if state["finish"][j] is not None:
+                    continue
+                char = CYCLE[(state["start"] + j + len(out)) % len(CYCLE)]
+                out.append(ord(char))
+                state["changed"] = True
+                self.stats.num_generation_tokens += 1
+                m = state["metrics"]
+                m.first_scheduled_time = m.first_scheduled_time or now
+                m.first_token_time = m.first_token_time or now
+                m.last_token_time = now
+                text = self.tokenizer.decode(out)
+                if any(s in text for s in params.stop):
+                    state["finish"][j] = "stop"
+                elif len(out) >= params.max_tokens:
+                    state["finish"][j] = "length"
+            if state["changed"]:
+                outputs.append(self._output(request_id, state, now))
+        self._update_gauges()
+        return outputs
+
+    def _output(self, request_id, state, now) -> RequestOutput:
+        state["changed"] = False
+        params = state["params"]
+        completions = []
+        for j, out in enumerate(state["outs"]):
+            text = self.tokenizer.decode(out)
+            stop_reason = None
+            for s in params.stop:
+                if s in text:
+                    text, stop_reason = text[:text.index(s)], s
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [{t: Logprob(-0.5, 1, chr(t)),
+                             **{t2: Logprob(-1.5, 2, chr(t2)) for t2 in [ord("#")]
+                                if params.logprobs >= 1}} for t in out]
+            completions.append(CompletionOutput(j, text, list(out), None, logprobs,
+                                                state["finish"][j], stop_reason))
+        finished = all(f is not None for f in state["finish"])
+        if finished:
+            state["metrics"].finished_time = now
+            del self.requests[request_id]
+        return RequestOutput(request_id, None, state["ids"], completions, finished,
+                             metrics=state["metrics"])
+
+    def _update_gauges(self) -> None:
+        self.scheduler.num_running = len(self.requests)
+        self.block_manager.usage = min(1.0, len(self.requests) / 8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """build_app + uvicorn in a thread, on a free port."""
+
+    def __init__(self, engine: FakeEngine, api_key: str | None = None) -> None:
+        import uvicorn
+
+        from jaxserve.entrypoints.openai.api_server import build_app
+
+        self.fake = engine
+        self.engine = AsyncLLMEngine(engine)
+        config = ServeConfig()
+        config.engine.model_config.served_model_name = ["fake-model"]
+        self.app = build_app(self.engine, config, api_key=api_key)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerThread(FakeEngine())
+    yield srv
+    srv.stop()
+
+
+def post(server, path: str, body, **kwargs) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        kwargs["json"] = body
+    else:
+        kwargs["content"] = body
+    kwargs.setdefault("timeout", 30)
+    return httpx.post(server.url + path, **kwargs)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+# -- happy paths ------------------------------------------------------------------------------------
+def test_completion_returns_text_usage_and_finish_reason(server):
+    r = post(server, "/v1/completions", {"model": "fake-model", "prompt": "ab", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "fake-model"
+    [choice] = body["choices"]
+    start = (ord("a") + ord("b")) % len(CYCLE)
+    assert choice["text"] == (CYCLE * 2)[start:start + 5]
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_completion_prompt_list_and_n_give_prompt_major_choice_indices(server):
+    r = post(server, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 3,
+                                         "echo": True})
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[0]["text"].startswith("a") and choices[2]["text"].startswith("b")
+    assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_streamed_completion_deltas_join_to_the_full_text(server):
+    body = {"prompt": [104, 105], "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": 1}
+    events = sse_events(post(server, "/v1/completions", body))
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert events[-2]["choices"] == [] and usage["completion_tokens"] == 8
+    chunks = [e["choices"][0] for e in events[:-2]]
+    assert chunks[-1]["finish_reason"] == "length"
+    text = "".join(c["text"] for c in chunks)
+    full = post(server, "/v1/completions", {**body, "stream": False}).json()["choices"][0]
+    assert text == full["text"]
+    tokens = sum((c["logprobs"]["tokens"] for c in chunks if c["logprobs"]), [])
+    assert tokens == full["logprobs"]["tokens"]
+    assert full["logprobs"]["text_offset"][:2] == [0, 1]
+
+
+def test_chat_stream_starts_with_role_and_ends_with_finish_chunk(server):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 4, "stream": True, "n": 2}
+    events = sse_events(post(server, "/v1/chat/completions", body))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(e["object"] == "chat.completion.chunk" for e in chunks)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": ""}] * 2
+    finals = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finals) == [0, 1]
+    assert all(f["delta"] == {} and f["finish_reason"] == "length" for f in finals)
+
+
+def test_chat_stop_string_and_logprobs(server):
+    body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}],
+            "max_tokens": 40, "stop": ["fox"], "logprobs": True, "top_logprobs": 1}
+    r = post(server, "/v1/chat/completions", body)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and "fox" not in choice["message"]["content"]
+    content = choice["logprobs"]["content"]
+    assert content[0]["top_logprobs"][0]["logprob"] == -0.5
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+
+
+def test_models_version_tokenize_detokenize(server):
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    assert models[0]["id"] == "fake-model" and models[0]["max_model_len"] == 128
+    assert "version" in httpx.get(server.url + "/version").json()
+    tok = post(server, "/tokenize", {"prompt": "hé"}).json()
+    assert tok["tokens"] == list("hé".encode()) and tok["count"] == 3
+    assert post(server, "/detokenize", {"tokens": tok["tokens"]}).json() == {"prompt": "hé"}
+    chat_tok = post(server, "/tokenize", {"messages": [{"role": "user", "content": "a"}]})
+    assert chat_tok.json()["count"] == len("<user>a<assistant>")
+
+
+# -- errors -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 100000}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [999999]}, 400, "out of range"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 10 ** 12}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "x" * 500}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "image_url"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "top_logprobs": 2}, 400, "logprobs"),
+    ("/detokenize", {"tokens": [-1]}, 400, "out of range"),
+])
+def test_bad_requests_get_openai_shaped_errors_and_the_server_keeps_serving(
+        server, path, body, status, fragment):
+    error = assert_openai_error(post(server, path, body), status)
+    assert fragment in error["message"] or fragment == error["param"], error
+    ok = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_context_length_error_uses_vllm_wording(server):
+    error = assert_openai_error(
+        post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 200}), 400)
+    assert error["message"] == (
+        "This model's maximum context length is 128 tokens. However, you requested 203 tokens "
+        "(3 in the messages, 200 in the completion). Please reduce the length of the messages "
+        "or completion.")
+
+
+def test_unknown_fields_are_accepted(server):
+    r = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "frobnicate": 1})
+    assert r.status_code == 200
+
+
+def test_unknown_route_is_an_openai_shaped_404(server):
+    assert_openai_error(httpx.get(server.url + "/v1/nothing"), 404)
+
+
+# -- disconnects, metrics, engine death, auth, shutdown ------------------------------------------------
+def metric_value(text: str, name: str, **labels) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in metrics")
+
+
+def test_client_disconnect_mid_stream_aborts_the_request():
+    srv = ServerThread(FakeEngine(step_delay=0.02))
+    try:
+        body = {"prompt": "a", "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(line.startswith("data: ") for line in got)
+        deadline = time.monotonic() + 10
+        while not srv.fake.aborted:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(srv.url + "/metrics").text
+            if metric_value(text, "jaxserve:request_success_total", finished_reason="abort"):
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert metric_value(text, "jaxserve:kv_cache_usage_perc") == 0.0
+        assert metric_value(text, "jaxserve:num_requests_running", model_name="fake-model") == 0
+    finally:
+        srv.stop()
+
+
+def test_non_streamed_request_is_aborted_when_the_client_goes_away():
+    srv = ServerThread(FakeEngine(step_delay=0.02))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(srv, "/v1/completions", {"prompt": "a", "max_tokens": 100}, timeout=0.3)
+        deadline = time.monotonic() + 10
+        while not srv.fake.aborted:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.02)
+    finally:
+        srv.stop()
+
+
+def test_metrics_move_with_requests(server):
+    before = httpx.get(server.url + "/metrics").text
+    post(server, "/v1/completions", {"prompt": "a", "max_tokens": 3})
+    after = httpx.get(server.url + "/metrics").text
+    for name in ("jaxserve:generation_tokens_total", "jaxserve:prompt_tokens_total",
+                 "jaxserve:e2e_request_latency_seconds_count",
+                 "jaxserve:time_to_first_token_seconds_count"):
+        assert metric_value(after, name) > metric_value(before, name), name
+    assert metric_value(after, "jaxserve:request_success_total", finished_reason="length") >= 1
+    assert 'model_name="fake-model"' in after
+
+
+def test_engine_failure_fails_streams_and_health_turns_503():
+    srv = ServerThread(FakeEngine(step_delay=0.02))
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 100,
+                "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            srv.fake.fail_next_step = True
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert "injected engine failure" in error["message"]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = post(srv, "/v1/completions", {"prompt": "a"})
+        assert_openai_error(r, 503)
+    finally:
+        srv.stop()
+
+
+def test_api_key_guards_everything_but_health_and_metrics():
+    srv = ServerThread(FakeEngine(), api_key="sekret")
+    try:
+        assert_openai_error(httpx.get(srv.url + "/v1/models"), 401)
+        assert_openai_error(post(srv, "/v1/completions", b"{bad json"), 401)
+        wrong = {"Authorization": "Bearer nope"}
+        assert_openai_error(httpx.get(srv.url + "/v1/models", headers=wrong), 401)
+        good = {"Authorization": "Bearer sekret"}
+        assert httpx.get(srv.url + "/v1/models", headers=good).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_shutdown_aborts_in_flight_requests_and_refuses_new_ones():
+    engine = AsyncLLMEngine(FakeEngine(step_delay=0.01))
+
+    async def scenario():
+        params = SamplingParams(max_tokens=10_000)
+        gen = engine.generate("r1", "a", params)
+        first = await gen.__anext__()
+        assert not first.finished
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        outs = [out async for out in gen]
+        assert outs and outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("r2", "a", params)
+
+    asyncio.run(scenario())
+    assert not engine._thread.is_alive()
+
+
+def test_engine_rejection_is_a_value_error_and_changes_nothing():
+    fake = FakeEngine()
+    engine = AsyncLLMEngine(fake)
+
+    async def scenario():
+        with pytest.raises(ValueError):
+            await engine.add_request("r1", "x" * 500, SamplingParams())
+        outs = [out async for out in engine.generate("r2", "a", SamplingParams(max_tokens=3))]
+        assert outs[-1].outputs[0].text and outs[-1].finished
+
+    try:
+        asyncio.run(scenario())
+        assert fake.requests == {}
+    finally:
+        engine.shutdown()
