@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.sequence import SequenceStatus
 from jaxserve.engine.stats import EngineStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -103,9 +105,18 @@ class LLMEngine:
             self.stats.maybe_log(self.scheduler, self.block_manager)
         return self.outputs.drain()
 
-    def finish_with_error(self, request_id: str, status: SequenceStatus) -> None:
-        for seq in self.scheduler.abort_request(request_id):
-            self.runner.release(seq.seq_id)
+    # -- inspection ----------------------------------------------------------------------------
+    def prompt_logits(self, prompt_token_ids: list[int]) -> "np.ndarray":
+        """Logits [len, V] of a prompt through the paged path, for parity checks (idle engine)."""
+        from jaxserve.engine.sequence import Sequence
+
+        seq = Sequence("__prompt_logits__", prompt_token_ids, SamplingParams())
+        if not self.block_manager.allocate_slots(seq, seq.num_tokens):
+            raise RuntimeError("not enough free KV blocks for prompt_logits")
+        try:
+            return self.runner.prompt_logits(seq)
+        finally:
+            self.block_manager.free(seq)
 
 
 def num_generated_decodes(scheduled: list) -> int:

@@ -24,7 +24,7 @@ from jaxserve.models.llama import CausalLM
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.sampler import sample
 from jaxserve.runner.sampling_tensors import SamplingTensorBuilder
-from jaxserve.runner.step_inputs import InputBuilder, packed_size, unpack
+from jaxserve.runner.step_inputs import InputBuilder, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,21 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         self.sampling.release(seq_id)
 
-    # -- testing aids --------------------------------------------------------------------------
-    def check_packed_size(self, t: int, s: int) -> int:
-        return packed_size(t, s, self.width)
+    # -- inspection (tests, notebooks): not on the serving path ---------------------------------
+    def prompt_logits(self, seq: Any) -> np.ndarray:
+        """Logits [num_tokens, V] of every position of `seq` (which must own enough blocks).
+
+        Compiles a shape of its own, so use it for checks, never while serving.
+        """
+        n = seq.num_tokens - seq.num_computed_tokens
+        t = max(16, 1 << (n - 1).bit_length())
+        packed = self.inputs.build([(seq, n)], t, 1)
+
+        def forward(params, k_cache, v_cache, packed):
+            token_ids, positions, _, meta = unpack(packed, t, 1, self.width)
+            return self.model.apply(params, token_ids, positions, meta, k_cache, v_cache,
+                                    jnp.arange(t, dtype=jnp.int32), self.inv_freq)
+
+        logits, self.k_cache, self.v_cache = jax.jit(forward, donate_argnums=(1, 2))(
+            self.params, self.k_cache, self.v_cache, jnp.asarray(packed))
+        return np.asarray(logits)[:n]

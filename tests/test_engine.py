@@ -1,0 +1,149 @@
+"""End-to-end engine behaviour on a tiny random Llama: batching, caching, preemption, errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+
+PROMPT = [11, 523, 98, 4021, 77, 310, 2048, 9, 1500, 42, 610, 3301, 88, 12, 7, 901, 64, 2]
+
+
+def _greedy(max_tokens=20, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
+                          **kw)
+
+
+def _others(count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 3000, size=int(rng.integers(3, 40))).tolist() for _ in range(count)]
+
+
+def _tokens_and_logprobs(out):
+    c = out.outputs[0]
+    lps = [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
+    return c.token_ids, np.array(lps)
+
+
+@pytest.fixture(scope="module")
+def llm(make_tiny_model):
+    return LLM(str(make_tiny_model("llama")), max_model_len=256, max_num_seqs=32,
+               max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
+
+
+def test_greedy_request_is_identical_alone_in_a_batch_and_after_a_prefix_hit(llm):
+    alone = llm.generate([PROMPT], _greedy(), use_tqdm=False)[0]
+    batch = llm.generate(_others(8) + [PROMPT] + _others(8, seed=1), _greedy(),
+                         use_tqdm=False)[8]
+    cached = llm.generate([PROMPT], _greedy(), use_tqdm=False)[0]
+    assert cached.num_cached_tokens >= 16, "the second run should hit the prefix cache"
+    ref_tokens, ref_lps = _tokens_and_logprobs(alone)
+    for other in (batch, cached):
+        tokens, lps = _tokens_and_logprobs(other)
+        assert tokens == ref_tokens
+        # XLA's CPU dots are not bitwise batch-invariant (row results depend on M), so
+        # logprobs agree to a tolerance, not bit for bit.
+        assert np.max(np.abs(lps - ref_lps)) <= 1e-4
+
+
+def test_preempted_request_resumes_with_identical_tokens(make_tiny_model, llm):
+    reference = llm.generate([PROMPT], _greedy(40), use_tqdm=False)[0]
+    # 12 blocks of 16 tokens: 6 sequences of ~60 tokens cannot all fit, so the newest are
+    # preempted and recomputed.
+    small = LLM(str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=8,
+                max_num_batched_tokens=64, num_gpu_blocks_override=12)
+    engine = small.llm_engine
+    for i, prompt in enumerate(_others(5, seed=3)):
+        engine.add_request(f"other-{i}", None, _greedy(40), prompt_token_ids=prompt)
+    engine.add_request("target", None, _greedy(40), prompt_token_ids=PROMPT)
+    target_seq = engine.outputs.requests["target"].seqs[0]
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "target" and out.finished:
+                final = out
+    assert engine.scheduler.num_preemptions > 0
+    assert target_seq.num_preemptions > 0, "the newest request should have been preempted"
+    tokens, lps = _tokens_and_logprobs(final)
+    ref_tokens, ref_lps = _tokens_and_logprobs(reference)
+    assert tokens == ref_tokens
+    assert np.max(np.abs(lps - ref_lps)) <= 1e-4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_serving_a_varied_workload_compiles_nothing_after_warmup(llm):
+    compiles = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event or "trace" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompts = _others(20, seed=5) + [PROMPT, PROMPT, list(range(5, 150))]
+        params = [_greedy(int(m)) for m in np.random.default_rng(1).integers(1, 30, len(prompts))]
+        params[0] = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=9,
+                                   presence_penalty=0.5, repetition_penalty=1.2, logprobs=3)
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
+def test_prompt_longer_than_max_model_len_fails_alone_and_engine_keeps_serving(llm):
+    engine = llm.llm_engine
+    engine.add_request("ok", None, _greedy(5), prompt_token_ids=PROMPT)
+    with pytest.raises(ValueError, match=r"length 300\).*maximum model length of 256"):
+        engine.add_request("too-long", None, _greedy(5), prompt_token_ids=[5] * 300)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["ok"]
+    assert len(outs[0].outputs[0].token_ids) == 5
+
+
+def test_abort_frees_blocks_and_reports_abort(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", None, _greedy(50), prompt_token_ids=PROMPT)
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    outs = engine.step()
+    assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_generate_accepts_every_prompt_form_and_keeps_input_order(llm):
+    tok = llm.get_tokenizer()
+    text = "hello world"
+    ids = tok.encode(text)
+    outs = llm.generate([text, ids, {"prompt_token_ids": ids}, {"prompt": text}],
+                        _greedy(6), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [ids] * 4
+    assert outs[0].prompt == text and outs[1].prompt is None
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    single = llm.generate(text, _greedy(6), use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_n_completions_and_seeded_sampling_are_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    a = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    b = llm.generate(_others(5) + [PROMPT], params, use_tqdm=False)[-1]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1, "children must not share a seed"
+
+
+def test_finish_reasons_max_tokens_and_stop_token(llm):
+    out = llm.generate([PROMPT], _greedy(7), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    stop_at = out.token_ids[3]
+    stopped = llm.generate([PROMPT], _greedy(7, stop_token_ids=[stop_at]), use_tqdm=False)
+    c = stopped[0].outputs[0]
+    first = out.token_ids.index(stop_at)
+    assert c.finish_reason == "stop" and c.stop_reason == stop_at
+    assert c.token_ids == out.token_ids[:first + 1]
