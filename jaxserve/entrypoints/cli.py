@@ -82,13 +82,35 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
 
 def config_from_args(config: Any, args: argparse.Namespace) -> Any:
     """Defaults ← `--config` YAML ← flags given on the command line."""
-    values: dict[str, Any] = {}
     if getattr(args, "config", None):
-        values.update(load_yaml(args.config))
+        values = load_yaml(args.config)
+        try:
+            set_flat(config, values)
+        except TypeError as exc:
+            raise ValueError(f"{args.config}: {exc}") from None
+        _check_types(config, values, args.config)
     leaves = {name for _, name, _ in iter_leaf_fields(config)}
-    values.update({k: v for k, v in vars(args).items() if k in leaves})
-    set_flat(config, values)
+    set_flat(config, {k: v for k, v in vars(args).items() if k in leaves})
     return config
+
+
+def _check_types(config: Any, values: dict[str, Any], source: str) -> None:
+    """YAML values must have their field's type (an int may stand for a float)."""
+    fields = {name: field for _, name, field in iter_leaf_fields(config)}
+    for name, value in values.items():
+        if value is None:
+            continue
+        kind, is_list = _field_kind(fields[name])
+        items = value if is_list and isinstance(value, list) else [value]
+        allowed = (int, float) if kind is float else (kind,)
+        if any(not isinstance(v, allowed) or (kind is not bool and isinstance(v, bool))
+               for v in items):
+            raise ValueError(f"{source}: {name.replace('_', '-')} must be "
+                             f"{'a list of ' if is_list else ''}{kind.__name__}, got {value!r}")
+        choices = fields[name].metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{source}: {name.replace('_', '-')} must be one of {choices}, "
+                             f"got {value!r}")
 
 
 def config_to_yaml(config: Any) -> str:
@@ -111,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve", help="start the OpenAI-compatible HTTP server",
+        usage="jaxserve serve [MODEL] [--config FILE.yaml] [options]",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics ...).")
     _add_common(serve)
@@ -120,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser(
         "chat", help="chat with a model in the terminal",
+        usage="jaxserve chat [MODEL] [--config FILE.yaml] [--system TEXT] [options]",
         description="An interactive chat in the terminal, on the same engine as `serve`. "
         "Type /reset to start over, /exit (or Ctrl-D) to leave.")
     _add_common(chat)
