@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -347,3 +348,25 @@ def test_engine_rejection_is_a_value_error_and_changes_nothing():
         assert fake.requests == {}
     finally:
         engine.shutdown()
+
+
+def test_bench_serving_runs_against_the_server(server, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = bench     # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    summary = bench.main(["--base-url", server.url, "--num-prompts", "6", "--random-input-len",
+                          "8", "--random-output-len", "5", "--token-id-low", "1",
+                          "--token-id-high", "250", "--max-concurrency", "3", "--request-rate",
+                          "100", "--save-result", "--result-dir", str(tmp_path)])
+    assert summary["completed"] == 6 and summary["total_output_tokens"] == 30
+    assert summary["mean_ttft_ms"] > 0 and summary["median_itl_ms"] >= 0
+    assert list(tmp_path.glob("*.json"))
+    chat = bench.main(["--base-url", server.url, "--endpoint", "/v1/chat/completions",
+                       "--num-prompts", "2", "--random-input-len", "4", "--random-output-len",
+                       "3"])
+    assert chat["completed"] == 2
