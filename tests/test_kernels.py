@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
-from pallas_kernels import ragged_paged_attention_reference, write_kv
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, write_kv
 
 # Jitted once per shape: eager op-by-op dispatch of the loop is far slower on CPU.
 reference = jax.jit(
@@ -138,16 +139,22 @@ def random_batch(
         if sum(q_lens) <= num_tokens and pages <= num_blocks:
             break
     return make_batch(
-        rng, q_lens, kv_lens, block_size=block_size, max_blocks=max_blocks,
-        num_blocks=num_blocks, pad_seqs=num_padded_seqs - num_seqs,
-        pad_tokens=num_tokens - sum(q_lens), **heads,
+        rng,
+        q_lens,
+        kv_lens,
+        block_size=block_size,
+        max_blocks=max_blocks,
+        num_blocks=num_blocks,
+        pad_seqs=num_padded_seqs - num_seqs,
+        pad_tokens=num_tokens - sum(q_lens),
+        **heads,
     )
 
 
 def naive_attention(batch: Batch, sm_scale: float | None = None) -> np.ndarray:
     """Dense per-sequence causal attention in float64; padding rows are left 0."""
     q = batch.q.astype(np.float64)
-    num_tokens, num_q_heads, head_dim = q.shape
+    _num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = batch.k_cache.shape
     group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
@@ -182,18 +189,50 @@ def assert_close_on_valid_rows(actual, expected, batch: Batch, atol: float):
 # Fixed padded shapes per configuration, so each configuration compiles once and
 # many random batches run through it.
 SWEEPS = {
-    "mha_d64_bs16": dict(num_q_heads=2, num_kv_heads=2, head_dim=64, block_size=16,
-                         num_tokens=40, num_padded_seqs=5, max_kv_len=70, max_blocks=6,
-                         num_blocks=40),
-    "gqa3to1_d128_bs32": dict(num_q_heads=6, num_kv_heads=2, head_dim=128, block_size=32,
-                              num_tokens=48, num_padded_seqs=6, max_kv_len=100, max_blocks=5,
-                              num_blocks=24),
-    "gqa8to1_d64_bs16": dict(num_q_heads=8, num_kv_heads=1, head_dim=64, block_size=16,
-                             num_tokens=32, num_padded_seqs=4, max_kv_len=150, max_blocks=12,
-                             num_blocks=48),
-    "gqa4to1_d128_bs16_long": dict(num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                                   num_tokens=24, num_padded_seqs=3, max_kv_len=300,
-                                   max_blocks=24, num_blocks=64),
+    "mha_d64_bs16": {
+        "num_q_heads": 2,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "block_size": 16,
+        "num_tokens": 40,
+        "num_padded_seqs": 5,
+        "max_kv_len": 70,
+        "max_blocks": 6,
+        "num_blocks": 40,
+    },
+    "gqa3to1_d128_bs32": {
+        "num_q_heads": 6,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "block_size": 32,
+        "num_tokens": 48,
+        "num_padded_seqs": 6,
+        "max_kv_len": 100,
+        "max_blocks": 5,
+        "num_blocks": 24,
+    },
+    "gqa8to1_d64_bs16": {
+        "num_q_heads": 8,
+        "num_kv_heads": 1,
+        "head_dim": 64,
+        "block_size": 16,
+        "num_tokens": 32,
+        "num_padded_seqs": 4,
+        "max_kv_len": 150,
+        "max_blocks": 12,
+        "num_blocks": 48,
+    },
+    "gqa4to1_d128_bs16_long": {
+        "num_q_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "block_size": 16,
+        "num_tokens": 24,
+        "num_padded_seqs": 3,
+        "max_kv_len": 300,
+        "max_blocks": 24,
+        "num_blocks": 64,
+    },
 }
 BATCHES_PER_SWEEP = 5
 
@@ -215,8 +254,15 @@ def test_reference_matches_naive_dense_attention_on_random_ragged_batches(name):
 def test_reference_jits_with_traced_num_seqs_and_padding_rows_are_finite():
     rng = np.random.default_rng(0)
     batch = make_batch(
-        rng, [3, 1], [20, 9], num_q_heads=4, num_kv_heads=2, head_dim=64,
-        block_size=16, pad_seqs=2, pad_tokens=6,
+        rng,
+        [3, 1],
+        [20, 9],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        pad_seqs=2,
+        pad_tokens=6,
     )
     out = reference(*batch.args())
     assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
@@ -245,6 +291,119 @@ def test_reference_bfloat16_close_to_float64_oracle():
     assert_close_on_valid_rows(out, naive_attention(round_to_bfloat16(batch)), batch, atol=2e-2)
 
 
+# ---- the Pallas kernel, in interpret mode ------------------------------------------------
+
+
+def kernel(batch: Batch, dtype=jnp.float32, **knobs):
+    return ragged_paged_attention(*batch.args(dtype), interpret=True, **knobs)
+
+
+@pytest.mark.parametrize("name", sorted(SWEEPS))
+def test_kernel_matches_reference_on_random_ragged_batches(name):
+    for batch in sweep_batches(name):
+        out = kernel(batch)
+        assert out.shape == batch.q.shape and out.dtype == jnp.float32
+        expected = reference(*batch.args(), kv_chunk_blocks=2)  # compiled by the sweep above
+        assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+        assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, knobs",
+    [
+        # Several query blocks per prefill sequence, keys in steps of two pages.
+        ("mha_d64_bs16", {"block_q": 16, "block_kv": 32}),
+        # Split-K merge (contexts spread over 3 splits, some empty) with one-page steps.
+        ("gqa4to1_d128_bs16_long", {"num_kv_splits": 3, "block_kv": 16}),
+    ],
+)
+def test_kernel_tuning_knobs_do_not_change_results(name, knobs):
+    for batch in sweep_batches(name, 3):
+        assert_close_on_valid_rows(kernel(batch, **knobs), naive_attention(batch), batch, atol=1e-5)
+
+
+def test_kernel_never_reads_cache_rows_past_kv_lens():
+    # Every cache row no sequence owns below its kv_len is NaN: one stray read
+    # (past kv_len, through a garbage block-table slot, or of a padding
+    # sequence) turns the output NaN.
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        batch = random_batch(rng, garbage=np.nan, **SWEEPS["gqa3to1_d128_bs32"])
+        assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=1e-5)
+
+
+def test_reference_ignores_finite_garbage_past_kv_lens():
+    # The reference gathers whole pages and masks, so it needs finite garbage;
+    # 1e4 would dominate any softmax it leaked into.
+    rng = np.random.default_rng(4)
+    batch = random_batch(rng, garbage=1e4, **SWEEPS["gqa3to1_d128_bs32"])
+    out = reference(*batch.args(), kv_chunk_blocks=2)
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+
+
+def test_kernel_takes_num_seqs_as_a_traced_value():
+    batch = sweep_batches("gqa3to1_d128_bs32", 1)[0]
+    assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=1e-5)
+    # Same compiled kernel, one live sequence fewer: it becomes padding.
+    batch.num_seqs -= 1
+    out = kernel(batch)
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+    assert not np.asarray(out)[batch.num_valid_tokens :].any(), "padding rows must be 0"
+
+
+def test_kernel_bfloat16_close_to_float64_oracle():
+    for batch in sweep_batches("gqa8to1_d64_bs16", 2):
+        out = kernel(batch, jnp.bfloat16)
+        assert out.dtype == jnp.bfloat16
+        assert_close_on_valid_rows(out, naive_attention(round_to_bfloat16(batch)), batch, atol=2e-2)
+
+
+def test_kernel_pads_non_power_of_two_head_dim():
+    rng = np.random.default_rng(5)
+    batch = make_batch(
+        rng,
+        [1, 7, 1],
+        [40, 23, 3],
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=80,
+        block_size=16,
+        pad_seqs=1,
+        pad_tokens=3,
+    )
+    assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, num_kv_splits",
+    [(jnp.bfloat16, 128, 1), (jnp.bfloat16, 128, 4), (jnp.float32, 80, None)],
+)
+def test_kernel_lowers_through_pallas_triton_for_cuda(dtype, head_dim, num_kv_splits):
+    # No GPU here: exporting for the cuda platform runs the Pallas -> Triton IR
+    # lowering, which rejects unsupported ops and non-power-of-two tiles.
+    num_tokens, num_seqs, num_blocks, block_size, max_blocks = 64, 8, 30 * 500, 16, 512
+    shapes = (
+        ((num_tokens, 32, head_dim), dtype),
+        ((num_blocks, block_size, 8, head_dim), dtype),
+        ((num_blocks, block_size, 8, head_dim), dtype),
+        ((num_seqs,), jnp.int32),
+        ((num_seqs, max_blocks), jnp.int32),
+        ((num_seqs + 1,), jnp.int32),
+        ((), jnp.int32),
+    )
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, num_kv_splits=num_kv_splits))
+    exported = export.export(
+        fn,
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args)
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+# ---- write_kv ---------------------------------------------------------------------------
+
+
 def test_write_kv_writes_exact_slots_and_skips_minus_one():
     rng = np.random.default_rng(2)
     num_blocks, block_size, hkv, d = 5, 4, 2, 8
@@ -254,7 +413,10 @@ def test_write_kv_writes_exact_slots_and_skips_minus_one():
     v = rng.standard_normal((6, hkv, d)).astype(np.float32)
     slot_mapping = np.array([7, -1, 0, 18, -1, 12], np.int32)
     new_k, new_v = jax.jit(write_kv, donate_argnums=(0, 1))(
-        jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(k), jnp.asarray(v),
+        jnp.asarray(k_cache),
+        jnp.asarray(v_cache),
+        jnp.asarray(k),
+        jnp.asarray(v),
         jnp.asarray(slot_mapping),
     )
     expected_k = k_cache.reshape(-1, hkv, d).copy()

@@ -1,0 +1,392 @@
+"""Ragged paged attention as a Pallas kernel (Triton backend on GPU, interpret on CPU).
+
+Work decomposition
+------------------
+The flat token axis is cut, per sequence, into query blocks of `block_q`
+tokens. Every (query block, KV head, KV split) is one program:
+
+  grid = (num_q_blocks, Hkv, num_kv_splits),
+  num_q_blocks = min(T, cdiv(T, block_q) + S)   (static upper bound)
+
+The wrapper computes, with a handful of cheap jnp ops, which sequence and
+token range each query block covers (`_QueryBlocks`); programs past the last
+live block, and splits past a sequence's context, run zero loop iterations.
+This plays the role of TPU scalar prefetch: metadata arrays are kernel inputs
+read with scalar loads.
+
+One program loads its tile of queries as a 2D [block_q * G_pad, D] matrix
+(the G query heads of one KV head, padded to a power of two, times block_q
+tokens), then loops over the sequence's keys `block_kv` at a time up to the
+causal end of the block (`kv_lens`-bounded, never the table width), gathering
+rows of the cache through the block table. Caches are viewed as
+[num_blocks * block_size, Hkv * D] so one key is one contiguous row slice,
+which keeps `block_kv` independent of the page size and never touches
+blocks beyond kv_len. Online softmax runs in float32 (base-2 exponent).
+
+Decode batches (few tokens) get split-K: each split covers a slice of the
+context and writes (acc, max, sum) partials that a small jnp epilogue merges.
+
+The kernel body only uses masked gathers/scatters (`plgpu.load/store` on
+`ref.at[...]`), `lax.fori_loop` and 2D dots with both sizes >= 16, which is
+what the Triton lowering supports. A Mosaic GPU variant can reuse
+`_QueryBlocks` and the epilogue unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.reference import token_metadata
+
+# Finite "minus infinity": keeps fully masked rows free of inf - inf = NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2_E = math.log2(math.e)
+# Triton's tl.dot wants every dimension >= 16.
+_MIN_DOT_DIM = 16
+# Aim for at least this many programs before splitting the context (an H100/H200
+# has 132 SMs; two waves hide the tail).
+_TARGET_PROGRAMS = 264
+_MAX_KV_SPLITS = 16
+
+
+def _next_power_of_2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _QueryBlocks:
+    """Per query block b: sequence, token range [token_start, token_end), key range end.
+
+    All int32[num_q_blocks]. Idle blocks have token_end == token_start and kv_end == 0.
+    position(t) = t + position_offset for tokens of the block.
+    """
+
+    seq_ids: jax.Array
+    token_start: jax.Array
+    token_end: jax.Array
+    position_offset: jax.Array
+    kv_end: jax.Array
+
+
+def _query_blocks(
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    block_q: int,
+    num_q_blocks: int,
+) -> _QueryBlocks:
+    num_padded_seqs = kv_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    live = jnp.arange(num_padded_seqs) < num_seqs
+    blocks_per_seq = jnp.where(live, (q_lens + block_q - 1) // block_q, 0)
+    cum_blocks = jnp.cumsum(blocks_per_seq)
+    block_idx = jnp.arange(num_q_blocks, dtype=jnp.int32)
+    seq_ids = jnp.searchsorted(cum_blocks, block_idx, side="right")
+    active = block_idx < cum_blocks[-1]
+    seq_ids = jnp.clip(seq_ids, 0, num_padded_seqs - 1).astype(jnp.int32)
+    first_block = cum_blocks[seq_ids] - blocks_per_seq[seq_ids]
+    seq_end = query_start_loc[seq_ids + 1]
+    token_start = query_start_loc[seq_ids] + (block_idx - first_block) * block_q
+    token_end = jnp.where(active, jnp.minimum(token_start + block_q, seq_end), token_start)
+    position_offset = kv_lens[seq_ids] - seq_end
+    kv_end = jnp.where(active, token_end + position_offset, 0)
+    as_i32 = lambda x: x.astype(jnp.int32)
+    return _QueryBlocks(
+        seq_ids=as_i32(seq_ids),
+        token_start=as_i32(token_start),
+        token_end=as_i32(token_end),
+        position_offset=as_i32(position_offset),
+        kv_end=as_i32(kv_end),
+    )
+
+
+def _kernel(
+    # metadata, int32[num_q_blocks] each, and the block table int32[S, max_blocks]
+    seq_ids_ref,
+    token_start_ref,
+    token_end_ref,
+    position_offset_ref,
+    kv_end_ref,
+    block_tables_ref,
+    # data
+    q_ref,  # [T * Hq, D]
+    k_ref,  # [num_blocks * block_size, Hkv * D]
+    v_ref,  # [num_blocks * block_size, Hkv * D]
+    # outputs: final [T * Hq, D]; or, with splits, partials
+    # acc [splits * T * Hq, D] f32, max and sum [splits * T * Hq] f32
+    *out_refs,
+    num_tokens: int,
+    num_q_heads: int,
+    group: int,
+    group_padded: int,
+    head_dim: int,
+    head_dim_padded: int,
+    block_size: int,
+    num_blocks: int,
+    max_blocks: int,
+    block_q: int,
+    block_kv: int,
+    num_kv_splits: int,
+    scale_log2: float,
+    precision,
+):
+    block_idx = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    split = pl.program_id(2)
+    rows = block_q * group_padded
+
+    seq = seq_ids_ref[block_idx]
+    token_end = token_end_ref[block_idx]
+    position_offset = position_offset_ref[block_idx]
+    kv_end = kv_end_ref[block_idx]
+
+    # Row r of the tile is token token_start + r // G_pad, head kv_head * G + r % G_pad.
+    row = jnp.arange(rows, dtype=jnp.int32)
+    token = token_start_ref[block_idx] + row // group_padded
+    head_in_group = row % group_padded
+    row_valid = (token < token_end) & (head_in_group < group)
+    q_rows = (
+        jnp.minimum(token, num_tokens - 1) * num_q_heads
+        + kv_head * group
+        + jnp.minimum(head_in_group, group - 1)
+    )
+    query_pos = token + position_offset
+
+    # Every access is a gather with integer row and column arrays (the form both
+    # the Triton lowering and the interpreter accept); a column iota keeps the
+    # rows contiguous for Triton's vectorised loads. D is padded to a power of
+    # two for Triton; padded columns load as 0 and are never stored.
+    store_col = jnp.arange(head_dim_padded, dtype=jnp.int32)
+    col_valid = store_col < head_dim
+    col = jnp.minimum(store_col, head_dim - 1)[None, :]
+    store_col = store_col[None, :]  # padded columns are out of range: never written
+    kv_col = kv_head * head_dim + col
+
+    def row_col_mask(row_mask):
+        if head_dim_padded == head_dim:
+            return row_mask[:, None]
+        return row_mask[:, None] & col_valid[None, :]
+
+    q = plgpu.load(q_ref.at[q_rows[:, None], col], mask=row_col_mask(row_valid), other=0)
+
+    # This split's slice of [0, kv_end), in whole block_kv steps.
+    split_len = pl.cdiv(pl.cdiv(kv_end, num_kv_splits), block_kv) * block_kv
+    kv_start = split * split_len
+    kv_stop = jnp.minimum(kv_end, kv_start + split_len)
+    num_steps = pl.cdiv(jnp.maximum(kv_stop - kv_start, 0), block_kv)
+
+    def body(step, carry):
+        acc, m_prev, l_prev = carry
+        key_pos = kv_start + step * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        key_valid = key_pos < kv_stop
+        page = jnp.minimum(key_pos // block_size, max_blocks - 1)
+        block_id = plgpu.load(block_tables_ref.at[seq, page], mask=key_valid, other=0)
+        block_id = jnp.clip(block_id, 0, num_blocks - 1)
+        slot = block_id * block_size + key_pos % block_size
+        kv_mask = row_col_mask(key_valid)
+        k = plgpu.load(k_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
+        logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2
+        visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+        logits = jnp.where(visible, logits, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, logits.max(axis=1))
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)
+        l_next = l_prev * correction + p.sum(axis=1)
+        v = plgpu.load(v_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((rows, head_dim_padded), jnp.float32)
+    m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, num_steps, body, (acc, m, l))
+
+    # Masked-off rows get an out-of-range index: Triton never touches them and
+    # the interpreter's scatter drops them, so a clamped duplicate row can never
+    # overwrite a valid one.
+    out_mask = row_col_mask(row_valid)
+    num_rows = num_tokens * num_q_heads
+    if num_kv_splits == 1:
+        (o_ref,) = out_refs
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        out_rows = jnp.where(row_valid, q_rows, num_rows)
+        plgpu.store(o_ref.at[out_rows[:, None], store_col], out.astype(o_ref.dtype), mask=out_mask)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        part_rows = jnp.where(row_valid, split * num_rows + q_rows, num_kv_splits * num_rows)
+        plgpu.store(acc_ref.at[part_rows[:, None], store_col], acc, mask=out_mask)
+        plgpu.store(m_ref.at[part_rows], m, mask=row_valid)
+        plgpu.store(l_ref.at[part_rows], l, mask=row_valid)
+
+
+def _auto_num_kv_splits(num_programs: int) -> int:
+    splits = _next_power_of_2(max(1, -(-_TARGET_PROGRAMS // max(1, num_programs))))
+    return min(splits, _MAX_KV_SPLITS)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "block_q",
+        "block_kv",
+        "num_kv_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_kv: int = 64,
+    num_kv_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of ragged query tokens over a paged KV cache (Pallas).
+
+    q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (this
+    step's K/V already written); kv_lens: int32[S]; block_tables:
+    int32[S, max_blocks]; query_start_loc: int32[S + 1]; num_seqs: int32
+    scalar (may be traced). Returns [T, Hq, D] in q's dtype; padding rows are 0.
+
+    Tuning knobs: block_q (query tokens per program; default fills >= 16 rows
+    of G_pad * block_q, more when T > S), block_kv (keys per inner step, a
+    power of two >= 16), num_kv_splits (split-K over the context; default
+    chosen from the static grid size, 1 for prefill-sized T), num_warps and
+    num_stages (Triton).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    num_padded_seqs, max_blocks = block_tables.shape
+    if kv_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"cache shapes {k_cache.shape}, {v_cache.shape} do not match q head_dim {head_dim}"
+        )
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} must be a multiple of Hkv={num_kv_heads}")
+    if query_start_loc.shape != (num_padded_seqs + 1,) or kv_lens.shape != (num_padded_seqs,):
+        raise ValueError(
+            f"query_start_loc {query_start_loc.shape} / kv_lens {kv_lens.shape} do not match "
+            f"block_tables {block_tables.shape}"
+        )
+    if block_kv < _MIN_DOT_DIM or block_kv & (block_kv - 1):
+        raise ValueError(f"block_kv={block_kv} must be a power of two >= {_MIN_DOT_DIM}")
+    group = num_q_heads // num_kv_heads
+    group_padded = _next_power_of_2(group)
+    min_block_q = max(1, _MIN_DOT_DIM // group_padded)
+    if block_q is None:
+        # Decode-heavy shapes (T <= S) get the smallest tile; prefill a 64-row one.
+        target_rows = _MIN_DOT_DIM if num_tokens <= num_padded_seqs else 64
+        block_q = max(min_block_q, target_rows // group_padded)
+    if block_q < min_block_q or block_q & (block_q - 1):
+        raise ValueError(
+            f"block_q={block_q} must be a power of two >= {min_block_q} "
+            f"(block_q * {group_padded} query rows must reach {_MIN_DOT_DIM})"
+        )
+    num_q_blocks = min(num_tokens, pl.cdiv(num_tokens, block_q) + num_padded_seqs)
+    if num_kv_splits is None:
+        num_kv_splits = _auto_num_kv_splits(num_q_blocks * num_kv_heads)
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    query_start_loc = query_start_loc.astype(jnp.int32)
+    blocks = _query_blocks(
+        query_start_loc, kv_lens, num_seqs, block_q=block_q, num_q_blocks=num_q_blocks
+    )
+
+    num_rows = num_tokens * num_q_heads
+    q_flat = q.reshape(num_rows, head_dim)
+    k_flat = k_cache.reshape(num_blocks * block_size, num_kv_heads * head_dim)
+    v_flat = v_cache.reshape(num_blocks * block_size, num_kv_heads * head_dim)
+
+    if num_kv_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_rows, head_dim), q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((num_kv_splits * num_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_kv_splits * num_rows,), jnp.float32),
+            jax.ShapeDtypeStruct((num_kv_splits * num_rows,), jnp.float32),
+        )
+    kernel = functools.partial(
+        _kernel,
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        group=group,
+        group_padded=group_padded,
+        head_dim=head_dim,
+        head_dim_padded=_next_power_of_2(head_dim),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_blocks=max_blocks,
+        block_q=block_q,
+        block_kv=block_kv,
+        num_kv_splits=num_kv_splits,
+        scale_log2=scale * _LOG2_E,
+        # f32 inputs: exact f32 dots (no TF32) so the kernel matches the reference.
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )
+    outputs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_q_blocks, num_kv_heads, num_kv_splits),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(
+        blocks.seq_ids,
+        blocks.token_start,
+        blocks.token_end,
+        blocks.position_offset,
+        blocks.kv_end,
+        block_tables.astype(jnp.int32),
+        q_flat,
+        k_flat,
+        v_flat,
+    )
+
+    if num_kv_splits == 1:
+        out = outputs.reshape(num_tokens, num_q_heads, head_dim)
+    else:
+        out = _merge_splits(*outputs, num_kv_splits=num_kv_splits)
+        out = out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    # Rows of padding tokens were never written: make them 0 (finite).
+    _, _, token_valid = token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens)
+    return jnp.where(token_valid[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _merge_splits(acc, m, l, *, num_kv_splits: int) -> jax.Array:
+    """Combine split-K partials (max and sum in base 2) into normalised rows."""
+    acc = acc.reshape(num_kv_splits, -1, acc.shape[-1])
+    m = m.reshape(num_kv_splits, -1)
+    l = l.reshape(num_kv_splits, -1)
+    # Rows a split never wrote hold garbage; those rows are padding tokens and are
+    # replaced by the caller. For valid rows every split wrote (acc, m, l).
+    m_max = m.max(axis=0)
+    weight = jnp.exp2(m - m_max[None])
+    total = (weight * l).sum(axis=0)
+    out = (weight[..., None] * acc).sum(axis=0)
+    return out / jnp.where(total > 0, total, 1.0)[:, None]
