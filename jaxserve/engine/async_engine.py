@@ -199,6 +199,11 @@ class AsyncLLMEngine:
         if self._dead is None and self._thread.is_alive():
             self._submit(("abort", request_id), force=True)
 
+    def abort_all(self) -> None:
+        """Abort every in-flight request (thread-safe); each stream ends with "abort"."""
+        if self._dead is None and self._thread.is_alive():
+            self._submit(("abort_all",), force=True)
+
     def _submit(self, command: tuple, force: bool = False) -> None:
         with self._cond:
             if self._dead is not None:
@@ -257,6 +262,9 @@ class AsyncLLMEngine:
             elif command[0] == "abort":
                 if command[1] in self._streams:
                     engine.abort_request(command[1])
+            elif command[0] == "abort_all" and self._streams:
+                logger.info("aborting %d in-flight request(s)", len(self._streams))
+                engine.abort_request(list(self._streams))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.time()

@@ -14,6 +14,7 @@ any invalid request (never FastAPI's 422), 401 for a missing or wrong API key,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -207,7 +208,11 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
 # -- running it -----------------------------------------------------------------------------------
 def run_server(config: ServeConfig, drain_timeout: float = 5.0) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut down cleanly; returns 0."""
+    """Load the engine, serve until SIGINT/SIGTERM, shut down cleanly; returns 0.
+
+    On a signal: stop accepting, give in-flight requests `drain_timeout` s to finish,
+    abort the rest (their streams end with finish_reason "abort"), stop the engine thread.
+    """
     from jaxserve.engine.llm_engine import LLMEngine
 
     engine = AsyncLLMEngine(LLMEngine(config.engine))
@@ -216,9 +221,11 @@ def run_server(config: ServeConfig, drain_timeout: float = 5.0) -> int:
         server_config = config.server
         uv_config = uvicorn.Config(
             app, host=server_config.host or "0.0.0.0", port=server_config.port,
-            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=drain_timeout,
+            log_level=server_config.uvicorn_log_level,
+            timeout_graceful_shutdown=drain_timeout + 10.0,
             access_log=server_config.uvicorn_log_level in ("debug", "trace"))
-        server = _Server(uv_config, names=served_model_names(config, engine))
+        server = _Server(uv_config, names=served_model_names(config, engine),
+                         drain_timeout=drain_timeout, abort_in_flight=engine.abort_all)
         server.run()
     finally:
         logger.info("shutting down the engine")
@@ -234,9 +241,21 @@ class _Server(uvicorn.Server):
     dies by the signal); a server that shut down cleanly should exit 0 instead.
     """
 
-    def __init__(self, config: Any, names: list[str]) -> None:
+    def __init__(self, config: Any, names: list[str], drain_timeout: float,
+                 abort_in_flight: Callable[[], None]) -> None:
         super().__init__(config)
         self.names = names
+        self.drain_timeout = drain_timeout
+        self.abort_in_flight = abort_in_flight
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        """In-flight requests get `drain_timeout` s to finish; then they are aborted, so each
+        stream still ends properly (finish_reason "abort", then [DONE])."""
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
