@@ -44,8 +44,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import token_metadata
-
 # Finite "minus infinity": keeps fully masked rows free of inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2_E = math.log2(math.e)
@@ -66,8 +64,9 @@ def _next_power_of_2(x: int) -> int:
 class _QueryBlocks:
     """Per query block b: sequence, token range [token_start, token_end), key range end.
 
-    All int32[num_q_blocks]. Idle blocks have token_end == token_start and kv_end == 0.
-    position(t) = t + position_offset for tokens of the block.
+    All int32[num_q_blocks]; position(t) = t + position_offset for tokens of
+    the block. Blocks past the live ones cover the padding tokens with
+    kv_end == 0 (no keys: their rows are written as 0), then nothing.
     """
 
     seq_ids: jax.Array
@@ -82,31 +81,39 @@ def _query_blocks(
     kv_lens: jax.Array,
     num_seqs: jax.Array,
     *,
+    num_tokens: int,
     block_q: int,
     num_q_blocks: int,
 ) -> _QueryBlocks:
+    # num_q_blocks = min(T, cdiv(T, block_q) + S) always suffices: live blocks
+    # number sum(ceil(q_len / block_q)) < T_live / block_q + S (and <= T_live),
+    # which leaves at least ceil((T - T_live) / block_q) blocks for the padding.
     num_padded_seqs = kv_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     live = jnp.arange(num_padded_seqs) < num_seqs
     blocks_per_seq = jnp.where(live, (q_lens + block_q - 1) // block_q, 0)
     cum_blocks = jnp.cumsum(blocks_per_seq)
+    num_live_blocks = cum_blocks[-1]
     block_idx = jnp.arange(num_q_blocks, dtype=jnp.int32)
-    seq_ids = jnp.searchsorted(cum_blocks, block_idx, side="right")
-    active = block_idx < cum_blocks[-1]
-    seq_ids = jnp.clip(seq_ids, 0, num_padded_seqs - 1).astype(jnp.int32)
+    # compare_all: one fused op on GPU instead of a log(S)-step loop.
+    seq_ids = jnp.searchsorted(cum_blocks, block_idx, side="right", method="compare_all")
+    seq_ids = jnp.clip(seq_ids, 0, num_padded_seqs - 1)
+    active = block_idx < num_live_blocks
     first_block = cum_blocks[seq_ids] - blocks_per_seq[seq_ids]
     seq_end = query_start_loc[seq_ids + 1]
-    token_start = query_start_loc[seq_ids] + (block_idx - first_block) * block_q
-    token_end = jnp.where(active, jnp.minimum(token_start + block_q, seq_end), token_start)
-    position_offset = kv_lens[seq_ids] - seq_end
+    live_start = query_start_loc[seq_ids] + (block_idx - first_block) * block_q
+    num_live_tokens = query_start_loc[jnp.clip(num_seqs, 0, num_padded_seqs)]
+    pad_start = num_live_tokens + (block_idx - num_live_blocks) * block_q
+    token_start = jnp.where(active, live_start, pad_start)
+    token_end = jnp.where(
+        active,
+        jnp.minimum(live_start + block_q, seq_end),
+        jnp.minimum(pad_start + block_q, num_tokens),
+    )
+    position_offset = jnp.where(active, kv_lens[seq_ids] - seq_end, 0)
     kv_end = jnp.where(active, token_end + position_offset, 0)
-    as_i32 = lambda x: x.astype(jnp.int32)
     return _QueryBlocks(
-        seq_ids=as_i32(seq_ids),
-        token_start=as_i32(token_start),
-        token_end=as_i32(token_end),
-        position_offset=as_i32(position_offset),
-        kv_end=as_i32(kv_end),
+        *(x.astype(jnp.int32) for x in (seq_ids, token_start, token_end, position_offset, kv_end))
     )
 
 
@@ -315,7 +322,12 @@ def ragged_paged_attention(
     kv_lens = kv_lens.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
     blocks = _query_blocks(
-        query_start_loc, kv_lens, num_seqs, block_q=block_q, num_q_blocks=num_q_blocks
+        query_start_loc,
+        kv_lens,
+        num_seqs,
+        num_tokens=num_tokens,
+        block_q=block_q,
+        num_q_blocks=num_q_blocks,
     )
 
     num_rows = num_tokens * num_q_heads
@@ -368,14 +380,9 @@ def ragged_paged_attention(
         v_flat,
     )
 
-    if num_kv_splits == 1:
-        out = outputs.reshape(num_tokens, num_q_heads, head_dim)
-    else:
-        out = _merge_splits(*outputs, num_kv_splits=num_kv_splits)
-        out = out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
-    # Rows of padding tokens were never written: make them 0 (finite).
-    _, _, token_valid = token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens)
-    return jnp.where(token_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    if num_kv_splits > 1:
+        outputs = _merge_splits(*outputs, num_kv_splits=num_kv_splits).astype(q.dtype)
+    return outputs.reshape(num_tokens, num_q_heads, head_dim)
 
 
 def _merge_splits(acc, m, l, *, num_kv_splits: int) -> jax.Array:
@@ -383,8 +390,9 @@ def _merge_splits(acc, m, l, *, num_kv_splits: int) -> jax.Array:
     acc = acc.reshape(num_kv_splits, -1, acc.shape[-1])
     m = m.reshape(num_kv_splits, -1)
     l = l.reshape(num_kv_splits, -1)
-    # Rows a split never wrote hold garbage; those rows are padding tokens and are
-    # replaced by the caller. For valid rows every split wrote (acc, m, l).
+    # Every split wrote every row: splits with no keys for a row left
+    # (0, _MASK_VALUE, 0), which weighs 0 next to any real max, and padding
+    # rows have no keys in any split and come out 0.
     m_max = m.max(axis=0)
     weight = jnp.exp2(m - m_max[None])
     total = (weight * l).sum(axis=0)
