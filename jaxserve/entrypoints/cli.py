@@ -225,8 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return cmd_serve(args) if args.command == "serve" else cmd_chat(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:
         # Bad options, files or values: one readable line (the traceback with --log-level debug).
+        # Anything else is a bug and keeps its traceback.
         if args.log_level == "debug":
             raise
         print(f"jaxserve {args.command}: error: {exc} (--log-level debug shows the traceback)",
