@@ -1,0 +1,262 @@
+"""Time the ragged paged attention kernel against the jnp reference.
+
+Decode batches (q_len 1) and prefill chunks (with or without earlier context)
+on 8B-class shapes by default (Hq 32, Hkv 8, D 128, bf16), each timed under
+jax.jit with block_until_ready, median of --iters runs, next to a plain copy
+baseline for the device's achievable bandwidth. GB/s counts the bytes
+attention must move: the live K/V once, plus q and the output.
+
+  python benchmarks/bench_kernels.py                      # GPU, full sweep
+  python benchmarks/bench_kernels.py --batch 1,64 --context 2048 --mode decode
+  python benchmarks/bench_kernels.py --interpret          # CPU: tiny config, proves it runs
+  python benchmarks/bench_kernels.py --save               # also JSON in benchmarks/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mode: str  # "decode" or "prefill"
+    num_seqs: int
+    q_len: int  # per sequence
+    context: int  # kv_len per sequence, this step's tokens included
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.q_len
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def kernel_knobs(text: str) -> dict:
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        knobs[key] = None if value == "None" else int(value)
+    return knobs
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", default="decode,prefill", help="decode,prefill")
+    parser.add_argument("--batch", type=int_list, default=None, help="decode batch sizes")
+    parser.add_argument("--context", type=int_list, default=None, help="decode context lengths")
+    parser.add_argument("--prefill-chunk", type=int_list, default=None, help="prefill q_len")
+    parser.add_argument(
+        "--prefill-context",
+        type=int_list,
+        default=None,
+        help="cached tokens before the chunk",
+    )
+    parser.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill batch")
+    parser.add_argument("--num-q-heads", type=int, default=None)
+    parser.add_argument("--num-kv-heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None, help="block table width")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--kernel-knobs", type=kernel_knobs, default={}, help="e.g. block_kv=64,num_kv_splits=4"
+    )
+    parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument(
+        "--interpret", action="store_true", help="Pallas interpret mode (CPU); implies --tiny"
+    )
+    parser.add_argument("--tiny", action="store_true", help="small shapes that run anywhere")
+    parser.add_argument("--save", action="store_true", help="write JSON to benchmarks/results/")
+    parser.add_argument("--json", type=pathlib.Path, default=None, help="write JSON here")
+    args = parser.parse_args(argv)
+    tiny = args.tiny or args.interpret
+    defaults = {
+        "batch": [2] if tiny else [1, 8, 32, 64, 128, 256],
+        "context": [48] if tiny else [512, 2048, 8192],
+        "prefill_chunk": [16] if tiny else [512, 2048],
+        "prefill_context": [32] if tiny else [0, 4096],
+        "num_q_heads": 4 if tiny else 32,
+        "num_kv_heads": 2 if tiny else 8,
+        "head_dim": 64 if tiny else 128,
+        "dtype": "float32" if tiny else "bfloat16",
+        "iters": 2 if tiny else 20,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def cases(args) -> list[Case]:
+    out = []
+    modes = args.mode.split(",")
+    if "decode" in modes:
+        out += [Case("decode", b, 1, c) for c in args.context for b in args.batch]
+    if "prefill" in modes:
+        out += [
+            Case("prefill", args.prefill_seqs, chunk, ctx + chunk)
+            for ctx in args.prefill_context
+            for chunk in args.prefill_chunk
+        ]
+    return out
+
+
+def make_inputs(case: Case, args, max_blocks: int, key: jax.Array):
+    """Random q and caches holding exactly the pages this case needs, shuffled."""
+    dtype = jnp.dtype(args.dtype)
+    block_size = args.block_size
+    pages_per_seq = -(-case.context // block_size)
+    num_blocks = case.num_seqs * pages_per_seq + 1
+    k_q, k_k, k_v = jax.random.split(key, 3)
+    cache_shape = (num_blocks, block_size, args.num_kv_heads, args.head_dim)
+    k_cache = jax.random.normal(k_k, cache_shape, dtype)
+    v_cache = jax.random.normal(k_v, cache_shape, dtype)
+    q = jax.random.normal(k_q, (case.num_tokens, args.num_q_heads, args.head_dim), dtype)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(num_blocks)
+    block_tables = np.zeros((case.num_seqs, max_blocks), np.int32)
+    block_tables[:, :pages_per_seq] = order[: case.num_seqs * pages_per_seq].reshape(
+        case.num_seqs, pages_per_seq
+    )
+    kv_lens = np.full(case.num_seqs, case.context, np.int32)
+    query_start_loc = np.arange(case.num_seqs + 1, dtype=np.int32) * case.q_len
+    return (
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(kv_lens),
+        jnp.asarray(block_tables),
+        jnp.asarray(query_start_loc),
+        jnp.int32(case.num_seqs),
+    )
+
+
+def attention_bytes(case: Case, args) -> int:
+    itemsize = jnp.dtype(args.dtype).itemsize
+    kv = 2 * case.num_seqs * case.context * args.num_kv_heads * args.head_dim
+    q_and_out = 2 * case.num_tokens * args.num_q_heads * args.head_dim
+    return (kv + q_and_out) * itemsize
+
+
+def time_fn(fn, args_tuple, iters: int, warmup: int) -> float:
+    """Median wall seconds of fn(*args) under jit, synchronised with block_until_ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args_tuple))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args_tuple))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int, iters: int, warmup: int) -> float:
+    """GB/s of a jitted elementwise copy (bytes read + written)."""
+    x = jnp.ones((max(1, num_bytes // 4),), jnp.float32)
+    seconds = time_fn(jax.jit(lambda a: a + 1.0), (x,), iters, warmup)
+    return 2 * x.nbytes / seconds / 1e9
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    all_cases = cases(args)
+    if not all_cases:
+        raise SystemExit(f"no cases for --mode {args.mode!r}")
+    max_len = args.max_model_len or max(c.context for c in all_cases)
+    max_blocks = -(-max_len // args.block_size)
+    kernel = jax.jit(
+        functools.partial(ragged_paged_attention, interpret=args.interpret, **args.kernel_knobs)
+    )
+    reference = jax.jit(ragged_paged_attention_reference)
+    device = jax.devices()[0]
+    print(
+        f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"Hq={args.num_q_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
+        f"block_size={args.block_size} dtype={args.dtype} max_blocks={max_blocks} "
+        f"interpret={args.interpret} knobs={args.kernel_knobs}"
+    )
+    largest = max(attention_bytes(c, args) for c in all_cases)
+    copy_gbs = copy_bandwidth(min(largest, 1 << 30), args.iters, args.warmup)
+    print(f"copy baseline: {copy_gbs:.1f} GB/s")
+
+    header = (
+        f"{'mode':8} {'seqs':>5} {'q_len':>6} {'context':>8} {'tokens':>7} "
+        f"{'kernel ms':>10} {'ref ms':>9} {'speedup':>8} {'kern GB/s':>10} {'ref GB/s':>9} "
+        f"{'% copy':>7} {'max diff':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    key = jax.random.key(0)
+    for case in all_cases:
+        key, sub = jax.random.split(key)
+        inputs = make_inputs(case, args, max_blocks, sub)
+        num_bytes = attention_bytes(case, args)
+        kernel_s = time_fn(kernel, inputs, args.iters, args.warmup)
+        ref_s, diff = None, None
+        if not args.skip_reference:
+            ref_s = time_fn(reference, inputs, args.iters, args.warmup)
+            diff = float(jnp.max(jnp.abs(kernel(*inputs).astype(jnp.float32) - reference(*inputs))))
+        row = {
+            **dataclasses.asdict(case),
+            "num_tokens": case.num_tokens,
+            "kernel_ms": kernel_s * 1e3,
+            "reference_ms": None if ref_s is None else ref_s * 1e3,
+            "kernel_gbs": num_bytes / kernel_s / 1e9,
+            "reference_gbs": None if ref_s is None else num_bytes / ref_s / 1e9,
+            "bytes": num_bytes,
+            "max_abs_diff": diff,
+        }
+        rows.append(row)
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)
+        print(
+            f"{case.mode:8} {case.num_seqs:>5} {case.q_len:>6} {case.context:>8} "
+            f"{case.num_tokens:>7} {row['kernel_ms']:>10.3f} {fmt(row['reference_ms'], '>9.3f')} "
+            f"{fmt(ref_s and ref_s / kernel_s, '>8.2f')} {row['kernel_gbs']:>10.1f} "
+            f"{fmt(row['reference_gbs'], '>9.1f')} {100 * row['kernel_gbs'] / copy_gbs:>7.1f} "
+            f"{fmt(diff, '>9.2e')}",
+            flush=True,
+        )
+
+    result = {
+        "device": device.device_kind,
+        "backend": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "save")},
+        "copy_gbs": copy_gbs,
+        "rows": rows,
+    }
+    path = args.json
+    if args.save and path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        kind = device.device_kind.replace(" ", "_").lower()
+        path = RESULTS_DIR / f"bench_kernels-{kind}-{stamp}.json"
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str))
+        print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
