@@ -50,11 +50,14 @@ _HEALTH_STALL_SECONDS = 600.0
 
 
 def served_model_names(config: ServeConfig, engine: AsyncLLMEngine) -> list[str]:
+    """--served-model-name, else the model as given (vLLM), else the embedded model's name."""
     names = config.engine.model_config.served_model_name
     if names:
         return list(names)
-    setup = getattr(engine.engine, "setup", None)
-    return [config.engine.model_config.model or getattr(setup, "model_path", None) or "default"]
+    if config.engine.model_config.model:
+        return [config.engine.model_config.model]
+    path = getattr(getattr(engine.engine, "setup", None), "model_path", None)
+    return [os.path.basename(str(path)).removesuffix(".gguf") if path else "default"]
 
 
 def api_key_from(config: ServeConfig) -> str | None:
