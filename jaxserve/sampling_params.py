@@ -1,0 +1,256 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and validation.
+
+Every check runs in ``__post_init__`` and raises ``ValueError`` naming the bad
+value and the allowed range, in vLLM's words. Limits that depend on the
+engine (``max_logprobs``, the vocabulary) are checked by ``verify``.
+
+Unset versus default: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+``repetition_penalty`` accept ``None``, meaning "not set by the user". They
+are resolved to vLLM's defaults (1.0, 1.0, 0, 0.0, 1.0) at construction, and
+``update_from_generation_config`` later replaces only the unset ones with the
+model's generation_config.json values, as vLLM does. The names the user did
+set are kept in ``user_set``. ``dataclasses.replace`` passes every value again
+and so marks all five as set; use ``clone()`` to copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_EPS = 1e-5     # temperature below this is greedy
+_MIN_TEMP = 1e-2         # vLLM raises smaller positive temperatures to this
+MAX_LOGIT_BIAS_ENTRIES = 300
+# Fields whose model default may come from generation_config.json, and vLLM's defaults.
+GENERATION_CONFIG_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+}
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample the completions of one request (vLLM semantics)."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None    # None: unset → 1.0 (or generation config)
+    temperature: float | None = None           # None: unset → 1.0 (or generation config)
+    top_p: float | None = None                 # None: unset → 1.0 (or generation config)
+    top_k: int | None = None                   # None: unset → 0; 0 or -1 disable (-1 → 0)
+    min_p: float | None = None                 # None: unset → 0.0 (or generation config)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16                # None: up to max_model_len (engine resolves)
+    min_tokens: int = 0
+    logprobs: int | None = None                # top-N logprobs per output token
+    prompt_logprobs: int | None = None         # only None or 0 for now
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    user_set: frozenset[str] = field(default=frozenset(), init=False, repr=False,
+                                     compare=False)
+
+    def __post_init__(self) -> None:
+        self.user_set = frozenset(
+            name for name in GENERATION_CONFIG_DEFAULTS if getattr(self, name) is not None)
+        for name, default in GENERATION_CONFIG_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        if self.seed == -1:
+            self.seed = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = ([] if self.stop_token_ids is None
+                               else list(dict.fromkeys(self.stop_token_ids)))
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self._normalize_and_verify()
+
+    # -- validation ---------------------------------------------------------------------
+    def _normalize_and_verify(self) -> None:
+        """Check every field, then apply vLLM's normalizations (top_k -1 → 0, greedy)."""
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must be None or equal to n={self.n} (best_of > n is "
+                             f"not supported), got {self.best_of}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_real(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not (_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number, "
+                             f"got {self.repetition_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, "
+                             f"got {self.repetition_penalty}.")
+        if not (_is_real(self.temperature) and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if 0.0 < self.temperature < _MIN_TEMP:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors "
+                           "nan or inf in tensors. We have maxed it out to %s.",
+                           self.temperature, _MIN_TEMP, _MIN_TEMP)
+            self.temperature = _MIN_TEMP
+        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__} "
+                             f"{self.top_k!r}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, "
+                             f"got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to "
+                             f"max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs)
+            if self.prompt_logprobs < 0:
+                raise ValueError(f"prompt_logprobs must be non-negative, "
+                                 f"got {self.prompt_logprobs}.")
+            if self.prompt_logprobs > 0:
+                raise ValueError(f"prompt_logprobs > 0 is not supported yet, "
+                                 f"got {self.prompt_logprobs}; use None or 0.")
+        if not all(isinstance(t, int) and not isinstance(t, bool)
+                   for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must contain only integers, "
+                             f"got {self.stop_token_ids}.")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True. "
+                             "Set detokenize=True to use stop.")
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters cannot change an argmax, so make them neutral (as vLLM).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def verify(self, max_logprobs: int, max_model_len: int,
+               vocab_size: int | None = None) -> None:
+        """Check the limits that depend on the engine; raises ValueError.
+
+        ``vocab_size`` (optional) also checks logit_bias and stop_token_ids ids.
+        """
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ValueError(f"Requested sample logprobs of {self.logprobs}, "
+                             f"which is greater than max allowed: {max_logprobs}")
+        if self.min_tokens > max_model_len:
+            raise ValueError(f"min_tokens must be at most max_model_len={max_model_len}, "
+                             f"got {self.min_tokens}.")
+        if vocab_size is not None:
+            for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                              ("stop_token_ids", self.stop_token_ids)):
+                invalid = [t for t in ids if t < 0 or t >= vocab_size]
+                if invalid:
+                    raise ValueError(f"token_id(s) {invalid} in {name} contain out-of-vocab "
+                                     f"token ids. Vocabulary size: {vocab_size}")
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (keeps which fields the user set)."""
+        return copy.deepcopy(self)
+
+    def update_from_generation_config(self, generation_config: dict[str, Any]) -> None:
+        """Use the model's generation_config.json values for the fields the user did not set.
+
+        Only temperature, top_p, top_k, min_p and repetition_penalty are read (vLLM's
+        list, less max_new_tokens); other keys are ignored. Raises ValueError if a value
+        from the config is out of range.
+        """
+        changed = False
+        for name in GENERATION_CONFIG_DEFAULTS:
+            value = generation_config.get(name)
+            if value is not None and name not in self.user_set:
+                setattr(self, name, value)
+                changed = True
+        if changed:
+            self._normalize_and_verify()
+
+
+def _normalize_logit_bias(logit_bias: dict[Any, Any]) -> dict[int, float]:
+    """Integer keys (OpenAI sends strings), values clamped to [-100, 100] like vLLM."""
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got "
+                         f"{type(logit_bias).__name__}.")
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                         f"got {len(logit_bias)}.")
+    out: dict[int, float] = {}
+    for token, bias in logit_bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias contains key(s) that cannot be converted to "
+                             f"integer token IDs: {token!r}") from None
+        if isinstance(token, float) and token != token_id or isinstance(token, bool):
+            raise ValueError(f"logit_bias keys must be integer token IDs, got {token!r}")
+        if not (_is_real(bias) and not math.isnan(bias)):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], "
+                             f"got {bias!r} for token {token_id}.")
+        out[token_id] = min(100.0, max(-100.0, float(bias)))
+    return out
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}.")
