@@ -381,7 +381,8 @@ def test_kernel_pads_non_power_of_two_head_dim():
 def test_kernel_lowers_through_pallas_triton_for_cuda(dtype, head_dim, num_kv_splits):
     # No GPU here: exporting for the cuda platform runs the Pallas -> Triton IR
     # lowering, which rejects unsupported ops and non-power-of-two tiles.
-    num_tokens, num_seqs, num_blocks, block_size, max_blocks = 64, 8, 30 * 500, 16, 512
+    # An engine-sized multi-layer cache (> 4 GiB: 64-bit offsets) and a 512-wide table.
+    num_tokens, num_seqs, num_blocks, block_size, max_blocks = 64, 8, 30 * 5000, 16, 512
     shapes = (
         ((num_tokens, 32, head_dim), dtype),
         ((num_blocks, block_size, 8, head_dim), dtype),
