@@ -9,7 +9,8 @@ tokens. Every (query block, KV head, KV split) is one program:
   num_q_blocks = min(T, cdiv(T, block_q) + S)   (static upper bound)
 
 The wrapper computes, with a handful of cheap jnp ops, which sequence and
-token range each query block covers (`_QueryBlocks`); programs past the last
+token range each query block covers (`reference.query_blocks`, shared with
+the jnp reference); programs past the last
 live block, and splits past a sequence's context, run zero loop iterations.
 This plays the role of TPU scalar prefetch: metadata arrays are kernel inputs
 read with scalar loads.
@@ -29,12 +30,11 @@ context and writes (acc, max, sum) partials that a small jnp epilogue merges.
 The kernel body only uses masked gathers/scatters (`plgpu.load/store` on
 `ref.at[...]`), `lax.fori_loop` and 2D dots with both sizes >= 16, which is
 what the Triton lowering supports. A Mosaic GPU variant can reuse
-`_QueryBlocks` and the epilogue unchanged.
+`query_blocks` and the split merge unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -43,6 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.reference import query_blocks
 
 # Finite "minus infinity": keeps fully masked rows free of inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -57,64 +59,6 @@ _MAX_KV_SPLITS = 16
 
 def _next_power_of_2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _QueryBlocks:
-    """Per query block b: sequence, token range [token_start, token_end), key range end.
-
-    All int32[num_q_blocks]; position(t) = t + position_offset for tokens of
-    the block. Blocks past the live ones cover the padding tokens with
-    kv_end == 0 (no keys: their rows are written as 0), then nothing.
-    """
-
-    seq_ids: jax.Array
-    token_start: jax.Array
-    token_end: jax.Array
-    position_offset: jax.Array
-    kv_end: jax.Array
-
-
-def _query_blocks(
-    query_start_loc: jax.Array,
-    kv_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    num_tokens: int,
-    block_q: int,
-    num_q_blocks: int,
-) -> _QueryBlocks:
-    # num_q_blocks = min(T, cdiv(T, block_q) + S) always suffices: live blocks
-    # number sum(ceil(q_len / block_q)) < T_live / block_q + S (and <= T_live),
-    # which leaves at least ceil((T - T_live) / block_q) blocks for the padding.
-    num_padded_seqs = kv_lens.shape[0]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    live = jnp.arange(num_padded_seqs) < num_seqs
-    blocks_per_seq = jnp.where(live, (q_lens + block_q - 1) // block_q, 0)
-    cum_blocks = jnp.cumsum(blocks_per_seq)
-    num_live_blocks = cum_blocks[-1]
-    block_idx = jnp.arange(num_q_blocks, dtype=jnp.int32)
-    # compare_all: one fused op on GPU instead of a log(S)-step loop.
-    seq_ids = jnp.searchsorted(cum_blocks, block_idx, side="right", method="compare_all")
-    seq_ids = jnp.clip(seq_ids, 0, num_padded_seqs - 1)
-    active = block_idx < num_live_blocks
-    first_block = cum_blocks[seq_ids] - blocks_per_seq[seq_ids]
-    seq_end = query_start_loc[seq_ids + 1]
-    live_start = query_start_loc[seq_ids] + (block_idx - first_block) * block_q
-    num_live_tokens = query_start_loc[jnp.clip(num_seqs, 0, num_padded_seqs)]
-    pad_start = num_live_tokens + (block_idx - num_live_blocks) * block_q
-    token_start = jnp.where(active, live_start, pad_start)
-    token_end = jnp.where(
-        active,
-        jnp.minimum(live_start + block_q, seq_end),
-        jnp.minimum(pad_start + block_q, num_tokens),
-    )
-    position_offset = jnp.where(active, kv_lens[seq_ids] - seq_end, 0)
-    kv_end = jnp.where(active, token_end + position_offset, 0)
-    return _QueryBlocks(
-        *(x.astype(jnp.int32) for x in (seq_ids, token_start, token_end, position_offset, kv_end))
-    )
 
 
 def _kernel(
@@ -321,7 +265,7 @@ def ragged_paged_attention(
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
-    blocks = _query_blocks(
+    blocks = query_blocks(
         query_start_loc,
         kv_lens,
         num_seqs,

@@ -8,51 +8,106 @@ Shapes (see `ragged_paged_attention_reference`):
   query_start_loc: int32[S + 1]
   num_seqs:        int32 scalar, may be traced; sequences >= num_seqs are padding
 
-Cost follows the live context: the KV is visited in chunks of blocks by a loop
-whose trip count is ceil(max(kv_lens[:num_seqs]) / chunk_tokens), with an
-online softmax, so a wide block table (max_model_len) or a huge multi-layer
-cache costs nothing by itself.
+The flat token axis is cut, per sequence, into query blocks of block_q tokens
+(`query_blocks`, shared with the Pallas kernel). Each block gathers its
+sequence's pages one chunk at a time ([blocks, chunk_tokens, Hkv, D]) and
+runs an online softmax in float32. The chunk loop's trip count is
+ceil(max live kv_len / chunk_tokens), so cost follows the live context: a wide
+block table (max_model_len) or a huge multi-layer cache costs nothing by itself.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Elements of the per-chunk gathered K (or V) tile [T, chunk_tokens, Hkv, D]
-# the automatic chunk size aims for: big enough to amortise the loop, small
-# enough that a 2048-token prefill does not gather gigabytes per step.
+# Elements of the per-chunk gathered K (or V) tile [num_q_blocks, chunk_tokens,
+# Hkv, D] the automatic chunk size aims for: big enough to amortise the loop,
+# small enough that a long prefill does not gather gigabytes per step.
 _GATHER_BUDGET_ELEMENTS = 1 << 24
 _MAX_CHUNK_TOKENS = 256
+_MAX_BLOCK_Q = 16
 
 
-def token_metadata(
-    query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-token sequence id, absolute position and validity.
+def num_query_blocks(num_tokens: int, num_padded_seqs: int, block_q: int) -> int:
+    """Static number of query blocks that covers any batch of these padded sizes."""
+    return min(num_tokens, -(-num_tokens // block_q) + num_padded_seqs)
 
-    Returns (seq_ids int32[T] clipped into [0, S), positions int32[T], valid bool[T]).
-    Padding tokens (at or beyond query_start_loc[num_seqs]) get position -1, so
-    they attend to nothing.
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QueryBlocks:
+    """Per query block b: sequence, token range [token_start, token_end), key range end.
+
+    All int32[num_q_blocks]; position(t) = t + position_offset for tokens of
+    the block. Blocks past the live ones cover the padding tokens with
+    kv_end == 0 (no keys: their rows are written as 0), then nothing.
     """
+
+    seq_ids: jax.Array
+    token_start: jax.Array
+    token_end: jax.Array
+    position_offset: jax.Array
+    kv_end: jax.Array
+
+
+def query_blocks(
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    num_tokens: int,
+    block_q: int,
+    num_q_blocks: int,
+) -> QueryBlocks:
+    """Cut each live sequence's tokens into blocks of block_q; see QueryBlocks.
+
+    num_q_blocks = num_query_blocks(T, S, block_q) always suffices.
+    """
+    # num_q_blocks = min(T, cdiv(T, block_q) + S) always suffices: live blocks
+    # number sum(ceil(q_len / block_q)) < T_live / block_q + S (and <= T_live),
+    # which leaves at least ceil((T - T_live) / block_q) blocks for the padding.
     num_padded_seqs = kv_lens.shape[0]
-    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
-    # Number of sequence ends <= t: the sequence holding t (empty ones skipped).
-    seq_ids = jnp.searchsorted(query_start_loc[1:], token_idx, side="right")
-    seq_ids = jnp.clip(seq_ids, 0, num_padded_seqs - 1).astype(jnp.int32)
-    num_valid_tokens = query_start_loc[jnp.clip(num_seqs, 0, num_padded_seqs)]
-    valid = token_idx < num_valid_tokens
-    q_starts = query_start_loc[seq_ids]
-    q_lens = query_start_loc[seq_ids + 1] - q_starts
-    positions = kv_lens[seq_ids] - q_lens + (token_idx - q_starts)
-    positions = jnp.where(valid, positions, -1).astype(jnp.int32)
-    return seq_ids, positions, valid
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    live = jnp.arange(num_padded_seqs) < num_seqs
+    blocks_per_seq = jnp.where(live, (q_lens + block_q - 1) // block_q, 0)
+    cum_blocks = jnp.cumsum(blocks_per_seq)
+    num_live_blocks = cum_blocks[-1]
+    block_idx = jnp.arange(num_q_blocks, dtype=jnp.int32)
+    # compare_all: one fused op on GPU instead of a log(S)-step loop.
+    seq_ids = jnp.searchsorted(cum_blocks, block_idx, side="right", method="compare_all")
+    seq_ids = jnp.clip(seq_ids, 0, num_padded_seqs - 1)
+    active = block_idx < num_live_blocks
+    first_block = cum_blocks[seq_ids] - blocks_per_seq[seq_ids]
+    seq_end = query_start_loc[seq_ids + 1]
+    live_start = query_start_loc[seq_ids] + (block_idx - first_block) * block_q
+    num_live_tokens = query_start_loc[jnp.clip(num_seqs, 0, num_padded_seqs)]
+    pad_start = num_live_tokens + (block_idx - num_live_blocks) * block_q
+    token_start = jnp.where(active, live_start, pad_start)
+    token_end = jnp.where(
+        active,
+        jnp.minimum(live_start + block_q, seq_end),
+        jnp.minimum(pad_start + block_q, num_tokens),
+    )
+    position_offset = jnp.where(active, kv_lens[seq_ids] - seq_end, 0)
+    kv_end = jnp.where(active, token_end + position_offset, 0)
+    return QueryBlocks(
+        *(x.astype(jnp.int32) for x in (seq_ids, token_start, token_end, position_offset, kv_end))
+    )
 
 
-def default_chunk_blocks(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
-    """Blocks per KV chunk so the gathered tile stays near the budget (static)."""
-    tokens = _GATHER_BUDGET_ELEMENTS // max(1, num_tokens * num_kv_heads * head_dim)
+def default_block_q(num_tokens: int, num_padded_seqs: int) -> int:
+    """Query tokens per block (static): 1 for decode-sized buckets, up to 16 for prefill."""
+    per_seq = max(1, min(_MAX_BLOCK_Q, num_tokens // max(1, num_padded_seqs)))
+    return 1 << (per_seq.bit_length() - 1)
+
+
+def default_chunk_blocks(num_rows: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """Pages per KV chunk so the gathered [num_rows, chunk, Hkv, D] tile stays near budget."""
+    tokens = _GATHER_BUDGET_ELEMENTS // max(1, num_rows * num_kv_heads * head_dim)
     tokens = max(block_size, min(_MAX_CHUNK_TOKENS, tokens))
     return max(1, tokens // block_size)
 
@@ -67,6 +122,7 @@ def ragged_paged_attention_reference(
     num_seqs: jax.Array | int,
     *,
     sm_scale: float | None = None,
+    block_q: int | None = None,
     kv_chunk_blocks: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -76,7 +132,10 @@ def ragged_paged_attention_reference(
     kv_lens: int32[S]; block_tables: int32[S, max_blocks];
     query_start_loc: int32[S + 1]; num_seqs: int32 scalar.
     Returns [T, Hq, D] in q's dtype; rows of padding tokens are 0.
-    `interpret` is accepted for signature parity with the kernel and ignored.
+
+    block_q (query tokens per block) and kv_chunk_blocks (pages per loop step)
+    only trade gather volume against wasted rows; both default from the static
+    shapes. `interpret` is accepted for signature parity with the kernel.
     """
     del interpret
     num_tokens, num_q_heads, head_dim = q.shape
@@ -86,45 +145,59 @@ def ragged_paged_attention_reference(
         raise ValueError(f"Hq={num_q_heads} must be a multiple of Hkv={num_kv_heads}")
     group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    if block_q is None:
+        block_q = default_block_q(num_tokens, num_padded_seqs)
+    num_q_blocks = num_query_blocks(num_tokens, num_padded_seqs, block_q)
     if kv_chunk_blocks is None:
-        kv_chunk_blocks = default_chunk_blocks(num_tokens, num_kv_heads, head_dim, block_size)
-    if kv_chunk_blocks < 1:
-        raise ValueError(f"kv_chunk_blocks={kv_chunk_blocks} must be >= 1")
+        kv_chunk_blocks = default_chunk_blocks(num_q_blocks, num_kv_heads, head_dim, block_size)
+    if block_q < 1 or kv_chunk_blocks < 1:
+        raise ValueError(f"block_q={block_q} and kv_chunk_blocks={kv_chunk_blocks} must be >= 1")
     chunk_tokens = kv_chunk_blocks * block_size
 
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    kv_lens = kv_lens.astype(jnp.int32)
-    query_start_loc = query_start_loc.astype(jnp.int32)
-    seq_ids, positions, _ = token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens)
+    blocks = query_blocks(
+        query_start_loc.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        num_seqs,
+        num_tokens=num_tokens,
+        block_q=block_q,
+        num_q_blocks=num_q_blocks,
+    )
+    tokens = blocks.token_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)  # [P, bq]
+    row_valid = tokens < blocks.token_end[:, None]
+    positions = tokens + blocks.position_offset[:, None]
+    # Padding tokens (blocks with kv_end == 0) get position -1: they see no key.
+    positions = jnp.where(row_valid & (positions < blocks.kv_end[:, None]), positions, -1)
+    tokens = jnp.clip(tokens, 0, num_tokens - 1)
 
     # Pad the width to whole chunks so the dynamic slice below never clamps
     # (a clamped slice would silently re-read earlier blocks).
     num_chunks_max = -(-max_blocks // kv_chunk_blocks)
     pad = num_chunks_max * kv_chunk_blocks - max_blocks
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
+    num_chunks = jnp.minimum(
+        (jnp.max(blocks.kv_end) + chunk_tokens - 1) // chunk_tokens, num_chunks_max
+    )
 
-    live = jnp.arange(num_padded_seqs) < num_seqs
-    max_kv_len = jnp.max(jnp.where(live, kv_lens, 0))
-    num_chunks = jnp.minimum((max_kv_len + chunk_tokens - 1) // chunk_tokens, num_chunks_max)
-
-    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
-    m0 = jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32)
-    acc0 = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
+    shape = (num_q_blocks, block_q, num_kv_heads, group)
+    qf = q.astype(jnp.float32)[tokens].reshape(*shape, head_dim) * scale
+    m0 = jnp.full(shape, -jnp.inf, jnp.float32)
+    l0 = jnp.zeros(shape, jnp.float32)
+    acc0 = jnp.zeros((*shape, head_dim), jnp.float32)
 
     def body(chunk, carry):
         m, l, acc = carry
-        first_block = chunk * kv_chunk_blocks
-        blocks = lax.dynamic_slice_in_dim(block_tables, first_block, kv_chunk_blocks, axis=1)
-        blocks = jnp.clip(blocks[seq_ids], 0, num_blocks - 1)  # [T, chunk_blocks]
-        k = k_cache[blocks].reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
-        v = v_cache[blocks].reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
-        logits = jnp.einsum(
-            "thgd,tchd->thgc", qf, k.astype(jnp.float32), preferred_element_type=jnp.float32
-        )
-        key_pos = first_block * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        visible = key_pos[None, :] <= positions[:, None]  # [T, C]; implies key_pos < kv_len
-        logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
+        first_page = chunk * kv_chunk_blocks
+        pages = lax.dynamic_slice_in_dim(block_tables, first_page, kv_chunk_blocks, axis=1)
+        pages = jnp.clip(pages[blocks.seq_ids], 0, num_blocks - 1)  # [P, chunk_blocks]
+        kv_shape = (num_q_blocks, chunk_tokens, num_kv_heads, head_dim)
+        k = k_cache[pages].reshape(kv_shape).astype(jnp.float32)
+        v = v_cache[pages].reshape(kv_shape).astype(jnp.float32)
+        logits = jnp.einsum("pqhgd,pchd->pqhgc", qf, k, preferred_element_type=jnp.float32)
+        key_pos = first_page * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        # key_pos <= position implies key_pos < kv_len; padding rows see nothing.
+        visible = key_pos <= positions[..., None]  # [P, bq, C]
+        logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         # Rows that have seen no visible key keep m = -inf; shift by 0 instead.
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -132,10 +205,14 @@ def ragged_paged_attention_reference(
         correction = jnp.exp(m - m_safe)
         l = l * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum(
-            "thgc,tchd->thgd", p, v.astype(jnp.float32), preferred_element_type=jnp.float32
+            "pqhgc,pchd->pqhgd", p, v, preferred_element_type=jnp.float32
         )
         return m_new, l, acc
 
     _, l, acc = lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    rows = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    rows = rows.reshape(num_q_blocks * block_q, num_q_heads, head_dim).astype(q.dtype)
+    # Each valid token is exactly one row; other rows are dropped, padding stays 0.
+    targets = jnp.where(row_valid, tokens, num_tokens).reshape(-1)
+    out = jnp.zeros_like(q)
+    return out.at[targets].set(rows, mode="drop", unique_indices=False)
