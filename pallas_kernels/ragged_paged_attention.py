@@ -10,10 +10,10 @@ tokens. Every (query block, KV head, KV split) is one program:
 
 The wrapper computes, with a handful of cheap jnp ops, which sequence and
 token range each query block covers (`reference.query_blocks`, shared with
-the jnp reference); programs past the last
-live block, and splits past a sequence's context, run zero loop iterations.
-This plays the role of TPU scalar prefetch: metadata arrays are kernel inputs
-read with scalar loads.
+the jnp reference); blocks past the live ones write the padding rows as 0,
+and splits past a sequence's context run zero loop iterations. This plays
+the role of TPU scalar prefetch: metadata arrays are kernel inputs read with
+scalar loads.
 
 One program loads its tile of queries as a 2D [block_q * G_pad, D] matrix
 (the G query heads of one KV head, padded to a power of two, times block_q
@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import query_blocks
+from pallas_kernels.reference import num_query_blocks, query_blocks
 
 # Finite "minus infinity": keeps fully masked rows free of inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -255,7 +255,7 @@ def ragged_paged_attention(
             f"block_q={block_q} must be a power of two >= {min_block_q} "
             f"(block_q * {group_padded} query rows must reach {_MIN_DOT_DIM})"
         )
-    num_q_blocks = min(num_tokens, pl.cdiv(num_tokens, block_q) + num_padded_seqs)
+    num_q_blocks = num_query_blocks(num_tokens, num_padded_seqs, block_q)
     if num_kv_splits is None:
         num_kv_splits = _auto_num_kv_splits(num_q_blocks * num_kv_heads)
     if num_kv_splits < 1:
