@@ -1,0 +1,204 @@
+"""Streaming detokenization reproduces a full decode, and stop strings never leak."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker, find_stop_string
+
+LONG_TEXT = (
+    "Streaming text, token by token:   three spaces,\ttabs,\n\nnew lines  and  doubles.\n"
+    "Emoji 🙂 family 👩‍👩‍👧 flags 🇫🇷🇯🇵 skin tones 👍🏽 and 🦀🐍.\n"
+    "CJK: 你好，世界！日本語のテキスト。한국어 텍스트.\n"
+    "Accents: café, naïve, Ærøskøbing; math ∑ x² ≤ ∞; quotes “like this”.\n"
+    "Code:    def f(x):\n        return x  *  2   # trailing   \n"
+    "Numbers 1234567890 and 3.14159, end.")
+
+
+def llama2_style_tokenizer():
+    """A sentencepiece-like BPE (Metaspace, byte fallback, decoder strips the first space),
+    the kind of tokenizer that drops a word's leading space when decoded without context."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [LONG_TEXT, "Hello world, hello again", "The answer is forty-two, indeed it is."]
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer_tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tokenizer.pre_tokenizer = metaspace
+    trainer_tokenizer.train_from_iterator(corpus * 3, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60,
+        show_progress=False))
+    trained = json.loads(trainer_tokenizer.to_str())["model"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *byte_tokens])}
+    for token in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
+                                   byte_fallback=True, fuse_unk=True))
+    backend.pre_tokenizer = metaspace
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+
+
+@pytest.fixture(scope="module", params=["smollm2", "tiny-byte-level", "llama2-style"])
+def tokenizer(request):
+    if request.param == "smollm2":
+        default_gguf_path = request.getfixturevalue("default_gguf_path")
+        from jaxserve.loader.gguf_loader import gguf_tokenizer
+
+        return gguf_tokenizer(default_gguf_path)
+    if request.param == "llama2-style":
+        return llama2_style_tokenizer()
+    import transformers
+
+    model_dir = request.getfixturevalue("make_tiny_model")("llama")
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def continuation(tokenizer, prompt_ids, ids):
+    """The text `ids` add after the prompt, as a decode of everything shows it."""
+    return tokenizer.decode([*prompt_ids, *ids])[len(tokenizer.decode(prompt_ids)):]
+
+
+def stream(tokenizer, prompt_ids, ids, chunk=1, **kwargs):
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, **kwargs)
+    deltas = [detokenizer.step(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    return detokenizer, deltas
+
+
+def test_token_by_token_text_equals_decoding_all_ids(tokenizer):
+    ids = tokenizer.encode(LONG_TEXT, add_special_tokens=False)
+    detokenizer, deltas = stream(tokenizer, [], ids)
+    assert "".join(deltas) == detokenizer.output_text == tokenizer.decode(ids)
+    assert detokenizer.token_ids == ids
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_after_a_prompt_the_text_equals_the_decoded_continuation(tokenizer):
+    prompt_ids = tokenizer.encode("Tell me something:", add_special_tokens=False)
+    ids = tokenizer.encode(LONG_TEXT, add_special_tokens=False)
+    detokenizer, deltas = stream(tokenizer, prompt_ids, ids)
+    assert detokenizer.output_text == continuation(tokenizer, prompt_ids, ids)
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_byte_pieces_of_a_character_are_held_back_until_complete(tokenizer):
+    text = "🦀👩‍👩‍👧好"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in piece for piece in pieces), "expected a character split into bytes"
+    _, deltas = stream(tokenizer, [], ids)
+    assert "" in deltas and "".join(deltas) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_several_tokens_per_step_give_the_same_text(tokenizer):
+    ids = tokenizer.encode(LONG_TEXT, add_special_tokens=False)
+    one_by_one, _ = stream(tokenizer, [], ids, chunk=1)
+    by_three, _ = stream(tokenizer, [], ids, chunk=3)
+    assert by_three.output_text == one_by_one.output_text
+
+
+def test_leading_space_of_the_first_word_is_kept(tokenizer):
+    all_ids = tokenizer.encode("Hello world, hello again", add_special_tokens=False)
+    world = next(i for i, token in enumerate(tokenizer.convert_ids_to_tokens(all_ids))
+                 if "world" in token)
+    detokenizer, deltas = stream(tokenizer, all_ids[:world], all_ids[world:])
+    assert detokenizer.output_text == " world, hello again"
+    assert deltas[0].startswith(" ")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_skipped_or_kept_like_decode(tokenizer, skip):
+    text = "Hi there<|im_end|>\n<|im_start|>assistant\nYo 🙂<|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
+    detokenizer, _ = stream(tokenizer, [], ids, skip_special_tokens=skip)
+    assert detokenizer.output_text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in detokenizer.output_text) is not skip
+
+
+def test_out_of_vocabulary_ids_add_no_text(tokenizer):
+    ids = tokenizer.encode("ok", add_special_tokens=False)
+    detokenizer, _ = stream(tokenizer, [], [*ids, len(tokenizer) + 5, -1, *ids])
+    assert detokenizer.output_text == tokenizer.decode([*ids, *ids])
+
+
+def boundary_spanning_stop(tokenizer, ids):
+    """A stop string made of the end of one token's text and the start of the next's."""
+    texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    for i in range(2, len(ids)):
+        left, right = texts[i - 1][len(texts[i - 2]):], texts[i][len(texts[i - 1]):]
+        if len(left) >= 2 and len(right) >= 2 and left.isascii() and right.isascii():
+            return left[-2:] + right[:2], len(texts[i - 1])  # stop, where it crosses tokens
+    raise AssertionError("no two adjacent multi-character tokens")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_two_tokens_truncates_and_never_streams_early(tokenizer, include):
+    ids = tokenizer.encode("The answer is forty-two, indeed it is.", add_special_tokens=False)
+    stop, boundary = boundary_spanning_stop(tokenizer, ids)
+    full = tokenizer.decode(ids)
+    start = full.find(stop)
+    assert start < boundary < start + len(stop)  # the match really spans a token boundary
+
+    expected = full[:start + len(stop)] if include else full[:start]
+
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    checker = StopChecker(["never-appears", stop], include_stop_str_in_output=include)
+    streamed, match = "", None
+    for token_id in ids:
+        delta = detokenizer.step([token_id])
+        match = checker.check(detokenizer.output_text, len(delta))
+        text = match[1] if match else detokenizer.output_text
+        streamed += checker.stream(text, finished=match is not None)
+        # what was shown is never taken back: no early glimpse of the stop string
+        assert expected.startswith(streamed)
+        if match:
+            break
+    assert match == (stop, expected)
+    assert streamed == expected
+
+
+def test_truncation_never_cuts_text_already_streamed(tokenizer):
+    ids = tokenizer.encode("abc ab abd abcd the end", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    checker = StopChecker(["abcd", "abx"])
+    streamed = []
+    match = None
+    for token_id in ids:
+        delta = detokenizer.step([token_id])
+        match = checker.check(detokenizer.output_text, len(delta))
+        final = match[1] if match else detokenizer.output_text
+        streamed.append(checker.stream(final, finished=match is not None))
+        if match:
+            break
+    assert match == ("abcd", "abc ab abd ")
+    assert "".join(streamed) == "abc ab abd "
+
+
+def test_unfinished_stream_is_released_when_finished_without_a_match():
+    checker = StopChecker(["STOP!"])
+    assert checker.holdback == 4
+    assert checker.stream("hello ST", finished=False) == "hell"
+    assert checker.stream("hello STO", finished=False) == "o"
+    assert checker.stream("hello STOP", finished=True) == " STOP"
+    assert StopChecker(["STOP!"], include_stop_str_in_output=True).holdback == 0
+    assert StopChecker(None).stream("all of it", finished=False) == "all of it"
+
+
+def test_find_stop_string_prefers_the_earliest_match_and_searches_only_new_text():
+    text = "one two three four"
+    assert find_stop_string(text, len(text), ["four", "two"]) == ("two", "one ")
+    assert find_stop_string(text, len(text), ["four", "two"], True) == ("two", "one two")
+    assert find_stop_string(text, 3, ["two"]) is None  # "two" was in older text
+    assert find_stop_string(text, 3, ["e fo"]) == ("e fo", "one two thre")  # spans into new text
+    assert find_stop_string(text, 0, ["four"]) is None
+    assert find_stop_string("ab", 2, ["a", "ab"]) == ("ab", "")  # same start: the longer one
+    assert find_stop_string("你好世界", 1, ["好世界"], True) == ("好世界", "你好世界")
