@@ -24,7 +24,8 @@ tokens) is held back until the next token completes it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # how many prompt tokens of context the first decode window gets
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5

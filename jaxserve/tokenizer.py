@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 
 def load_tokenizer(source: Any, chat_template: str | None = None) -> Any:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -60,20 +61,19 @@ def _build_tiny_tokenizer(directory: Path) -> Any:
 def _tiny_config(arch: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
     import transformers
 
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  vocab_size=vocab_size, rms_norm_eps=1e-6, initializer_range=0.1,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "vocab_size": vocab_size, "rms_norm_eps": 1e-6,
+              "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 128}
     per_arch = {
-        "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-        "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
-        "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-        "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
-        "llama3": ("LlamaConfig", dict(
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 128})),
+        "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
+        "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+        "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+        "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
+        "llama3": ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": llama3_rope}),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")

@@ -27,8 +27,15 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-__all__ = ["LoadedModel", "ResolvedModel", "SUPPORTED_ARCHITECTURES", "default_gguf_path",
-           "head_dim", "load_model", "resolve_model"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "LoadedModel",
+    "ResolvedModel",
+    "default_gguf_path",
+    "head_dim",
+    "load_model",
+    "resolve_model",
+]
 
 
 @dataclass
@@ -93,8 +100,12 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     resolved = resolve_model(model)
     start = time.perf_counter()
     if resolved.format == "gguf":
-        from jaxserve.loader.gguf_loader import (gguf_config, gguf_tokenizer, load_gguf_weights,
-                                                 open_gguf)
+        from jaxserve.loader.gguf_loader import (
+            gguf_config,
+            gguf_tokenizer,
+            load_gguf_weights,
+            open_gguf,
+        )
 
         reader = open_gguf(resolved.path)
         hf_config = gguf_config(reader, resolved.path)

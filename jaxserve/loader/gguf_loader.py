@@ -17,7 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.weights import StackedWeights, expected_shapes, optional_tensors_present, parse_name
+from jaxserve.loader.weights import (
+    StackedWeights,
+    expected_shapes,
+    optional_tensors_present,
+    parse_name,
+)
 
 logger = logging.getLogger(__name__)
 

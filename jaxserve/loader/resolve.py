@@ -30,7 +30,7 @@ def default_gguf_path() -> Path:
     package_dir = None
     if spec is not None:
         if spec.submodule_search_locations:
-            package_dir = Path(list(spec.submodule_search_locations)[0])
+            package_dir = Path(next(iter(spec.submodule_search_locations)))
         elif spec.origin:
             package_dir = Path(spec.origin).parent
     if package_dir is not None:

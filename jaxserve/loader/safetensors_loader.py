@@ -12,14 +12,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from jaxserve.loader.weights import (StackedWeights, expected_shapes, is_ignorable,
-                                     optional_tensors_present, parse_name)
+from jaxserve.loader.weights import (
+    StackedWeights,
+    expected_shapes,
+    is_ignorable,
+    optional_tensors_present,
+    parse_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +55,9 @@ class SafetensorsFile:
                 header = json.loads(f.read(header_len))
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             raise ValueError(f"{self.path}: not a valid safetensors file ({e})") from None
-        if not isinstance(header, dict):
-            raise ValueError(f"{self.path}: not a valid safetensors file (header is not a mapping)")
+        if not isinstance(header, dict):  # a corrupt file, not a caller's type error
+            raise ValueError(  # noqa: TRY004
+                f"{self.path}: not a valid safetensors file (header is not a mapping)")
         self.metadata = header.pop("__metadata__", None) or {}
         self.data_start = 8 + header_len
         self.entries: dict[str, dict[str, Any]] = header
@@ -73,7 +80,7 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: not a valid safetensors file (tensor {name!r} has "
                              f"offsets {begin}..{end} for shape {entry['shape']} {entry['dtype']})")
 
-    def keys(self) -> list[str]:
+    def names(self) -> list[str]:
         return list(self.entries)
 
     def get(self, name: str) -> np.ndarray:
@@ -113,7 +120,7 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
 
 def _iter_tensors(files: list[SafetensorsFile]) -> Iterator[tuple[str, SafetensorsFile]]:
     for file in files:
-        for name in file.keys():
+        for name in file.names():
             yield name, file
 
 
