@@ -129,19 +129,31 @@ def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 
 # -- stage 4: random rows -----------------------------------------------------------------
-def _scaled(processed: jax.Array, t: SamplingTensors):
-    """Temperature-scaled logits x, row max m, min_p threshold (all cheap to recompute)."""
-    temperature = jnp.where(t.temperature < GREEDY_EPS, 1.0, t.temperature)
-    x = processed / temperature[:, None]
-    m = jnp.max(x, axis=-1)
-    # vLLM keeps p >= min_p * p_max, i.e. x >= m + log(min_p); min_p = 0 keeps all.
-    min_p_threshold = m + jnp.where(t.min_p > 0, jnp.log(t.min_p), -jnp.inf)
-    return x, m, min_p_threshold
+def _inverse_temperature(t: SamplingTensors) -> jax.Array:
+    return 1.0 / jnp.where(t.temperature < GREEDY_EPS, 1.0, t.temperature)
+
+
+def _rows(v: jax.Array, ndim: int) -> jax.Array:
+    """A per-row [S] value shaped to broadcast against an [S, ...] array of rank ndim."""
+    return v.reshape(v.shape + (1,) * (ndim - 1))
+
+
+def _scale(processed: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Temperature-scaled logits x (greedy rows unscaled); fuses into its consumers. Any
+    [S, ...] reshaping of processed works, so blocks of it scale identically."""
+    return processed * _rows(_inverse_temperature(t), processed.ndim)
+
+
+def _max_and_min_p_threshold(processed: jax.Array, t: SamplingTensors):
+    """Row max of x (= max of processed, scaled: scaling is monotone) and the min_p
+    threshold: vLLM keeps p >= min_p * p_max, i.e. x >= m + log(min_p)."""
+    m = jnp.max(processed, -1) * _inverse_temperature(t)
+    return m, m + jnp.where(t.min_p > 0, jnp.log(t.min_p), -jnp.inf)
 
 
 def _kept_weights(x: jax.Array, m: jax.Array, threshold: jax.Array) -> jax.Array:
     """exp(x - m) where x >= threshold, else 0: the unnormalized kept distribution."""
-    return jnp.where(x >= threshold[:, None], jnp.exp(x - m[:, None]), 0.0)
+    return jnp.where(x >= _rows(threshold, x.ndim), jnp.exp(x - _rows(m, x.ndim)), 0.0)
 
 
 def _filter_flags(t: SamplingTensors, vocab: int):
@@ -162,41 +174,44 @@ class _Thresholds:
 
 def _sample_random(processed: jax.Array, t: SamplingTensors, num_candidates: int) -> jax.Array:
     """Tokens of the random rows (greedy rows get a value that the caller discards)."""
-    x, m, min_p_threshold = _scaled(processed, t)
-    top_k_on, top_p_on = _filter_flags(t, x.shape[1])
+    m, min_p_threshold = _max_and_min_p_threshold(processed, t)
+    top_k_on, top_p_on = _filter_flags(t, processed.shape[1])
     u = _uniforms(t, 1 + _MAX_REJECTION_ROUNDS)            # [S, R]: column r for round r
     # The conds carry only [S] results: no [S, V] array is copied through them.
     f = lax.cond(jnp.any(top_k_on | top_p_on),
                  partial(_thresholds, num_candidates=num_candidates),
-                 lambda processed, t: _Thresholds(min_p_threshold, min_p_threshold,
-                                                  jnp.zeros_like(m), jnp.ones(m.shape, bool)),
-                 processed, t)
-    tokens = _inverse_cdf(_kept_weights(x, m, f.threshold), u[:, 0])
-    unresolved = ~f.resolved
-    return lax.cond(jnp.any(unresolved), _sample_nucleus_by_rejection,
-                    lambda processed, t, f, u, tokens: tokens, processed, t, f, u, tokens)
+                 lambda processed, t, m, min_p_threshold: _Thresholds(
+                     min_p_threshold, min_p_threshold, jnp.zeros_like(m), jnp.ones(m.shape, bool)),
+                 processed, t, m, min_p_threshold)
+    tokens = _inverse_cdf(
+        (processed,), lambda p: _kept_weights(_scale(p, t), m, f.threshold), u[:, 0])
+    return lax.cond(jnp.any(~f.resolved), _sample_nucleus_by_rejection,
+                    lambda processed, t, m, f, u, tokens: tokens, processed, t, m, f, u, tokens)
 
 
-def _thresholds(processed: jax.Array, t: SamplingTensors, num_candidates: int) -> _Thresholds:
+def _thresholds(processed: jax.Array, t: SamplingTensors, m: jax.Array,
+                min_p_threshold: jax.Array, num_candidates: int) -> _Thresholds:
     """Per-row keep thresholds for min_p, then top_k, then top_p (vLLM's order)."""
-    x, m, min_p_threshold = _scaled(processed, t)
-    vocab = x.shape[1]
+    vocab = processed.shape[1]
     top_k_on, top_p_on = _filter_flags(t, vocab)
-    cand, _ = _top_k_values(x, min(num_candidates, vocab))            # [S, C] descending
+    cand, _ = _top_k_values(processed, min(num_candidates, vocab))
+    cand = _scale(cand, t)                                  # [S, C] x values, descending
     num_cand = cand.shape[1]
     small_k = top_k_on & (t.top_k <= num_cand)
     kth = jnp.take_along_axis(cand, jnp.clip(t.top_k - 1, 0, num_cand - 1)[:, None], 1)[:, 0]
     big_k = top_k_on & ~small_k
-    kth = lax.cond(jnp.any(big_k), lambda: jnp.where(big_k, _kth_largest(x, t.top_k), kth),
-                   lambda: kth)
+    # Rare paths get `processed` (an existing buffer) and recompute x: a cond that holds a
+    # loop and captures a fresh [S, V] temporary costs far more on CPU, even untaken.
+    kth = lax.cond(jnp.any(big_k), _kth_largest_of_rows, lambda processed, t, big_k, kth: kth,
+                   processed, t, big_k, kth)
     top_k_threshold = jnp.maximum(min_p_threshold, jnp.where(top_k_on, kth, -jnp.inf))
     # top_p renormalizes over what min_p and top_k kept (vLLM masks before its softmax).
-    cand_e = jnp.where(cand >= top_k_threshold[:, None], jnp.exp(cand - m[:, None]), 0.0)
-    mass = lax.cond(
+    cand_e = _kept_weights(cand, m, top_k_threshold)
+    mass = jnp.where(small_k, jnp.sum(cand_e, -1), lax.cond(
         jnp.any(top_p_on & ~small_k),
-        lambda: jnp.where(small_k, jnp.sum(cand_e, -1),
-                          jnp.sum(_kept_weights(x, m, top_k_threshold), -1)),
-        lambda: jnp.sum(cand_e, -1))
+        lambda processed, t, m, thr: jnp.sum(_kept_weights(_scale(processed, t), m, thr), -1),
+        lambda processed, t, m, thr: jnp.zeros_like(m),
+        processed, t, m, top_k_threshold))
     nucleus_mass = t.top_p * mass
     # Token j (descending order) is in the nucleus iff the mass strictly above it < p * mass.
     cum = jnp.cumsum(cand_e, -1)
@@ -208,8 +223,8 @@ def _thresholds(processed: jax.Array, t: SamplingTensors, num_candidates: int) -
     return _Thresholds(threshold, top_k_threshold, nucleus_mass, resolved)
 
 
-def _sample_nucleus_by_rejection(processed: jax.Array, t: SamplingTensors, f: _Thresholds,
-                                 u: jax.Array, tokens: jax.Array) -> jax.Array:
+def _sample_nucleus_by_rejection(processed: jax.Array, t: SamplingTensors, m: jax.Array,
+                                 f: _Thresholds, u: jax.Array, tokens: jax.Array) -> jax.Array:
     """Exact top-p sampling without a sort, for the rows whose nucleus is not resolved.
 
     Sample from the kept tokens above a pivot; accept if the token is in the nucleus
@@ -217,8 +232,8 @@ def _sample_nucleus_by_rejection(processed: jax.Array, t: SamplingTensors, f: _T
     a top prefix and always lies above the pivot, so an accepted token is distributed as
     the renormalized nucleus. Each round is two passes over [S, V]; a few rounds usually.
     """
-    x, m, _ = _scaled(processed, t)
-    weights = _kept_weights(x, m, f.top_k_threshold)
+    x = _scale(processed, t)
+    weights = _kept_weights(x, m, f.top_k_threshold)        # materialized once, read per round
 
     def cond(state):
         round_, _, done, _ = state
@@ -227,7 +242,8 @@ def _sample_nucleus_by_rejection(processed: jax.Array, t: SamplingTensors, f: _T
     def body(state):
         round_, pivot, done, tokens = state
         u_round = lax.dynamic_index_in_dim(u, round_ + 1, axis=1, keepdims=False)
-        candidate = _inverse_cdf(jnp.where(x > pivot[:, None], weights, 0.0), u_round)
+        candidate = _inverse_cdf(
+            (x, weights), lambda x, w: jnp.where(x > _rows(pivot, x.ndim), w, 0.0), u_round)
         value = jnp.take_along_axis(x, candidate[:, None], 1)[:, 0]
         mass_above = jnp.sum(jnp.where(x > value[:, None], weights, 0.0), -1)
         accept = mass_above < f.nucleus_mass
@@ -240,29 +256,40 @@ def _sample_nucleus_by_rejection(processed: jax.Array, t: SamplingTensors, f: _T
     return lax.while_loop(cond, body, init)[3]
 
 
-def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Index j with probability weights[j] / sum(weights), from one uniform u per row.
+def _inverse_cdf(arrays: tuple[jax.Array, ...], weight_fn, u: jax.Array) -> jax.Array:
+    """Index j with probability w[j] / sum(w), from one uniform u per row.
 
-    Two levels (block sums, then one block's cumsum) so no [S, V] cumsum is needed.
+    w = weight_fn(*arrays) elementwise (arrays: [S, V] each; weight_fn must map -inf
+    padding to 0 and be shape-agnostic). Two levels: block sums of w (fused, w is never
+    materialized), then the cumsum of the one chosen block, recomputed from the arrays.
     A token with zero weight is never returned (unless the whole row is zero).
     """
-    num_rows, vocab = weights.shape
-    block = min(_CDF_BLOCK, vocab)
+    num_rows, vocab = arrays[0].shape
+    block = _cdf_block(vocab)
     num_blocks = -(-vocab // block)
     if num_blocks * block != vocab:
-        weights = jnp.pad(weights, ((0, 0), (0, num_blocks * block - vocab)))
-    blocks = weights.reshape(num_rows, num_blocks, block)
-    block_sums = jnp.sum(blocks, -1)
+        arrays = tuple(jnp.pad(a, ((0, 0), (0, num_blocks * block - vocab)),
+                               constant_values=-jnp.inf) for a in arrays)
+    blocks = tuple(a.reshape(num_rows, num_blocks, block) for a in arrays)
+    block_sums = jnp.sum(weight_fn(*blocks), -1)
     block_cum = jnp.cumsum(block_sums, -1)
     target = u * block_cum[:, -1]
     b = jnp.sum(block_cum <= target[:, None], -1)          # first block whose cum > target
     b = jnp.minimum(b, _last_positive(block_sums))
     before = jnp.where(b > 0, jnp.take_along_axis(block_cum, jnp.maximum(b - 1, 0)[:, None],
                                                   1)[:, 0], 0.0)
-    inner = jnp.take_along_axis(blocks, b[:, None, None], 1)[:, 0]      # [S, block]
+    inner = weight_fn(*(jnp.take_along_axis(a, b[:, None, None], 1) for a in blocks))[:, 0]
     j = jnp.sum(jnp.cumsum(inner, -1) <= (target - before)[:, None], -1)
     j = jnp.minimum(j, _last_positive(inner))
     return (b * block + j).astype(_I32)
+
+
+def _cdf_block(vocab: int) -> int:
+    """The largest power of two <= _CDF_BLOCK dividing vocab (no padding copy), if >= 32."""
+    block = _CDF_BLOCK
+    while block >= 32 and vocab % block:
+        block //= 2
+    return block if block >= 32 else min(_CDF_BLOCK, vocab)
 
 
 def _last_positive(w: jax.Array) -> jax.Array:
@@ -321,10 +348,17 @@ def _bisect_u32(predicate, num_rows: int) -> jax.Array:
     return lax.fori_loop(0, 32, body, (lo, hi))[0]
 
 
-def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
-    keys = _sortable(x)
-    kth = _bisect_u32(lambda mid: jnp.sum(keys >= mid[:, None], -1) >= k, x.shape[0])
-    return _unsortable(kth)
+def _kth_largest_of_rows(processed: jax.Array, t: SamplingTensors, rows: jax.Array,
+                         fallback: jax.Array) -> jax.Array:
+    """The top_k-th largest scaled logit of the given rows (else ``fallback``), by bisection
+    over float bits: 32 count passes, for top_k beyond the candidates."""
+    def count_at_least(mid):
+        keys = _sortable(_scale(processed, t))
+        # Counting in f32 (exact below 2**24) keeps the fast reduction path on CPU.
+        return jnp.sum(jnp.where(keys >= mid[:, None], 1.0, 0.0), -1) >= t.top_k
+
+    return jnp.where(rows, _unsortable(_bisect_u32(count_at_least, processed.shape[0])),
+                     fallback)
 
 
 # -- greedy and logprobs ------------------------------------------------------------------
@@ -353,9 +387,11 @@ def _zero_tokens(logits: jax.Array) -> jax.Array:
 
 
 def _chosen_logprobs(logits: jax.Array, tokens: jax.Array):
-    lse = jax.nn.logsumexp(logits, -1)
+    m = jnp.max(logits, -1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), -1))
     chosen = jnp.take_along_axis(logits, tokens[:, None], 1)
-    ranks = jnp.sum(logits >= chosen, -1).astype(_I32)     # vLLM: ties count as ahead
+    # vLLM: ties count as ahead. Counting in f32 keeps the fast reduction path on CPU.
+    ranks = jnp.sum(jnp.where(logits >= chosen, 1.0, 0.0), -1).astype(_I32)
     return chosen[:, 0] - lse, ranks, lse
 
 
@@ -377,8 +413,9 @@ def sampling_probs(logits: jax.Array, t: SamplingTensors, *,
     (``sample`` uses rejection there) the top-p threshold is found by bisection.
     """
     processed = process_logits(logits.astype(_F32), t)
-    x, m, _ = _scaled(processed, t)
-    f = _thresholds(processed, t, num_candidates)
+    m, min_p_threshold = _max_and_min_p_threshold(processed, t)
+    f = _thresholds(processed, t, m, min_p_threshold, num_candidates)
+    x = _scale(processed, t)
     weights = _kept_weights(x, m, f.top_k_threshold)
     keys = _sortable(x)
     # Smallest key whose strictly-above mass is < nucleus_mass = 1 + largest failing key.
