@@ -179,6 +179,8 @@ def copy_bandwidth(num_bytes: int, iters: int, warmup: int) -> float:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if jax.default_backend() == "cpu" and not args.interpret:
+        raise SystemExit("no GPU: the Pallas kernel only runs here with --interpret (tiny shapes)")
     all_cases = cases(args)
     if not all_cases:
         raise SystemExit(f"no cases for --mode {args.mode!r}")

@@ -318,14 +318,21 @@ def test_kernel_matches_reference_on_random_ragged_batches(name):
     "name, knobs",
     [
         # Several query blocks per prefill sequence, keys in steps of two pages.
-        ("mha_d64_bs16", {"block_q": 16, "block_kv": 32}),
+        ("mha_d64_bs16", {"block_q": 16, "block_kv": 32, "sm_scale": 0.3}),
         # Split-K merge (contexts spread over 3 splits, some empty) with one-page steps.
         ("gqa4to1_d128_bs16_long", {"num_kv_splits": 3, "block_kv": 16}),
     ],
 )
 def test_kernel_tuning_knobs_do_not_change_results(name, knobs):
     for batch in sweep_batches(name, 3):
-        assert_close_on_valid_rows(kernel(batch, **knobs), naive_attention(batch), batch, atol=1e-5)
+        expected = naive_attention(batch, knobs.get("sm_scale"))
+        assert_close_on_valid_rows(kernel(batch, **knobs), expected, batch, atol=1e-5)
+
+
+def test_reference_applies_custom_sm_scale():
+    batch = sweep_batches("mha_d64_bs16", 1)[0]
+    out = reference(*batch.args(), sm_scale=0.3, **REFERENCE_KNOBS["mha_d64_bs16"])
+    assert_close_on_valid_rows(out, naive_attention(batch, 0.3), batch, atol=1e-5)
 
 
 def test_kernel_never_reads_cache_rows_past_kv_lens():
@@ -436,6 +443,17 @@ def test_write_kv_writes_exact_slots_and_skips_minus_one():
     np.testing.assert_array_equal(np.asarray(new_v).reshape(-1, hkv, d), expected_v)
     # The last slot (where a wrapped -1 would land) is untouched.
     np.testing.assert_array_equal(np.asarray(new_k)[-1, -1], k_cache[-1, -1])
+
+
+def test_write_kv_updates_donated_caches_in_place():
+    k_cache = jnp.zeros((64, 16, 2, 8))
+    v_cache = jnp.ones((64, 16, 2, 8))
+    pointers = (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer())
+    new = jnp.full((3, 2, 8), 2.0)
+    slots = jnp.array([1, -1, 500], jnp.int32)
+    new_k, new_v = jax.jit(write_kv, donate_argnums=(0, 1))(k_cache, v_cache, new, new, slots)
+    assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == pointers
+    assert float(new_k[31, 4, 1, 7]) == 2.0 and float(new_v[0, 1, 0, 0]) == 2.0
 
 
 def test_write_kv_casts_to_cache_dtype():
