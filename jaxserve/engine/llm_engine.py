@@ -56,6 +56,7 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError (and changes nothing) if it can never run."""
+        self.runner.sampling.check(sampling_params or SamplingParams())
         seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids,
                                         sampling_params or SamplingParams(),
                                         arrival_time or time.time())

@@ -106,7 +106,9 @@ class OutputProcessor:
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens)
             texts.append(_SeqText(detok))
-        holdback = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
+        holdback = 0
+        if params.stop and not params.include_stop_str_in_output:
+            holdback = max(len(s) for s in params.stop) - 1
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, seqs, texts,
             RequestMetrics(arrival_time=arrival_time), holdback=holdback,
@@ -135,20 +137,20 @@ class OutputProcessor:
             seq.logprobs.append(self._logprob_entry(token, result, row, params.logprobs))
 
         text = state.texts[seq.index]
+        delta = ""
         if text.detok is not None:
             delta = text.detok.step([token])
             text.text += delta
-        status = self._check_stop(seq, state, text, token)
+        status = self._check_stop(seq, state, text, token, len(delta))
         if status is not None:
-            seq.status = status
-            text.finish_reason = status.value
-            if all(s.is_finished for s in state.seqs):
+            text.finish_reason = status.value      # the scheduler sets seq.status as it frees
+            if all(t.finish_reason is not None for t in state.texts):
                 state.finished = True
                 state.metrics.finished_time = now
         return status
 
-    def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int
-                    ) -> SequenceStatus | None:
+    def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int,
+                    num_new_chars: int) -> SequenceStatus | None:
         params = state.params
         past_min = seq.num_output_tokens > params.min_tokens
         if past_min and not params.ignore_eos and token in self.eos_token_ids:
@@ -157,7 +159,7 @@ class OutputProcessor:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
         if params.stop and past_min and text.detok is not None:
-            match = find_stop_string(text.text, len(text.text), params.stop,
+            match = find_stop_string(text.text, num_new_chars, params.stop,
                                      params.include_stop_str_in_output)
             if match is not None:
                 seq.stop_reason, text.text = match
@@ -190,10 +192,9 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         if state is None or state.finished:
             return
-        for seq, text in zip(state.seqs, state.texts):
+        for text in state.texts:
             if text.finish_reason is None:
                 text.finish_reason = "abort"
-                seq.status = SequenceStatus.FINISHED_ABORTED
         state.finished = True
         state.changed = True
         state.metrics.finished_time = time.time()

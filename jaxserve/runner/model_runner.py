@@ -7,10 +7,13 @@ single `jax.jit` call with the KV cache donated, and hands back numpy results.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
@@ -23,7 +26,7 @@ from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import CausalLM
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.sampler import sample
-from jaxserve.runner.sampling_tensors import SamplingTensorBuilder
+from jaxserve.runner.sampling_tensors import SamplingTensorBuilder, SamplingTensors
 from jaxserve.runner.step_inputs import InputBuilder, unpack
 
 logger = logging.getLogger(__name__)
@@ -64,7 +67,7 @@ class ModelRunner:
         self.model = CausalLM(arch, backend, num_blocks, block_size, dtype)
         self.inv_freq = jnp.asarray(arch.inv_freq())
         self.inputs = InputBuilder(block_size, self.width)
-        self.sampling = SamplingTensorBuilder(max_model_len=max_model_len,
+        self.sampling = SamplingTensorBuilder(self.buckets.seq_cap, max_model_len,
                                               eos_token_ids=list(eos_token_ids))
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype), out_shardings=kv_sharding)
@@ -73,26 +76,37 @@ class ModelRunner:
         self._constant_cache: dict[tuple[int, str], jax.Array] = {}
 
     # -- compilation ---------------------------------------------------------------------------
-    def _step_fn(self, num_tokens: int, num_seqs: int):
-        fn = self._steps.get((num_tokens, num_seqs))
-        if fn is None:
-            fn = jax.jit(functools.partial(
-                _step, model=self.model, inv_freq=self.inv_freq, num_tokens=num_tokens,
-                num_seqs=num_seqs, width=self.width, num_top_logprobs=self.num_top_logprobs),
-                donate_argnums=(1, 2))
-            self._steps[(num_tokens, num_seqs)] = fn
-        return fn
+    def _jitted(self, num_tokens: int, num_seqs: int):
+        return jax.jit(functools.partial(
+            _step, model=self.model, inv_freq=self.inv_freq, num_tokens=num_tokens,
+            num_seqs=num_seqs, width=self.width, num_top_logprobs=self.num_top_logprobs),
+            donate_argnums=(1, 2))
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket (an all-padding step touches no cache row). Returns seconds."""
+    def _compile(self, num_tokens: int, num_seqs: int):
+        """Ahead-of-time compile one bucket; returns the executable (called directly later)."""
+        packed = self.inputs.build([], num_tokens, num_seqs)
+        sampling = self._to_device(self.sampling.build([], num_seqs), num_seqs)
+        return self._jitted(num_tokens, num_seqs).lower(
+            self.params, self.k_cache, self.v_cache, jnp.asarray(packed), sampling).compile()
+
+    def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
+        """Compile every bucket before serving, several at once (XLA compiles release the GIL;
+        tracing does not, but it is the small part). Returns seconds."""
         start = time.perf_counter()
-        shapes = self.buckets.all_shapes()
-        iterator = shapes
+        shapes = [s for s in self.buckets.all_shapes() if s not in self._steps]
+        workers = max_workers or min(len(shapes), os.cpu_count() or 1) or 1
+        bar = None
         if progress:
             from tqdm import tqdm
-            iterator = tqdm(shapes, desc="Compiling step buckets", unit="bucket")
-        for t, s in iterator:
-            self._run_bucket([], t, s)
+            bar = tqdm(total=len(shapes), desc="Compiling step buckets", unit="bucket")
+        with ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(self._compile, t, s): (t, s) for t, s in shapes}
+            for future in as_completed(futures):
+                self._steps[futures[future]] = future.result()
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
         elapsed = time.perf_counter() - start
         logger.info("warm-up compiled %d step shapes in %.1f s", len(shapes), elapsed)
         return elapsed
@@ -112,7 +126,9 @@ class ModelRunner:
         packed = self.inputs.build(scheduled, t, s)
         sampling = self.sampling.build([seq for seq, _ in scheduled], s)
         sampling = self._to_device(sampling, s)
-        fn = self._step_fn(t, s)
+        fn = self._steps.get((t, s))
+        if fn is None:   # only before warm-up (or for a shape warm-up skipped): compile now
+            fn = self._steps[(t, s)] = self._compile(t, s)
         self.k_cache, self.v_cache, out = fn(self.params, self.k_cache, self.v_cache,
                                              jnp.asarray(packed), sampling)
         n = len(scheduled)
@@ -120,9 +136,22 @@ class ModelRunner:
         return StepResult(np.asarray(host.next_tokens)[:n], np.asarray(host.sampled_logprobs)[:n],
                           np.asarray(host.top_token_ids)[:n], np.asarray(host.top_logprobs)[:n])
 
-    def _to_device(self, sampling, s: int):
-        """Big per-row tables that nobody uses this step stay on the device as constants."""
-        return self.sampling.to_device(sampling, self._constant_cache, s)
+    def _to_device(self, sampling: SamplingTensors, s: int) -> SamplingTensors:
+        """Send this step's sampling inputs; the big per-row penalty and bias tables, when no
+        row uses them, are device-resident constants instead of a fresh transfer."""
+        replace = {}
+        groups = [(sampling.needs_penalties, ("penalty_token_ids", "num_prompt_tokens")),
+                  (sampling.needs_bias, ("bias_token_ids", "bias_values"))]
+        for needed, names in groups:
+            if needed:
+                continue
+            for name in names:
+                cached = self._constant_cache.get((s, name))
+                if cached is None:
+                    cached = self._constant_cache[(s, name)] = jax.device_put(
+                        self.sampling.constants(s)[name])
+                replace[name] = cached
+        return jax.device_put(dataclasses.replace(sampling, **replace))
 
     def release(self, seq_id: int) -> None:
         self.sampling.release(seq_id)
