@@ -195,3 +195,21 @@ def test_reset_prefix_cache_only_when_no_block_is_used():
     assert bm.reset_prefix_cache()
     assert bm.get_computed_blocks(make_seq([1, 2, 3])) == ([], 0)
     bm.check_invariants([])
+
+
+def test_block_filled_over_several_steps_is_cached_with_its_full_tokens():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq([1, 2, 3, 4, 5, 6])
+    assert bm.allocate_slots(seq, 6, bm.get_computed_blocks(seq)[0])
+    seq.num_computed_tokens = 6                    # block 1 half computed: not cached yet
+    bm.cache_full_blocks(seq)
+    for token in (7, 8):                           # decodes fill block 1
+        seq.append_token(token)
+        assert bm.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+        bm.cache_full_blocks(seq)
+    table = list(seq.block_table)
+    bm.free(seq)
+    blocks, num_cached = bm.get_computed_blocks(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert num_cached == 8 and blocks == table[:2]
+    bm.check_invariants([])
