@@ -19,8 +19,14 @@ is always "every token whose scaled logit is >= a per-row threshold"; top_k and
 top_p thresholds come from the exact top ``num_candidates`` logits (two-level
 block top-k, no full sort: XLA's CPU sort takes ~1 s at [64, 49152]). Rows whose
 top-p nucleus is larger than the candidates sample by rejection with a rising
-pivot (exact; see ``_sample_nucleus_by_rejection``), and rows with
-top_k > num_candidates find the k-th logit by bisection on float bits.
+pivot (exact, one pass per round; see ``_sample_nucleus_by_rejection``), and rows
+with top_k > num_candidates find the k-th logit by bisection on float bits (32
+passes: slow, but only when such a row is in the batch).
+
+CPU notes (measured, XLA:CPU): reductions of f32 are fast, variadic ones (argmax)
+and integer sums are not, so argmax goes through block maxima and counts are f32
+sums; nothing [S, V] is materialized on the common paths, since XLA mallocs every
+temporary on every call and glibc page-faults large ones in again each time.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ class SamplerOutput:
 
     next_tokens: jax.Array       # i32[S]
     sampled_logprobs: jax.Array  # f32[S], logprob of next_tokens
-    sampled_ranks: jax.Array     # i32[S], 1 + number of tokens with a higher logprob
+    sampled_ranks: jax.Array     # i32[S], tokens with logprob >= it (vLLM's rank, 1=best)
     top_token_ids: jax.Array     # i32[S, K], K = num_top_logprobs, by logprob descending
     top_logprobs: jax.Array      # f32[S, K]
 
@@ -230,66 +236,102 @@ def _sample_nucleus_by_rejection(processed: jax.Array, t: SamplingTensors, m: ja
     Sample from the kept tokens above a pivot; accept if the token is in the nucleus
     (mass strictly above it < nucleus_mass), else raise the pivot to it. The nucleus is
     a top prefix and always lies above the pivot, so an accepted token is distributed as
-    the renormalized nucleus. Each round is two passes over [S, V]; a few rounds usually.
+    the renormalized nucleus. The block sums above a candidate both decide its acceptance
+    and are the next proposal's distribution, so a round is one pass over [S, V]. Nothing
+    [S, V] is materialized (XLA:CPU mallocs every temporary on every call).
     """
-    x = _scale(processed, t)
-    weights = _kept_weights(x, m, f.top_k_threshold)        # materialized once, read per round
+    blocked = _blocked((processed,))
+
+    def weights_above(pivot):
+        def weights(p):
+            x = _scale(p, t)
+            kept = _kept_weights(x, m, f.top_k_threshold)
+            return jnp.where(x > _rows(pivot, x.ndim), kept, 0.0)
+        return weights
+
+    def propose(pivot, column):
+        sums = _block_sums(blocked, weights_above(pivot))
+        return sums, _pick(blocked, sums, weights_above(pivot), u[:, column])
 
     def cond(state):
-        round_, _, done, _ = state
+        round_, done = state[0], state[2]
         return jnp.any(~done) & (round_ < _MAX_REJECTION_ROUNDS)
 
     def body(state):
-        round_, pivot, done, tokens = state
-        u_round = lax.dynamic_index_in_dim(u, round_ + 1, axis=1, keepdims=False)
-        candidate = _inverse_cdf(
-            (x, weights), lambda x, w: jnp.where(x > _rows(pivot, x.ndim), w, 0.0), u_round)
-        value = jnp.take_along_axis(x, candidate[:, None], 1)[:, 0]
-        mass_above = jnp.sum(jnp.where(x > value[:, None], weights, 0.0), -1)
-        accept = mass_above < f.nucleus_mass
-        tokens = jnp.where(done, tokens, candidate)
-        pivot = jnp.where(done | accept, pivot, value)
-        return round_ + 1, pivot, done | accept, tokens
+        round_, candidate, done, tokens = state
+        value = _scale(jnp.take_along_axis(processed, candidate[:, None], 1)[:, 0], t)
+        sums, proposal = propose(value, jnp.minimum(round_ + 1, _MAX_REJECTION_ROUNDS))
+        accept = ~done & (jnp.sum(sums, -1) < f.nucleus_mass)
+        tokens = jnp.where(accept, candidate, tokens)
+        candidate = jnp.where(done | accept, candidate, proposal)
+        return round_ + 1, candidate, done | accept, tokens
 
+    _, first = propose(jnp.full(m.shape, -jnp.inf, _F32), 1)
     # Rows still undone after the cap (NaN logits) keep their candidate-threshold token.
-    init = (jnp.int32(0), jnp.full(x.shape[:1], -jnp.inf, _F32), f.resolved, tokens)
-    return lax.while_loop(cond, body, init)[3]
+    return lax.while_loop(cond, body, (jnp.int32(1), first, f.resolved, tokens))[3]
 
 
 def _inverse_cdf(arrays: tuple[jax.Array, ...], weight_fn, u: jax.Array) -> jax.Array:
     """Index j with probability w[j] / sum(w), from one uniform u per row.
 
-    w = weight_fn(*arrays) elementwise (arrays: [S, V] each; weight_fn must map -inf
-    padding to 0 and be shape-agnostic). Two levels: block sums of w (fused, w is never
-    materialized), then the cumsum of the one chosen block, recomputed from the arrays.
-    A token with zero weight is never returned (unless the whole row is zero).
+    w = weight_fn(*arrays), elementwise and shape-agnostic (arrays: [S, V] each). Two
+    levels: block sums of w (fused: w is never materialized), then the cumsum of the one
+    chosen block, recomputed from the arrays. A token with zero weight is never returned
+    (unless the whole row is zero).
     """
+    blocked = _blocked(arrays)
+    return _pick(blocked, _block_sums(blocked, weight_fn), weight_fn, u)
+
+
+def _blocked(arrays: tuple[jax.Array, ...]):
+    """([S, V/B, B] views of the arrays, [S, V % B] tails or None). No copy of [S, V]."""
     num_rows, vocab = arrays[0].shape
     block = _cdf_block(vocab)
-    num_blocks = -(-vocab // block)
-    if num_blocks * block != vocab:
-        arrays = tuple(jnp.pad(a, ((0, 0), (0, num_blocks * block - vocab)),
-                               constant_values=-jnp.inf) for a in arrays)
-    blocks = tuple(a.reshape(num_rows, num_blocks, block) for a in arrays)
-    block_sums = jnp.sum(weight_fn(*blocks), -1)
+    num_blocks = vocab // block
+    main = tuple(a[:, :num_blocks * block].reshape(num_rows, num_blocks, block)
+                 for a in arrays)
+    tail = tuple(a[:, num_blocks * block:] for a in arrays) if vocab % block else None
+    return main, tail
+
+
+def _cdf_block(vocab: int) -> int:
+    """The largest power of two <= _CDF_BLOCK dividing vocab if >= 32 (no tail), else
+    _CDF_BLOCK (plus a tail); a small vocab is one block."""
+    if vocab <= _CDF_BLOCK:
+        return vocab
+    block = _CDF_BLOCK
+    while block > 32 and vocab % block:
+        block //= 2
+    return block if vocab % block == 0 else _CDF_BLOCK
+
+
+def _block_sums(blocked, weight_fn) -> jax.Array:
+    main, tail = blocked
+    sums = jnp.sum(weight_fn(*main), -1)
+    if tail is not None:
+        sums = jnp.concatenate([sums, jnp.sum(weight_fn(*tail), -1, keepdims=True)], -1)
+    return sums
+
+
+def _pick(blocked, block_sums: jax.Array, weight_fn, u: jax.Array) -> jax.Array:
+    """The token at u * total in the CDF whose block sums are given."""
+    main, tail = blocked
+    num_main, block = main[0].shape[1:]
     block_cum = jnp.cumsum(block_sums, -1)
     target = u * block_cum[:, -1]
     b = jnp.sum(block_cum <= target[:, None], -1)          # first block whose cum > target
     b = jnp.minimum(b, _last_positive(block_sums))
     before = jnp.where(b > 0, jnp.take_along_axis(block_cum, jnp.maximum(b - 1, 0)[:, None],
                                                   1)[:, 0], 0.0)
-    inner = weight_fn(*(jnp.take_along_axis(a, b[:, None, None], 1) for a in blocks))[:, 0]
+    in_main = jnp.minimum(b, num_main - 1)[:, None, None]
+    inner = weight_fn(*(jnp.take_along_axis(a, in_main, 1) for a in main))[:, 0]
+    if tail is not None:
+        tail_weights = weight_fn(*tail)
+        tail_weights = jnp.pad(tail_weights, ((0, 0), (0, block - tail_weights.shape[1])))
+        inner = jnp.where((b == num_main)[:, None], tail_weights, inner)
     j = jnp.sum(jnp.cumsum(inner, -1) <= (target - before)[:, None], -1)
     j = jnp.minimum(j, _last_positive(inner))
     return (b * block + j).astype(_I32)
-
-
-def _cdf_block(vocab: int) -> int:
-    """The largest power of two <= _CDF_BLOCK dividing vocab (no padding copy), if >= 32."""
-    block = _CDF_BLOCK
-    while block >= 32 and vocab % block:
-        block //= 2
-    return block if block >= 32 else min(_CDF_BLOCK, vocab)
 
 
 def _last_positive(w: jax.Array) -> jax.Array:
@@ -306,18 +348,24 @@ def _uniforms(t: SamplingTensors, n: int) -> jax.Array:
 # -- exact top-k without a full sort ------------------------------------------------------
 def _top_k_values(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Exact ``lax.top_k(x, k)`` values and indices: the top k lie in the k blocks with
-    the largest maxima, so only those k * block elements are searched."""
+    the largest maxima, so only those k * block elements are searched (a vocab that
+    blocks do not divide has its tail as one more, -inf padded, block: no [S, V] copy)."""
     num_rows, vocab = x.shape
     block = _TOPK_BLOCK
     if vocab < 4 * k * block:
         return lax.top_k(x, k)
-    num_blocks = -(-vocab // block)
-    if num_blocks * block != vocab:
-        x = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
-    blocks = x.reshape(num_rows, num_blocks, block)
-    _, block_ids = lax.top_k(jnp.max(blocks, -1), k)
-    gathered = jnp.take_along_axis(blocks, block_ids[:, :, None], 1).reshape(num_rows, k * block)
-    values, pos = lax.top_k(gathered, k)
+    num_main = vocab // block
+    main = x[:, :num_main * block].reshape(num_rows, num_main, block)
+    block_max = jnp.max(main, -1)
+    if vocab % block:
+        tail = jnp.pad(x[:, num_main * block:], ((0, 0), (0, block - vocab % block)),
+                       constant_values=-jnp.inf)
+        block_max = jnp.concatenate([block_max, jnp.max(tail, -1, keepdims=True)], -1)
+    _, block_ids = lax.top_k(block_max, k)
+    gathered = jnp.take_along_axis(main, jnp.minimum(block_ids, num_main - 1)[:, :, None], 1)
+    if vocab % block:
+        gathered = jnp.where((block_ids == num_main)[:, :, None], tail[:, None, :], gathered)
+    values, pos = lax.top_k(gathered.reshape(num_rows, k * block), k)
     ids = jnp.take_along_axis(block_ids, pos // block, 1) * block + pos % block
     return values, ids.astype(_I32)
 
