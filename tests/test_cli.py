@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fake_engine import FakeEngine
+try:                                    # tests/ as a package or as a plain directory
+    from tests.fake_engine import FakeEngine
+except ImportError:
+    from fake_engine import FakeEngine
 
 from jaxserve.config import ServeConfig, iter_leaf_fields
 from jaxserve.entrypoints.chat import run_chat

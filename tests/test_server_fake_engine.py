@@ -19,7 +19,10 @@ import time
 import httpx
 import pytest
 
-from fake_engine import CYCLE, FakeEngine
+try:                                    # tests/ as a package or as a plain directory
+    from tests.fake_engine import CYCLE, FakeEngine
+except ImportError:
+    from fake_engine import CYCLE, FakeEngine
 
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError

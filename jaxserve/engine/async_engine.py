@@ -225,11 +225,13 @@ class AsyncLLMEngine:
                     commands = list(self._inbox)
                     self._inbox.clear()
                     stopping = self._stopping
-                self._handle_commands(commands)
+                aborted = self._handle_commands(commands)
                 if stopping:
                     self._abort_all()
                     return
-                if engine.has_unfinished_requests():
+                # After an abort, step even if the engine says it is idle: the aborted
+                # request's final output comes out of the next step().
+                if aborted or engine.has_unfinished_requests():
                     outputs = engine.step()
                     self.last_step_time = time.monotonic()
                     self._dispatch(outputs)
@@ -241,8 +243,10 @@ class AsyncLLMEngine:
             with self._cond:
                 self._cond.notify_all()
 
-    def _handle_commands(self, commands: list[tuple]) -> None:
+    def _handle_commands(self, commands: list[tuple]) -> bool:
+        """Apply queued adds and aborts; returns whether anything was aborted."""
         engine = self.engine
+        aborted = False
         for command in commands:
             if command[0] == "add":
                 _, stream, prompt, params, prompt_token_ids, arrival_time = command
@@ -262,9 +266,12 @@ class AsyncLLMEngine:
             elif command[0] == "abort":
                 if command[1] in self._streams:
                     engine.abort_request(command[1])
+                    aborted = True
             elif command[0] == "abort_all" and self._streams:
                 logger.info("aborting %d in-flight request(s)", len(self._streams))
                 engine.abort_request(list(self._streams))
+                aborted = True
+        return aborted
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
@@ -294,9 +301,9 @@ class AsyncLLMEngine:
             logger.info("aborting %d in-flight request(s)", len(self._streams))
             engine.abort_request(list(self._streams))
             for _ in range(1000):
-                if not engine.has_unfinished_requests():
-                    break
                 self._dispatch(engine.step())
+                if not self._streams or not engine.has_unfinished_requests():
+                    break
         self._fail_all(EngineDeadError("the server is shutting down"))
         self._publish_snapshot()
 
