@@ -83,10 +83,7 @@ class BlockManager:
                 break
             blocks.append(block)
             parent = block_hash
-        num_hit_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        return blocks, len(blocks) * self.block_size
 
     # --------------------------------------------------------------- mutations
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
@@ -121,6 +118,10 @@ class BlockManager:
             self._num_registered[seq.seq_id] = len(computed_blocks)  # hits are registered
             seq.num_computed_tokens = num_computed
             seq.num_cached_tokens = num_computed
+            if self.enable_prefix_caching:
+                # Counted per admission (not per attempt), in tokens, as vLLM counts them.
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_computed
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
