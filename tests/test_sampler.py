@@ -406,3 +406,18 @@ def test_builder_rejects_requests_that_need_too_many_bias_slots():
     with pytest.raises(ValueError, match="num_bias_slots=2"):
         builder.build([Sequence("r", [5], params)], padded_size=2)
     builder.check(SamplingParams(logit_bias={3: 1.0, 4: 1.0}))
+
+
+def test_row_uniforms_are_uniform_and_uncorrelated():
+    from jaxserve.runner.sampler import _uniforms
+    seeds, steps = np.meshgrid(np.arange(200), np.arange(200), indexing="ij")
+    t = make_tensors(rows=seeds.size, vocab=2, seeds=seeds.ravel(), step_index=steps.ravel())
+    u = np.asarray(jax.jit(_uniforms, static_argnums=1)(t, 3))       # [40000, 3]
+    assert u.min() >= 0.0 and u.max() < 1.0
+    for column in range(3):
+        counts = np.bincount((u[:, column] * 50).astype(int), minlength=50)
+        expected = u.shape[0] / 50
+        assert ((counts - expected) ** 2 / expected).sum() < 120    # df=49, p ~ 1e-7
+    grid = u[:, 0].reshape(200, 200)
+    for a, b in ((grid[:, 1:], grid[:, :-1]), (grid[1:], grid[:-1]), (u[:, 0], u[:, 1])):
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.02   # 4 sigma at n=40000

@@ -12,9 +12,9 @@ is vLLM v1's:
 
 Cost is kept near what the batch needs: every optional stage sits behind a
 ``lax.cond`` on "does any row need it", so an all-greedy batch costs about one
-argmax. Random rows sample by inverse CDF with ONE uniform per row, drawn from
-``fold_in(key(seed), step_index)``: a request's sample depends only on its own
-row, never on its position or neighbours. The kept set of min_p / top_k / top_p
+argmax. Random rows sample by inverse CDF with ONE uniform per row, a hash of
+(seed, step_index): a request's sample depends only on its own row, never on
+its position or neighbours. The kept set of min_p / top_k / top_p
 is always "every token whose scaled logit is >= a per-row threshold"; top_k and
 top_p thresholds come from the exact top ``num_candidates`` logits (two-level
 block top-k, no full sort: XLA's CPU sort takes ~1 s at [64, 49152]). Rows whose
@@ -220,7 +220,7 @@ def _thresholds(processed: jax.Array, t: SamplingTensors, m: jax.Array,
         processed, t, m, top_k_threshold))
     nucleus_mass = t.top_p * mass
     # Token j (descending order) is in the nucleus iff the mass strictly above it < p * mass.
-    cum = jnp.cumsum(cand_e, -1)
+    cum = _prefix_sum(cand_e)
     above = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], -1)
     num_keep = jnp.sum(above < nucleus_mass[:, None], -1)
     top_p_threshold = jnp.take_along_axis(cand, jnp.maximum(num_keep - 1, 0)[:, None], 1)[:, 0]
@@ -249,26 +249,27 @@ def _sample_nucleus_by_rejection(processed: jax.Array, t: SamplingTensors, m: ja
             return jnp.where(x > _rows(pivot, x.ndim), kept, 0.0)
         return weights
 
-    def propose(pivot, column):
-        sums = _block_sums(blocked, weights_above(pivot))
-        return sums, _pick(blocked, sums, weights_above(pivot), u[:, column])
-
     def cond(state):
-        round_, done = state[0], state[2]
-        return jnp.any(~done) & (round_ < _MAX_REJECTION_ROUNDS)
+        round_, done = state[0], state[3]
+        return jnp.any(~done) & (round_ <= _MAX_REJECTION_ROUNDS)
 
     def body(state):
-        round_, candidate, done, tokens = state
+        # Round 1 proposes from all kept tokens; each later round judges the previous
+        # proposal with the block sums above it, which are also the next proposal's.
+        round_, candidate, has_candidate, done, tokens = state
         value = _scale(jnp.take_along_axis(processed, candidate[:, None], 1)[:, 0], t)
-        sums, proposal = propose(value, jnp.minimum(round_ + 1, _MAX_REJECTION_ROUNDS))
-        accept = ~done & (jnp.sum(sums, -1) < f.nucleus_mass)
+        pivot = jnp.where(has_candidate, value, -jnp.inf)
+        sums = _block_sums(blocked, weights_above(pivot))
+        accept = has_candidate & ~done & (jnp.sum(sums, -1) < f.nucleus_mass)
+        column = jnp.minimum(round_, _MAX_REJECTION_ROUNDS)
+        proposal = _pick(blocked, sums, weights_above(pivot), u[:, column])
         tokens = jnp.where(accept, candidate, tokens)
         candidate = jnp.where(done | accept, candidate, proposal)
-        return round_ + 1, candidate, done | accept, tokens
+        return round_ + 1, candidate, jnp.ones_like(done), done | accept, tokens
 
-    _, first = propose(jnp.full(m.shape, -jnp.inf, _F32), 1)
     # Rows still undone after the cap (NaN logits) keep their candidate-threshold token.
-    return lax.while_loop(cond, body, (jnp.int32(1), first, f.resolved, tokens))[3]
+    init = (jnp.int32(1), tokens, jnp.zeros_like(f.resolved), f.resolved, tokens)
+    return lax.while_loop(cond, body, init)[4]
 
 
 def _inverse_cdf(arrays: tuple[jax.Array, ...], weight_fn, u: jax.Array) -> jax.Array:
@@ -317,10 +318,9 @@ def _pick(blocked, block_sums: jax.Array, weight_fn, u: jax.Array) -> jax.Array:
     """The token at u * total in the CDF whose block sums are given."""
     main, tail = blocked
     num_main, block = main[0].shape[1:]
-    block_cum = jnp.cumsum(block_sums, -1)
+    block_cum = _prefix_sum(block_sums)
     target = u * block_cum[:, -1]
-    b = jnp.sum(block_cum <= target[:, None], -1)          # first block whose cum > target
-    b = jnp.minimum(b, _last_positive(block_sums))
+    b = _positive_near(block_sums, jnp.sum(block_cum <= target[:, None], -1))
     before = jnp.where(b > 0, jnp.take_along_axis(block_cum, jnp.maximum(b - 1, 0)[:, None],
                                                   1)[:, 0], 0.0)
     in_main = jnp.minimum(b, num_main - 1)[:, None, None]
@@ -329,20 +329,51 @@ def _pick(blocked, block_sums: jax.Array, weight_fn, u: jax.Array) -> jax.Array:
         tail_weights = weight_fn(*tail)
         tail_weights = jnp.pad(tail_weights, ((0, 0), (0, block - tail_weights.shape[1])))
         inner = jnp.where((b == num_main)[:, None], tail_weights, inner)
-    j = jnp.sum(jnp.cumsum(inner, -1) <= (target - before)[:, None], -1)
-    j = jnp.minimum(j, _last_positive(inner))
-    return (b * block + j).astype(_I32)
+    j = jnp.sum(_prefix_sum(inner) <= (target - before)[:, None], -1)
+    return (b * block + _positive_near(inner, j)).astype(_I32)
 
 
-def _last_positive(w: jax.Array) -> jax.Array:
-    return jnp.max(jnp.where(w > 0, lax.broadcasted_iota(_I32, w.shape, 1), 0), -1)
+def _prefix_sum(x: jax.Array) -> jax.Array:
+    """Inclusive prefix sums along the last axis in log2(n) shifted adds (jnp.cumsum's
+    scan costs far more compile time). Like any float scan it may be non-monotone by a
+    rounding error, which ``_positive_near`` absorbs."""
+    n, shift = x.shape[-1], 1
+    while shift < n:
+        x = x + jnp.pad(x[:, :-shift], ((0, 0), (shift, 0)))
+        shift *= 2
+    return x
+
+
+def _positive_near(w: jax.Array, index: jax.Array) -> jax.Array:
+    """index (clamped into range) if w[index] > 0, else the nearest positive entry below
+    it, else above it: a rounding error in the CDF never picks a zero-weight token."""
+    iota = lax.broadcasted_iota(_I32, w.shape, 1)
+    index = jnp.minimum(index, w.shape[1] - 1)[:, None]
+    positive = w > 0
+    below = jnp.max(jnp.where(positive & (iota <= index), iota, -1), -1)
+    above = jnp.min(jnp.where(positive & (iota > index), iota, w.shape[1] - 1), -1)
+    return jnp.where(below >= 0, below, above)
 
 
 def _uniforms(t: SamplingTensors, n: int) -> jax.Array:
-    """[S, n] uniforms in [0, 1) from each row's key fold_in(key(seed), step_index) alone."""
-    def row(seed, step):
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (n,), _F32)
-    return jax.vmap(row)(t.seeds.astype(jnp.uint32), t.step_index)
+    """[S, n] uniforms in [0, 1) (24-bit) from (seed, step_index, column) alone.
+
+    A counter-based hash (three rounds of a 32-bit avalanche mix), not jax.random:
+    threefry adds ~1.5 s of XLA:CPU compile time to every sequence bucket.
+    """
+    seeds = t.seeds.astype(jnp.uint32)
+    steps = t.step_index.astype(jnp.uint32)
+    columns = lax.broadcasted_iota(jnp.uint32, (seeds.shape[0], n), 1)
+    h = _mix32(_mix32(seeds ^ jnp.uint32(0x9E3779B9)) ^ (steps * jnp.uint32(0x85EBCA77)))
+    h = _mix32(h[:, None] + (columns + jnp.uint32(1)) * jnp.uint32(0xC2B2AE3D))
+    return (h >> 8).astype(_F32) * (1.0 / (1 << 24))
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash with full avalanche ("lowbias32", C. Wellons)."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x21F0AAAD)
+    x = (x ^ (x >> 15)) * jnp.uint32(0xD35A2D97)
+    return x ^ (x >> 15)
 
 
 # -- exact top-k without a full sort ------------------------------------------------------

@@ -44,7 +44,7 @@ class SamplingTensors:
     presence_penalty: np.ndarray    # f32[S]
     frequency_penalty: np.ndarray   # f32[S]
     repetition_penalty: np.ndarray  # f32[S]; 1 = off
-    seeds: np.ndarray               # u32[S]; row key = fold_in(key(seed), step_index)
+    seeds: np.ndarray               # u32[S]; row uniforms = hash(seed, step_index, column)
     step_index: np.ndarray          # i32[S]; number of output tokens so far
     num_logprobs: np.ndarray        # i32[S]; -1 = no logprobs requested, else top-N
     penalty_token_ids: np.ndarray   # i32[S, P]; prompt + output ids, -1 padded; P = max_model_len
