@@ -1,0 +1,198 @@
+"""Tensor parallelism as data: a PartitionSpec for every parameter and for the KV cache.
+
+Megatron-style, on the mesh axis ``model`` (tp devices):
+
+    layers.{q,k,v,gate,up}_proj.kernel  [L, H, out]   split by output columns  P(None, None, 'model')
+    layers.{q,k,v}_proj.bias            [L, out]      split with its columns   P(None, 'model')
+    layers.{o,down}_proj.kernel         [L, in, H]    split by input rows      P(None, 'model', None)
+    embed_tokens.embedding              [V, H]        split on vocab (else hidden)
+    lm_head.kernel                      [H, V]        split on vocab (else hidden)
+    norms, q_norm/k_norm, o_proj.bias   replicated
+    KV cache [L*num_blocks, block_size, Hkv, D]       split on KV heads  P(None, None, 'model', None)
+
+XLA inserts the collectives: one all-reduce after o_proj and one after
+down_proj per layer (their partial sums), plus a small gather of the logits
+for the sampler. Attention itself needs none: each device owns whole heads,
+and the backend runs per shard under `shard_map` (`shard_backend`).
+
+KV-head replication (as vLLM): when tp > num_kv_heads and tp % num_kv_heads ==
+0, each KV head is copied tp / num_kv_heads times (k/v projections and the
+cache then have tp heads, one per device), so every device holds the one KV
+head its query heads read. Other sizes raise an error naming the valid ones.
+
+Weights are placed shard by shard with `jax.make_array_from_callback`, so no
+device ever holds a whole matrix. The loader still returns full numpy arrays
+on the host (one host copy of the checkpoint); reading shards straight from
+safetensors is future work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.attention.backend import AttentionBackend
+from jaxserve.models.arch import ModelArch
+from jaxserve.parallel.mesh import MODEL_AXIS
+
+logger = logging.getLogger(__name__)
+
+M = MODEL_AXIS
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+KV_CACHE_SPEC = P(None, None, M, None)        # [L*num_blocks, block_size, Hkv, D]
+HEADS_SPEC = P(None, M, None)                 # q, k, v, attention output: [T, heads, D]
+
+
+# -- which tp sizes a model supports ---------------------------------------------------------------
+def valid_tp_sizes(arch: ModelArch) -> list[int]:
+    """Sizes that split query heads and the MLP evenly, and KV heads evenly or by replication."""
+    return [tp for tp in range(1, arch.num_heads + 1)
+            if arch.num_heads % tp == 0 and arch.intermediate_size % tp == 0
+            and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0)]
+
+
+def check_tp_size(arch: ModelArch, tp: int) -> None:
+    if tp not in valid_tp_sizes(arch):
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not fit this model (num_attention_heads="
+            f"{arch.num_heads}, num_key_value_heads={arch.num_kv_heads}, intermediate_size="
+            f"{arch.intermediate_size}); valid sizes: "
+            f"{', '.join(map(str, valid_tp_sizes(arch)))}")
+
+
+def kv_replication(arch: ModelArch, tp: int) -> int:
+    """How many copies of each KV head tensor parallelism needs (1 = none)."""
+    return tp // arch.num_kv_heads if tp > arch.num_kv_heads else 1
+
+
+def arch_for_tp(arch: ModelArch, tp: int) -> ModelArch:
+    """The architecture the sharded model runs: KV heads replicated up to tp if needed."""
+    check_tp_size(arch, tp)
+    copies = kv_replication(arch, tp)
+    if copies == 1:
+        return arch
+    return dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * copies)
+
+
+def replicate_kv_heads(weights: dict[str, np.ndarray], arch: ModelArch,
+                       tp: int) -> dict[str, np.ndarray]:
+    """Copy each KV head of k_proj/v_proj (kernel and bias) `kv_replication` times, in place.
+
+    weights: the loader's flat layout (``layers.k_proj.kernel`` [L, H, Hkv*D]). Head j of
+    the result is original head j // copies, so query head h (which reads KV head
+    h // (Hq / Hkv)) finds its head on the same device after the split.
+    """
+    copies = kv_replication(arch, tp)
+    if copies == 1:
+        return weights
+    hkv, d = arch.num_kv_heads, arch.head_dim
+    for name in ("layers.k_proj.kernel", "layers.v_proj.kernel", "layers.k_proj.bias",
+                 "layers.v_proj.bias"):
+        if name in weights:
+            w = weights[name]
+            heads = w.reshape(*w.shape[:-1], hkv, d)
+            weights[name] = np.repeat(heads, copies, axis=-2).reshape(*w.shape[:-1],
+                                                                      hkv * copies * d)
+    logger.info("tensor parallel %d > %d KV heads: each KV head replicated %dx", tp, hkv, copies)
+    return weights
+
+
+# -- partition specs -----------------------------------------------------------------------------
+def _vocab_or_hidden(shape: tuple[int, ...], vocab_axis: int, tp: int) -> P:
+    """Split a [V, H] / [H, V] matrix on vocab if it divides, else on hidden, else replicate."""
+    spec: list[Any] = [None, None]
+    if shape[vocab_axis] % tp == 0:
+        spec[vocab_axis] = M
+    elif shape[1 - vocab_axis] % tp == 0:
+        spec[1 - vocab_axis] = M
+    return P(*spec)
+
+
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
+    """PartitionSpec of one parameter, by its path in the linen tree (without 'params')."""
+    if tp == 1:
+        return P()
+    if path == ("embed_tokens", "embedding"):
+        return _vocab_or_hidden(shape, 0, tp)
+    if path == ("lm_head", "kernel"):
+        return _vocab_or_hidden(shape, 1, tp)
+    if path[0] == "layers" and len(path) == 3:
+        module, leaf = path[1], path[2]
+        if module in COLUMN_PARALLEL:
+            return P(None, None, M) if leaf == "kernel" else P(None, M)
+        if module in ROW_PARALLEL:
+            return P(None, M, None) if leaf == "kernel" else P()   # bias: after the all-reduce
+    if path[-1] == "weight":
+        return P()                              # RMSNorm weights: [H], [L, H], q/k_norm [L, D]
+    raise ValueError(f"no partition spec for parameter {'/'.join(path)} {shape}; add one in "
+                     "jaxserve/parallel/partition.py")
+
+
+def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    names = tuple(str(getattr(k, "key", k)) for k in path)
+    return names[1:] if names and names[0] == "params" else names
+
+
+def param_specs(params: Any, tp: int) -> Any:
+    """The tree of PartitionSpecs matching a params tree (arrays or shape structs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: param_spec(_path_names(path), tuple(x.shape), tp), params)
+
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """Place a params tree of host (numpy) arrays onto `mesh`, each device getting only its
+    shard (`jax.make_array_from_callback`; works unchanged across processes)."""
+    tp = mesh.shape[M]
+    specs = param_specs(params, tp)
+
+    def place(value: np.ndarray, spec: P) -> jax.Array:
+        value = np.asarray(value)
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(value.shape, sharding,
+                                            lambda index: np.ascontiguousarray(value[index]))
+
+    return jax.tree.map(place, params, specs)
+
+
+def per_device_bytes(params: Any) -> int:
+    """Bytes of parameters held by the busiest device (for logs, KV planning and tests)."""
+    totals: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(params):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return max(totals.values()) if totals else 0
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+# -- attention per shard ---------------------------------------------------------------------------
+def shard_backend(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
+    """Run the backend's write_kv and attention per device under `shard_map`.
+
+    Each device sees its own heads: q [T, Hq/tp, D], caches [.., Hkv/tp, D]; the
+    metadata (slot mapping, block tables, lengths) is replicated. No collective is
+    needed: GQA groups never straddle devices (query heads and KV heads split alike).
+    """
+    tp = mesh.shape[M]
+    if tp == 1:
+        return backend
+    replicated = P()
+    write_kv = jax.shard_map(
+        backend.write_kv, mesh=mesh,
+        in_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC, HEADS_SPEC, HEADS_SPEC, replicated),
+        out_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False)
+    attention = jax.shard_map(
+        backend.attention, mesh=mesh,
+        in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC) + (replicated,) * 4,
+        out_specs=HEADS_SPEC, check_vma=False)
+    return AttentionBackend(f"{backend.name} (shard_map over {tp} devices)", write_kv,
+                            attention)

@@ -1,0 +1,121 @@
+"""Where one engine's model lives: a single device, or a (1, tp) mesh it is sharded over.
+
+`setup_model` asks a `ModelPlacement` five things and stays ignorant of meshes:
+
+    placement = ModelPlacement.create(config.parallel_config, arch, mesh)
+    arch = placement.arch                                   # KV heads replicated if tp needs it
+    params = placement.place(params_from_weights(placement.prepare(weights), arch))
+    kv_plan = placement.agree(plan_kv_cache(..., tp_size=placement.tp, device=placement.device))
+    backend = placement.shard_backend(backend)              # attention per shard (shard_map)
+
+Without a mesh (tp = 1, one process) every answer is the single-device one
+(`jax.device_put`, no shardings), so that path is exactly what it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.attention.backend import AttentionBackend
+from jaxserve.config import ParallelConfig
+from jaxserve.models.arch import ModelArch
+from jaxserve.parallel import partition
+from jaxserve.parallel.mesh import MODEL_AXIS, describe, make_mesh, replicated
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelPlacement:
+    mesh: Mesh | None            # None: the default device, unsharded
+    arch: ModelArch              # what the sharded model runs (KV heads possibly replicated)
+    source_arch: ModelArch       # the checkpoint's architecture
+
+    @classmethod
+    def create(cls, parallel: ParallelConfig, arch: ModelArch,
+               mesh: Mesh | None = None) -> ModelPlacement:
+        """The placement for one engine. `mesh` is a data-parallel replica's sub-mesh; without
+        one, tp > 1 (or a multi-process run) builds a (1, tp) mesh over the first devices."""
+        tp = mesh.shape[MODEL_AXIS] if mesh is not None else parallel.tensor_parallel_size
+        partition.check_tp_size(arch, tp)
+        if mesh is None:
+            if parallel.data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 runs one engine per replica behind "
+                                 "jaxserve.parallel.create_engine (LLM and `jaxserve serve` "
+                                 "use it); LLMEngine alone holds one replica")
+            if tp > 1 or jax.process_count() > 1:
+                mesh = make_mesh(tp, 1)
+        if mesh is not None:
+            logger.info("tensor parallel %d on a %s", tp, describe(mesh))
+        return cls(mesh=mesh, arch=partition.arch_for_tp(arch, tp), source_arch=arch)
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[MODEL_AXIS] if self.mesh is not None else 1
+
+    @property
+    def device(self) -> jax.Device | None:
+        """A device of this engine (memory planning is per device)."""
+        return self.mesh.devices.flat[0] if self.mesh is not None else None
+
+    @property
+    def kv_sharding(self) -> NamedSharding | None:
+        return partition.kv_cache_sharding(self.mesh) if self.mesh is not None else None
+
+    @property
+    def input_sharding(self) -> NamedSharding | None:
+        """Step inputs (token ids, metadata, sampling tensors): replicated on the mesh."""
+        return replicated(self.mesh) if self.mesh is not None else None
+
+    @property
+    def logits_shardings(self) -> tuple[NamedSharding, ...]:
+        """Constraints the step puts on the logits [S, V] before sampling: split on vocab as
+        the lm_head computes them (so XLA never gathers the lm_head itself), then gathered
+        whole, so the sampler runs unsharded."""
+        if self.mesh is None:
+            return ()
+        whole = replicated(self.mesh)
+        if self.arch.vocab_size % self.tp:
+            return (whole,)
+        return (NamedSharding(self.mesh, PartitionSpec(None, MODEL_AXIS)), whole)
+
+    def prepare(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The loader's flat weights with KV heads replicated when tp > num_kv_heads."""
+        return partition.replicate_kv_heads(weights, self.source_arch, self.tp)
+
+    def place(self, params: Any) -> Any:
+        """Host params → device arrays: one device, or each device only its own shard."""
+        if self.mesh is None:
+            return jax.device_put(params)
+        params = partition.shard_params(params, self.mesh)
+        total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+        logger.info("parameters: %.1f MiB in total, %.1f MiB on each device",
+                    total / 2**20, partition.per_device_bytes(params) / 2**20)
+        return params
+
+    def weight_bytes_per_device(self, params: Any, total_bytes: int) -> int:
+        return partition.per_device_bytes(params) if self.mesh is not None else total_bytes
+
+    def shard_backend(self, backend: AttentionBackend) -> AttentionBackend:
+        return partition.shard_backend(backend, self.mesh) if self.mesh is not None else backend
+
+    def agree(self, plan: Any) -> Any:
+        """Every process must build the same cache: take the smallest block count of all."""
+        if jax.process_count() == 1:
+            return plan
+        from jax.experimental import multihost_utils
+
+        counts = multihost_utils.process_allgather(np.array([plan.num_blocks], np.int64))
+        fewest = int(np.min(counts))
+        if fewest != plan.num_blocks:
+            logger.info("KV cache: %d blocks here, %d on the smallest process; using %d",
+                        plan.num_blocks, fewest, fewest)
+            plan = dataclasses.replace(plan, num_blocks=fewest)
+        return plan
