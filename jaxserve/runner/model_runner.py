@@ -42,10 +42,13 @@ class StepResult:
 
 
 def _step(params, k_cache, v_cache, packed, sampling, *, model: CausalLM, inv_freq,
-          num_tokens: int, num_seqs: int, width: int, num_top_logprobs: int):
+          num_tokens: int, num_seqs: int, width: int, num_top_logprobs: int,
+          logits_shardings: tuple = ()):
     token_ids, positions, logits_indices, meta = unpack(packed, num_tokens, num_seqs, width)
     logits, k_cache, v_cache = model.apply(params, token_ids, positions, meta, k_cache, v_cache,
                                            logits_indices, inv_freq)
+    for sharding in logits_shardings:   # tensor parallel: keep the lm_head local (logits split
+        logits = jax.lax.with_sharding_constraint(logits, sharding)   # on vocab), then gather
     out = sample(logits, sampling, num_top_logprobs)
     return k_cache, v_cache, out
 
@@ -54,7 +57,8 @@ class ModelRunner:
     def __init__(self, arch: ModelArch, params: Any, backend: AttentionBackend, *,
                  dtype: Any, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int,
-                 eos_token_ids: Seq[int], kv_sharding: Any = None) -> None:
+                 eos_token_ids: Seq[int], kv_sharding: Any = None,
+                 input_sharding: Any = None, logits_shardings: tuple = ()) -> None:
         self.arch = arch
         self.params = params
         self.dtype = dtype
@@ -65,7 +69,12 @@ class ModelRunner:
         self.buckets = BucketPolicy(max_num_batched_tokens, max_num_seqs)
         self.num_top_logprobs = max_logprobs
         self.model = CausalLM(arch, backend, num_blocks, block_size, dtype)
-        self.inv_freq = jnp.asarray(arch.inv_freq())
+        # input_sharding: where step inputs go (replicated on the tp mesh; None = default
+        # device). step_channel: set on a multi-host leader (jaxserve/parallel/distributed.py).
+        self.input_sharding = input_sharding
+        self.logits_shardings = tuple(logits_shardings)
+        self.step_channel: Any = None
+        self.inv_freq = jax.device_put(arch.inv_freq(), input_sharding)
         self.inputs = InputBuilder(block_size, self.width)
         self.sampling = SamplingTensorBuilder(self.buckets.seq_cap, max_model_len,
                                               eos_token_ids=list(eos_token_ids))
@@ -79,15 +88,15 @@ class ModelRunner:
     def _jitted(self, num_tokens: int, num_seqs: int):
         return jax.jit(functools.partial(
             _step, model=self.model, inv_freq=self.inv_freq, num_tokens=num_tokens,
-            num_seqs=num_seqs, width=self.width, num_top_logprobs=self.num_top_logprobs),
-            donate_argnums=(1, 2))
+            num_seqs=num_seqs, width=self.width, num_top_logprobs=self.num_top_logprobs,
+            logits_shardings=self.logits_shardings), donate_argnums=(1, 2))
 
     def _compile(self, num_tokens: int, num_seqs: int):
         """Ahead-of-time compile one bucket; returns the executable (called directly later)."""
         packed = self.inputs.build([], num_tokens, num_seqs)
         sampling = self._to_device(self.sampling.build([], num_seqs), num_seqs)
         return self._jitted(num_tokens, num_seqs).lower(
-            self.params, self.k_cache, self.v_cache, jnp.asarray(packed), sampling).compile()
+            self.params, self.k_cache, self.v_cache, self._put(packed), sampling).compile()
 
     def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
         """Compile every bucket before serving, several at once (XLA compiles release the GIL;
@@ -125,13 +134,20 @@ class ModelRunner:
     def _run_bucket(self, scheduled, t: int, s: int) -> StepResult:
         packed = self.inputs.build(scheduled, t, s)
         sampling = self.sampling.build([seq for seq, _ in scheduled], s)
+        if self.step_channel is not None:   # multi-host leader: every process runs this step
+            self.step_channel.send(t, s, packed, sampling)
+        return self.run_step(packed, sampling, t, s, len(scheduled))
+
+    def run_step(self, packed: np.ndarray, sampling: SamplingTensors, t: int, s: int,
+                 n: int) -> StepResult:
+        """Run bucket (t, s) on host inputs; rows [:n] of the result are live. Multi-host
+        followers enter here with the inputs the leader broadcast."""
         sampling = self._to_device(sampling, s)
         fn = self._steps.get((t, s))
         if fn is None:   # only before warm-up (or for a shape warm-up skipped): compile now
             fn = self._steps[(t, s)] = self._compile(t, s)
         self.k_cache, self.v_cache, out = fn(self.params, self.k_cache, self.v_cache,
-                                             jnp.asarray(packed), sampling)
-        n = len(scheduled)
+                                             self._put(packed), sampling)
         host = jax.device_get(out)
         return StepResult(np.asarray(host.next_tokens)[:n], np.asarray(host.sampled_logprobs)[:n],
                           np.asarray(host.top_token_ids)[:n], np.asarray(host.top_logprobs)[:n])
@@ -149,9 +165,12 @@ class ModelRunner:
                 cached = self._constant_cache.get((s, name))
                 if cached is None:
                     cached = self._constant_cache[(s, name)] = jax.device_put(
-                        self.sampling.constants(s)[name])
+                        self.sampling.constants(s)[name], self.input_sharding)
                 replace[name] = cached
-        return jax.device_put(dataclasses.replace(sampling, **replace))
+        return jax.device_put(dataclasses.replace(sampling, **replace), self.input_sharding)
+
+    def _put(self, packed: np.ndarray) -> jax.Array:
+        return jax.device_put(packed, self.input_sharding)
 
     def release(self, seq_id: int) -> None:
         self.sampling.release(seq_id)
@@ -172,5 +191,5 @@ class ModelRunner:
                                     jnp.arange(t, dtype=jnp.int32), self.inv_freq)
 
         logits, self.k_cache, self.v_cache = jax.jit(forward, donate_argnums=(1, 2))(
-            self.params, self.k_cache, self.v_cache, jnp.asarray(packed))
+            self.params, self.k_cache, self.v_cache, self._put(packed))
         return np.asarray(logits)[:n]
