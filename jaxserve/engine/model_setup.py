@@ -91,8 +91,11 @@ def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def setup_model(config: EngineConfig) -> ModelSetup:
+def setup_model(config: EngineConfig, mesh: Any = None) -> ModelSetup:
+    """mesh: a data-parallel replica's (1, tp) sub-mesh (jaxserve/parallel); default: one
+    device, or a (1, tp) mesh when tensor_parallel_size > 1."""
     from jaxserve.loader import load_model
+    from jaxserve.parallel.placement import ModelPlacement
 
     platform = jax.default_backend()
     config.finalize(platform)
@@ -107,9 +110,13 @@ def setup_model(config: EngineConfig) -> ModelSetup:
     if not sc.enable_chunked_prefill:
         sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
     num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
-    params = jax.device_put(params_from_weights(loaded.weights, arch))
+    # Sharding (jaxserve/parallel/placement.py): with tp > 1 each device receives only its
+    # shard of every weight and its KV heads; with one device this is a plain device_put.
+    placement = ModelPlacement.create(config.parallel_config, arch, mesh)
+    arch = placement.arch
+    params = placement.place(params_from_weights(placement.prepare(loaded.weights), arch))
     del loaded.weights
-    weight_bytes = num_params * np.dtype(dtype).itemsize
+    weight_bytes = placement.weight_bytes_per_device(params, num_params * np.dtype(dtype).itemsize)
     load_seconds = time.perf_counter() - t0
 
     devices = jax.devices()
@@ -122,19 +129,23 @@ def setup_model(config: EngineConfig) -> ModelSetup:
     t_max = sc.max_num_batched_tokens
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         min(t_max, sc.max_num_seqs) * arch.vocab_size * 4 * 4
-    kv_plan = plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes, max_model_len)
+    kv_plan = placement.agree(plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes,
+                                            max_model_len, tp_size=placement.tp,
+                                            device=placement.device))
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB; budget from %s); "
                 "max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
                 kv_plan.block_size, kv_plan.capacity_tokens, kv_plan.total_bytes / 2**30,
                 kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
 
     eos = eos_ids(loaded.tokenizer, loaded.generation_config)
-    backend = get_attention_backend(config.runner_config.attention_backend, platform)
+    backend = placement.shard_backend(
+        get_attention_backend(config.runner_config.attention_backend, platform))
     runner = ModelRunner(
         arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
         block_size=kv_plan.block_size, max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-        max_logprobs=mc.max_logprobs, eos_token_ids=eos)
+        max_logprobs=mc.max_logprobs, eos_token_ids=eos, kv_sharding=placement.kv_sharding,
+        input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings)
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
