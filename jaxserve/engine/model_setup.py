@@ -21,6 +21,7 @@ from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import params_from_weights
+from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -102,6 +103,8 @@ def setup_model(config: EngineConfig, mesh: Any = None) -> ModelSetup:
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
     dtype = resolve_dtype(mc.dtype, platform)
+    if platform == "cpu":
+        keep_freed_memory_in_heap()
 
     t0 = time.perf_counter()
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer)
