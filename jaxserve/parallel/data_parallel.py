@@ -1,0 +1,188 @@
+"""Data parallelism: N engine replicas on sub-meshes behind one LLMEngine-shaped front.
+
+Each replica is a whole `LLMEngine` (weights, KV cache, scheduler, runner) on
+its own (1, tp) row of the ``('data', 'model')`` mesh. The front routes every
+new request to the least-loaded replica (fewest unfinished requests, then the
+emptiest KV cache) and steps all replicas that have work at once, on one
+thread each: XLA releases the GIL while a replica's step runs, so replicas on
+different devices overlap.
+
+    engine = DataParallelEngine(EngineConfig.from_kwargs(model=..., data_parallel_size=2))
+    engine.add_request("a", "Hello", SamplingParams())      # -> the idle replica
+    engine.step()                                           # steps both replicas
+    engine.replica_stats()                                  # per-replica counters
+
+`scheduler`, `block_manager` and `stats` read as the totals over replicas, so
+`AsyncLLMEngine` and `/metrics` work unchanged; `add_replica_metrics` adds the
+per-replica series (``jaxserve:replica_*{replica="0"}``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from jaxserve.config import EngineConfig
+from jaxserve.outputs import RequestOutput
+from jaxserve.parallel.mesh import describe, make_mesh, replica_meshes
+
+logger = logging.getLogger(__name__)
+
+
+class _Totals:
+    """Reads like one scheduler / block manager / stats object: each attribute summed."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self._parts = parts
+
+    def __getattr__(self, name: str) -> Any:
+        return sum(getattr(part, name) for part in self._parts)
+
+
+class _BlockTotals(_Totals):
+    @property
+    def usage(self) -> float:
+        """Fraction of all replicas' KV blocks in use."""
+        total = sum(part.num_blocks for part in self._parts)
+        return sum(part.usage * part.num_blocks for part in self._parts) / max(total, 1)
+
+
+class DataParallelEngine:
+    """`data_parallel_size` LLMEngine replicas behind LLMEngine's interface (one caller thread)."""
+
+    def __init__(self, config: EngineConfig, *, log_stats: bool | None = None,
+                 mesh: Any = None) -> None:
+        from jaxserve.engine.llm_engine import LLMEngine
+
+        pc = config.parallel_config
+        mesh = mesh if mesh is not None else make_mesh(pc.tensor_parallel_size,
+                                                       pc.data_parallel_size)
+        logger.info("data parallel %d: one engine per row of a %s", pc.data_parallel_size,
+                    describe(mesh))
+        # Each replica loads the checkpoint itself (host memory x dp during startup).
+        self.replicas = [LLMEngine(config, log_stats=log_stats, mesh=sub_mesh)
+                         for sub_mesh in replica_meshes(mesh)]
+        first = self.replicas[0]
+        self.config = config
+        self.mesh = mesh
+        self.setup = first.setup
+        self.tokenizer = first.tokenizer
+        self.max_model_len = first.max_model_len
+        self.scheduler = _Totals([r.scheduler for r in self.replicas])
+        self.block_manager = _BlockTotals([r.block_manager for r in self.replicas])
+        self.stats = _Totals([r.stats for r in self.replicas])
+        self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
+        self._owner: dict[str, int] = {}                # request id -> replica index
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")
+
+    # -- requests ------------------------------------------------------------------------------
+    def least_loaded(self) -> int:
+        """Replica with the fewest unfinished requests, then the most free KV blocks."""
+        return min(range(len(self.replicas)), key=lambda i: (
+            self.replicas[i].get_num_unfinished_requests(),
+            self.replicas[i].block_manager.usage, i))
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None,
+                    sampling_params: Any = None, *, prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request on the least-loaded replica (ValueError if it can never run)."""
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        index = self.least_loaded()
+        self.replicas[index].add_request(request_id, prompt, sampling_params,
+                                         prompt_token_ids=prompt_token_ids,
+                                         arrival_time=arrival_time)
+        self._owner[request_id] = index
+        self.num_routed[index] += 1
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            if request_id in self._owner:
+                by_replica.setdefault(self._owner[request_id], []).append(request_id)
+        for index, ids in by_replica.items():
+            self.replicas[index].abort_request(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(r.get_num_unfinished_requests() for r in self.replicas)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Step every replica that has work, concurrently; their outputs, replica order."""
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        if len(busy) <= 1:
+            results = [r.step() for r in busy]
+        else:
+            results = list(self._pool.map(lambda replica: replica.step(), busy))
+        outputs = [out for result in results for out in result]
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def prompt_logits(self, prompt_token_ids: list[int]) -> Any:
+        return self.replicas[0].prompt_logits(prompt_token_ids)
+
+    # -- per-replica metrics -------------------------------------------------------------------
+    def replica_stats(self) -> list[dict[str, float]]:
+        """One dict per replica: load now and totals since start."""
+        return [{
+            "replica": index,
+            "num_requests_routed": self.num_routed[index],
+            "num_requests_running": r.scheduler.num_running,
+            "num_requests_waiting": r.scheduler.num_waiting,
+            "kv_cache_usage_perc": r.block_manager.usage,
+            "num_steps": r.stats.num_steps,
+            "prompt_tokens": r.stats.num_prompt_tokens,
+            "generation_tokens": r.stats.num_generation_tokens,
+        } for index, r in enumerate(self.replicas)]
+
+    def add_replica_metrics(self, registry: Any, model_name: str) -> None:
+        """Register per-replica Prometheus series on `registry` (the server's /metrics)."""
+        registry.register(ReplicaCollector(self, model_name))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+_SERIES = {   # replica_stats key -> (metric name, kind, help)
+    "num_requests_routed": ("jaxserve:replica_requests_routed", "counter",
+                            "Requests routed to this data-parallel replica."),
+    "num_requests_running": ("jaxserve:replica_num_requests_running", "gauge",
+                             "Sequences in this replica's running batch."),
+    "num_requests_waiting": ("jaxserve:replica_num_requests_waiting", "gauge",
+                             "Sequences waiting in this replica's queue."),
+    "kv_cache_usage_perc": ("jaxserve:replica_kv_cache_usage_perc", "gauge",
+                            "Fraction of this replica's KV-cache blocks in use."),
+    "num_steps": ("jaxserve:replica_steps", "counter", "Engine steps this replica ran."),
+    "prompt_tokens": ("jaxserve:replica_prompt_tokens", "counter",
+                      "Prefill tokens this replica computed."),
+    "generation_tokens": ("jaxserve:replica_generation_tokens", "counter",
+                          "Tokens this replica generated."),
+}
+
+
+class ReplicaCollector:
+    """Prometheus collector: each `replica_stats` entry as a series labelled by replica."""
+
+    def __init__(self, engine: DataParallelEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.engine.replica_stats()
+        for key, (name, kind, doc) in _SERIES.items():
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, doc, labels=["model_name", "replica"])
+            for row in stats:
+                family.add_metric([self.model_name, str(row["replica"])], row[key])
+            yield family

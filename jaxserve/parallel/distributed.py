@@ -1,0 +1,188 @@
+"""Multi-host: one engine spans several JAX processes joined by `jax.distributed`.
+
+Process 0 (the leader) does everything a single-process server does: HTTP,
+scheduling, input assembly, detokenization. Every process holds its shards of
+the weights and KV cache and executes the same compiled step on its own
+devices; XLA's collectives (NCCL on GPU, gloo over TCP on CPU) join them. The
+followers learn each step's inputs from the leader through a JAX collective
+(`multihost_utils.broadcast_one_to_all`), never through an RPC of our own:
+
+    leader, per step                          follower, forever
+    ─────────────────                         ─────────────────
+    build packed inputs + SamplingTensors     header = broadcast(zeros)     # [cmd, T, S, ...]
+    broadcast(header)             ───────▶    payload = broadcast(zeros of the bucket's shapes)
+    broadcast(payload)            ───────▶    runner.run_step(payload)      # same program
+    runner.run_step(...)                      (STOP → leave the loop, exit 0)
+
+At exit the leader broadcasts STOP, so followers leave cleanly (exit 0). If
+the leader dies instead, the followers' pending collective fails (the TCP peer
+is gone) and they exit with status 1 within seconds. An idle leader simply
+leaves the followers waiting inside the broadcast (checked for 400 s on CPU
+gloo; NCCL has no timeout by default).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+STEP, STOP = 1, 2
+_HEADER = 8            # int32 [command, T, S, needs_penalties, needs_bias, 0, 0, 0]
+_PENALTY_FIELDS = ("penalty_token_ids", "num_prompt_tokens")
+_BIAS_FIELDS = ("bias_token_ids", "bias_values")
+
+
+def initialize(parallel: ParallelConfig) -> bool:
+    """`jax.distributed.initialize` from the config, once, before JAX touches a device.
+
+    Returns True in a multi-process run. On CPU the processes exchange collectives
+    over TCP with gloo (`jax_cpu_collectives_implementation`, JAX's default).
+    """
+    if parallel.num_processes <= 1:
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    if not parallel.coordinator_address or ":" not in parallel.coordinator_address:
+        raise ValueError(f"num_processes={parallel.num_processes} needs --coordinator-address "
+                         f"HOST:PORT (process 0's address), got "
+                         f"{parallel.coordinator_address!r}")
+    if not 0 <= parallel.process_id < parallel.num_processes:
+        raise ValueError(f"process_id must be in [0, {parallel.num_processes - 1}], got "
+                         f"{parallel.process_id}")
+    if parallel.data_parallel_size > 1:
+        raise ValueError("multi-process runs shard one engine over every device "
+                         "(tensor_parallel_size = all devices); data_parallel_size > 1 "
+                         "across processes is not supported: run one server per replica")
+    if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    logger.info("process %d of %d joining the coordinator at %s", parallel.process_id,
+                parallel.num_processes, parallel.coordinator_address)
+    jax.distributed.initialize(coordinator_address=parallel.coordinator_address,
+                               num_processes=parallel.num_processes,
+                               process_id=parallel.process_id)
+    logger.info("jax.distributed: %d processes, %d devices (%d here)", jax.process_count(),
+                jax.device_count(), jax.local_device_count())
+    return True
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def _broadcast(tree: Any) -> Any:
+    from jax.experimental.multihost_utils import broadcast_one_to_all
+
+    return broadcast_one_to_all(tree)
+
+
+def _sent_fields(sampling_fields: list[str], needs_penalties: bool,
+                 needs_bias: bool) -> list[str]:
+    """Sampling leaves the leader sends; the others are the builder's shared constants."""
+    skip = (() if needs_penalties else _PENALTY_FIELDS) + (() if needs_bias else _BIAS_FIELDS)
+    return [name for name in sampling_fields if name not in skip]
+
+
+def _sampling_fields(sampling: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(sampling)
+            if f.name not in ("needs_penalties", "needs_bias")]
+
+
+class StepBroadcaster:
+    """The leader's half: sends every step's inputs to the followers, and STOP at exit.
+
+    Installed as `ModelRunner.step_channel`; the runner calls `send` just before it
+    runs a step, on the one thread that steps the engine.
+    """
+
+    def __init__(self) -> None:
+        self._stopped = False
+        atexit.register(self.stop)   # runs before JAX's own atexit shutdown (LIFO)
+
+    def send(self, t: int, s: int, packed: np.ndarray, sampling: Any) -> None:
+        if self._stopped:
+            raise RuntimeError("the followers were already told to stop")
+        penalties, bias = bool(sampling.needs_penalties), bool(sampling.needs_bias)
+        header = np.zeros(_HEADER, np.int32)
+        header[:5] = (STEP, t, s, penalties, bias)
+        _broadcast(header)
+        names = _sent_fields(_sampling_fields(sampling), penalties, bias)
+        _broadcast({"packed": packed, **{name: getattr(sampling, name) for name in names}})
+
+    def stop(self) -> None:
+        """Tell the followers to leave their loop (idempotent; called at exit)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        header = np.zeros(_HEADER, np.int32)
+        header[0] = STOP
+        try:
+            _broadcast(header)
+            logger.info("told the followers to stop")
+        except Exception:
+            logger.warning("could not tell the followers to stop", exc_info=True)
+
+
+def lead(runner: Any) -> StepBroadcaster:
+    """Make `runner` (process 0's) broadcast each step's inputs before running it."""
+    channel = StepBroadcaster()
+    runner.step_channel = channel
+    return channel
+
+
+def follow(runner: Any) -> int:
+    """A follower's whole life: run each step the leader broadcasts until STOP.
+
+    Returns 0 after STOP. If the leader vanishes (its collective fails), the process
+    exits at once with status 1: JAX's own shutdown would wait on a coordinator that
+    is gone.
+    """
+    from jaxserve.runner.step_inputs import packed_size
+
+    logger.info("process %d: following the leader's steps", jax.process_index())
+    num_steps = 0
+    try:
+        while True:
+            header = _broadcast(np.zeros(_HEADER, np.int32))
+            command, t, s, penalties, bias = (int(v) for v in header[:5])
+            if command == STOP:
+                logger.info("process %d: the leader stopped after %d steps", jax.process_index(),
+                            num_steps)
+                return 0
+            if command != STEP:
+                raise RuntimeError(f"unknown command {command} from the leader")
+            template = runner.sampling.build([], s)
+            names = _sent_fields(_sampling_fields(template), bool(penalties), bool(bias))
+            zeros = {"packed": np.zeros(packed_size(t, s, runner.width), np.int32),
+                     **{name: np.zeros_like(getattr(template, name)) for name in names}}
+            payload = _broadcast(zeros)
+            packed = payload.pop("packed")
+            sampling = dataclasses.replace(template, **payload, needs_penalties=bool(penalties),
+                                           needs_bias=bool(bias))
+            runner.run_step(packed, sampling, t, s, 0)
+            num_steps += 1
+    except Exception:
+        logger.exception("process %d: lost the leader after %d steps; exiting",
+                         jax.process_index(), num_steps)
+        logging.shutdown()
+        os._exit(1)
+
+
+def run_follower(config: Any) -> None:
+    """Load this process's shards, compile, follow the leader; then end the process (exit 0).
+
+    Raises SystemExit: a follower has nothing to return to (no HTTP, no generate).
+    """
+    from jaxserve.engine.model_setup import setup_model
+
+    setup = setup_model(config)
+    raise SystemExit(follow(setup.runner))

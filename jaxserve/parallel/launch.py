@@ -1,0 +1,34 @@
+"""`create_engine(config)`: the right engine for the parallel config (LLM and `serve` use it).
+
+    one process, dp = 1   LLMEngine (tensor parallel over a (1, tp) mesh when tp > 1)
+    one process, dp > 1   DataParallelEngine: dp LLMEngines on the rows of a (dp, tp) mesh
+    several processes     jax.distributed first; process 0 gets an LLMEngine whose runner
+                          broadcasts each step's inputs; every other process follows the
+                          leader's steps until it stops and then exits (SystemExit(0))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxserve.config import EngineConfig
+
+
+def create_engine(config: EngineConfig, *, log_stats: bool | None = None) -> Any:
+    """Build the engine `config.parallel_config` asks for. On a multi-host follower this
+    never returns: the process serves the leader's steps, then raises SystemExit."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.parallel import distributed
+
+    parallel = config.parallel_config
+    if distributed.initialize(parallel):
+        if not distributed.is_leader():
+            distributed.run_follower(config)
+        engine = LLMEngine(config, log_stats=log_stats)
+        distributed.lead(engine.runner)
+        return engine
+    if parallel.data_parallel_size > 1:
+        from jaxserve.parallel.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(config, log_stats=log_stats)
+    return LLMEngine(config, log_stats=log_stats)
