@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -30,11 +30,13 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """Offline/online engine core. Not thread-safe: one thread calls add/abort/step."""
 
-    def __init__(self, config: EngineConfig, *, log_stats: bool | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, log_stats: bool | None = None,
+                 mesh: Any = None) -> None:
+        """mesh: this replica's (1, tp) sub-mesh under data parallelism (jaxserve/parallel)."""
         from jaxserve.engine.model_setup import setup_model
 
         self.config = config
-        self.setup = setup_model(config)             # loads weights, sizes the cache, warms up
+        self.setup = setup_model(config, mesh)       # loads weights, sizes the cache, warms up
         s = self.setup
         self.tokenizer = s.tokenizer
         self.max_model_len = s.max_model_len
