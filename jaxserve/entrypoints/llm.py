@@ -14,6 +14,7 @@ from typing import Any, Sequence as Seq
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
+from jaxserve.parallel.launch import create_engine
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -27,7 +28,8 @@ class LLM:
                 raise TypeError("pass either config= or engine kwargs, not both")
         else:
             config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-        self.llm_engine = LLMEngine(config)
+        # An LLMEngine, or the data-parallel front / multi-host leader (jaxserve/parallel).
+        self.llm_engine: LLMEngine = create_engine(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
