@@ -97,6 +97,8 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names)
     metrics = attach_metrics(engine, names[0])
+    if hasattr(engine.engine, "add_replica_metrics"):   # data parallel: per-replica series
+        engine.engine.add_replica_metrics(metrics.registry, names[0])
     created = int(time.time())
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
@@ -216,9 +218,10 @@ def run_server(config: ServeConfig, drain_timeout: float = 5.0) -> int:
     On a signal: stop accepting, give in-flight requests `drain_timeout` s to finish,
     abort the rest (their streams end with finish_reason "abort"), stop the engine thread.
     """
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.parallel.launch import create_engine
 
-    engine = AsyncLLMEngine(LLMEngine(config.engine))
+    # tp / dp / multi-host (jaxserve/parallel); on a multi-host follower this never returns.
+    engine = AsyncLLMEngine(create_engine(config.engine))
     try:
         app = build_app(engine, config)
         server_config = config.server
