@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -70,6 +71,27 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding of step inputs and small constants: a full copy on every device."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def put_replicated(tree: Any, sharding: NamedSharding | None) -> Any:
+    """Host values → device arrays with `sharding` (None: the default device).
+
+    Across processes every process passes the same values (the leader broadcast them),
+    so arrays are assembled from local data with `make_array_from_callback`: a plain
+    `device_put` onto devices of several processes first checks that the values agree
+    everywhere, which is a collective per call. Leaves that are already jax Arrays are
+    assumed placed.
+    """
+    if sharding is None or sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def put(value: Any) -> Any:
+        if isinstance(value, jax.Array):
+            return value
+        value = np.asarray(value)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return jax.tree.map(put, tree)
 
 
 def describe(mesh: Mesh) -> str:
