@@ -24,6 +24,7 @@ import numpy as np
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import CausalLM
+from jaxserve.parallel.mesh import put_replicated
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.sampler import sample
 from jaxserve.runner.sampling_tensors import SamplingTensorBuilder, SamplingTensors
@@ -74,7 +75,7 @@ class ModelRunner:
         self.input_sharding = input_sharding
         self.logits_shardings = tuple(logits_shardings)
         self.step_channel: Any = None
-        self.inv_freq = jax.device_put(arch.inv_freq(), input_sharding)
+        self.inv_freq = self._put(arch.inv_freq())
         self.inputs = InputBuilder(block_size, self.width)
         self.sampling = SamplingTensorBuilder(self.buckets.seq_cap, max_model_len,
                                               eos_token_ids=list(eos_token_ids))
@@ -164,13 +165,14 @@ class ModelRunner:
             for name in names:
                 cached = self._constant_cache.get((s, name))
                 if cached is None:
-                    cached = self._constant_cache[(s, name)] = jax.device_put(
-                        self.sampling.constants(s)[name], self.input_sharding)
+                    cached = self._constant_cache[(s, name)] = self._put(
+                        self.sampling.constants(s)[name])
                 replace[name] = cached
-        return jax.device_put(dataclasses.replace(sampling, **replace), self.input_sharding)
+        return self._put(dataclasses.replace(sampling, **replace))
 
-    def _put(self, packed: np.ndarray) -> jax.Array:
-        return jax.device_put(packed, self.input_sharding)
+    def _put(self, tree: Any) -> Any:
+        """Host → device, replicated on the mesh (multi-host safe: no cross-process check)."""
+        return put_replicated(tree, self.input_sharding)
 
     def release(self, seq_id: int) -> None:
         self.sampling.release(seq_id)
