@@ -1,0 +1,200 @@
+"""Building blocks of the sampler (``sampler.py``), chosen for XLA:CPU compile time.
+
+The sampler is compiled once per step bucket, and XLA:CPU compiles every LLVM kernel
+(a loop fusion: elementwise work, gathers, per-row [S] arithmetic) as its own module,
+~15-40 ms of CPU each. f32 reductions and dots go to YNNPACK instead, together with
+the plain arithmetic feeding them (sub, mul, exp, min, max, abs, sign): ~10 ms each.
+But YNN runs such chains slowly, so:
+
+* passes over [S, V] use ``where`` forms: one LLVM kernel feeding a YNN reduction,
+  the fast way at run time (a sign/min chain over [S, V] is 3-4x slower);
+* small arrays ([S, blocks], [S, block], [S, candidates]) use arithmetic forms
+  (``at_least``, ``one_hot``, ``choose``), which compile into the YNN reductions;
+* prefix sums are dots with a constant triangular matrix (cumsum: several kernels);
+* each helper is meant to be called from ONE site (kernels are not shared).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+MAX_BLOCK = 256                    # block width of the inverse CDF and the argmax
+TOPK_BLOCK = 64                    # block width of the two-level top-k
+NO_THRESHOLD = float(-np.finfo(np.float32).max)   # a finite "keep all but -inf" bound
+
+
+def rows(v: jax.Array, ndim: int) -> jax.Array:
+    """A per-row [S] value shaped to broadcast against an [S, ...] array of rank ndim."""
+    return v.reshape(v.shape + (1,) * (ndim - 1))
+
+
+# -- block views --------------------------------------------------------------------------
+def block_width(vocab: int) -> int:
+    """The largest power of two <= MAX_BLOCK that divides vocab (>= 32), else MAX_BLOCK
+    (the vocab is then padded). A small vocab is one block."""
+    if vocab <= MAX_BLOCK:
+        return vocab
+    block = MAX_BLOCK
+    while block > 32 and vocab % block:
+        block //= 2
+    return block if vocab % block == 0 else MAX_BLOCK
+
+
+def blocked(x: jax.Array, block: int) -> jax.Array:
+    """[S, V] → [S, ceil(V/block), block]: a free reshape, or a -inf padded copy."""
+    num_rows, vocab = x.shape
+    pad = -vocab % block
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    return x.reshape(num_rows, (vocab + pad) // block, block)
+
+
+# -- masks --------------------------------------------------------------------------------
+def at_least(d: jax.Array) -> jax.Array:
+    """1.0 where d >= 0 else 0.0 (d not NaN); arithmetic, for small arrays."""
+    return jnp.minimum(jnp.sign(d) + 1.0, 1.0)
+
+
+def above(d: jax.Array) -> jax.Array:
+    """1.0 where d > 0 else 0.0; arithmetic, for small arrays."""
+    return jnp.maximum(jnp.sign(d), 0.0)
+
+
+def one_hot(index: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """1.0 at [s, index[s]] of an [S, n] shape (index: f32 or int [S])."""
+    iota = lax.broadcasted_iota(_F32, shape, 1)
+    return 1.0 - jnp.minimum(jnp.abs(iota - index.astype(_F32)[:, None]), 1.0)
+
+
+def kept_weights(x: jax.Array, x_max: jax.Array, lo: jax.Array) -> jax.Array:
+    """exp(x - x_max) where x > lo, else 0 (per-row [S] x_max and lo)."""
+    return jnp.where(x > rows(lo, x.ndim), jnp.exp(x - rows(x_max, x.ndim)), 0.0)
+
+
+def strict_bound(bound: jax.Array) -> jax.Array:
+    """The largest float below bound (x >= bound iff x > strict_bound(bound)), but at
+    least NO_THRESHOLD: -inf is never kept."""
+    return jnp.maximum(lax.nextafter(bound, jnp.full_like(bound, -jnp.inf)), NO_THRESHOLD)
+
+
+# -- inverse CDF --------------------------------------------------------------------------
+def prefix_sum(w: jax.Array) -> jax.Array:
+    """Inclusive prefix sums along the last axis of [S, n], as one dot."""
+    upper = np.triu(np.ones((w.shape[-1],) * 2, np.float32))   # a constant, no kernel
+    return jnp.dot(w, upper, precision=lax.Precision.HIGHEST)
+
+
+def choose(w: jax.Array, cum: jax.Array, target: jax.Array) -> jax.Array:
+    """f32 index: the first with w > 0 whose inclusive prefix sum exceeds target, else the
+    last with w > 0 (0 if none): rounding never picks a zero weight. One f32 min of
+    key = i (wanted), 2n - i (other positive), 2n (zero weight)."""
+    n = w.shape[-1]
+    iota = lax.broadcasted_iota(_F32, w.shape, 1)
+    positive = jnp.sign(w)
+    over = above(cum - target[:, None])
+    best = jnp.min(positive * ((2.0 * over - 1.0) * iota + (1.0 - over) * (2 * n))
+                   + (1.0 - positive) * (2 * n), -1)
+    return jnp.where(best < n, best, jnp.minimum(2 * n - best, n - 1))
+
+
+def pick(xb: jax.Array, weight_fn, u: jax.Array):
+    """Index j of the flattened blocks xb [S, N, B] with probability w[j] / sum(w), where
+    w = weight_fn(blocks) is elementwise (fused: never materialized), from one uniform
+    per row. Returns (f32 index, xb value at the index, row total of w)."""
+    num_blocks, block = xb.shape[1:]
+    sums = jnp.sum(weight_fn(xb), -1)                               # the one [S, V] pass
+    cum = prefix_sum(sums)
+    target = u * cum[:, -1]
+    b = choose(sums, cum, target)
+    before = jnp.sum((cum - sums) * one_hot(b, sums.shape), -1)
+    values = jnp.take_along_axis(xb, b.astype(_I32)[:, None, None], 1)[:, 0]   # [S, B]
+    inner = weight_fn(values)
+    j = choose(inner, prefix_sum(inner), target - before)
+    value = jnp.sum(jnp.maximum(values, NO_THRESHOLD) * one_hot(j, values.shape), -1)
+    return jnp.clip(b * block + j, 0, num_blocks * block - 1), value, cum[:, -1]
+
+
+def first_max(xb: jax.Array, block_max: jax.Array, row_max: jax.Array) -> jax.Array:
+    """f32 index of the first row max of the flattened blocks xb [S, N, B], given the
+    block maxima [S, N]: XLA:CPU's variadic argmax is slow, f32 min/max are not."""
+    def first(w):           # first index of w >= row_max (the [S, n] arrays are small)
+        iota = lax.broadcasted_iota(_F32, w.shape, 1)
+        return jnp.min(iota + w.shape[1] * (1.0 - at_least(w - row_max[:, None])), -1)
+
+    b = jnp.minimum(first(block_max), block_max.shape[1] - 1)
+    values = jnp.take_along_axis(xb, b.astype(_I32)[:, None, None], 1)[:, 0]
+    return b * xb.shape[2] + jnp.minimum(first(values), xb.shape[2] - 1)
+
+
+# -- exact top-k without a full sort ------------------------------------------------------
+def top_k_values(x: jax.Array, k: int) -> jax.Array:
+    """Exact ``lax.top_k(x, k)`` values of [S, V]: the top k lie in the k blocks with the
+    largest maxima, so only those k * block values are searched."""
+    return top_k(x, k)[0]
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Exact ``lax.top_k(x, k)`` (values, i32 ids) of [S, V], two-level as above."""
+    num_rows, vocab = x.shape
+    block = TOPK_BLOCK
+    if vocab < 4 * k * block:
+        return lax.top_k(x, k)
+    xb = blocked(x, block)
+    _, block_ids = lax.top_k(jnp.max(xb, -1), k)
+    gathered = jnp.take_along_axis(xb, block_ids[:, :, None], 1)
+    values, pos = lax.top_k(gathered.reshape(num_rows, k * block), k)
+    ids = jnp.take_along_axis(block_ids, pos // block, 1) * block + pos % block
+    return values, jnp.minimum(ids, vocab - 1).astype(_I32)
+
+
+# -- threshold search ---------------------------------------------------------------------
+def sortable(x: jax.Array) -> jax.Array:
+    """f32 → u32 with the same order."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def unsortable(key: jax.Array) -> jax.Array:
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return lax.bitcast_convert_type(bits, _F32)
+
+
+def largest_threshold(x: jax.Array, weights, target: jax.Array, num_steps=32) -> jax.Array:
+    """Per row, the largest float T with sum(weights(x) where x >= T) >= target: with
+    weights 1 and target k it is the k-th largest x. Bisection on float bits, one pass
+    per bit; a traced ``num_steps`` of 0 skips it (the result is then meaningless)."""
+    def body(_, bounds):
+        lo, hi = bounds
+        span = hi - lo
+        mid = lo + (span >> 1) + (span & 1)
+        at_mid = jnp.sum(jnp.where(x >= unsortable(mid)[:, None], weights(x), 0.0), -1)
+        ok = at_mid >= target
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    # The keys of -inf and +inf bracket every non-NaN float (predicate(-inf) holds).
+    lo = jnp.full(x.shape[:1], 0x007FFFFF, jnp.uint32)
+    hi = jnp.full(x.shape[:1], 0xFF800000, jnp.uint32)
+    return unsortable(lax.fori_loop(0, num_steps, body, (lo, hi))[0])
+
+
+# -- per-row uniforms ---------------------------------------------------------------------
+def uniforms(seeds: jax.Array, steps: jax.Array, columns: jax.Array) -> jax.Array:
+    """Uniforms in [0, 1) (24-bit) from (seed, step_index, column) alone, broadcast
+    together: a counter-based hash (three rounds of a 32-bit avalanche mix), not
+    jax.random, whose threefry adds ~1.5 s of XLA:CPU compile to every bucket."""
+    h = _mix32(_mix32(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
+               ^ (steps.astype(jnp.uint32) * jnp.uint32(0x85EBCA77)))
+    h = _mix32(h + (columns.astype(jnp.uint32) + jnp.uint32(1)) * jnp.uint32(0xC2B2AE3D))
+    return (h >> 8).astype(_F32) * (1.0 / (1 << 24))
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash with full avalanche ("lowbias32", C. Wellons)."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x21F0AAAD)
+    x = (x ^ (x >> 15)) * jnp.uint32(0xD35A2D97)
+    return x ^ (x >> 15)
