@@ -15,6 +15,7 @@ Engines are tiny (3 step buckets each) because compiling is most of the cost.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +101,22 @@ def _placement_facts(llm) -> dict:
             "backend": runner.model.backend.name}
 
 
+def _generate_counting_compiles(llm, prompts, params) -> tuple[list, list[str]]:
+    import jax
+
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event or "trace" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False), compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def _run_tp(model: str | None, tp: int, prompts, max_tokens: int, kv_bytes: int) -> dict:
     import gc
 
@@ -107,7 +125,9 @@ def _run_tp(model: str | None, tp: int, prompts, max_tokens: int, kv_bytes: int)
     start = time.perf_counter()
     llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory_bytes=kv_bytes, **ENGINE_KWARGS)
     built = time.perf_counter() - start
-    result = _results(llm.generate(prompts, _greedy(max_tokens), use_tqdm=False))
+    outputs, compiles = _generate_counting_compiles(llm, prompts, _greedy(max_tokens))
+    result = _results(outputs)
+    result["compiles_while_serving"] = compiles
     result.update(_placement_facts(llm), build_seconds=built)
     if tp > 1:
         result["collectives"] = _collectives(llm.llm_engine.runner)
@@ -131,8 +151,8 @@ def _run_dp(model: str) -> dict:
 
     llm = LLM(model, data_parallel_size=2, kv_cache_memory_bytes=TINY_KV_BYTES, **ENGINE_KWARGS)
     engine = llm.llm_engine
-    result = {"offline": _results(llm.generate(TINY_PROMPTS, _greedy(TINY_MAX_TOKENS),
-                                               use_tqdm=False)),
+    outputs, compiles = _generate_counting_compiles(llm, TINY_PROMPTS, _greedy(TINY_MAX_TOKENS))
+    result = {"offline": _results(outputs), "compiles_while_serving": compiles,
               "devices": [[d.id for d in r.runner.params["params"]["norm"]["weight"].devices()]
                           for r in engine.replicas]}
     offline_stats = engine.replica_stats()
@@ -167,6 +187,54 @@ def _run_dp(model: str) -> dict:
     return result
 
 
+def _pallas_under_shard_map() -> dict:
+    """The Pallas kernel (interpret mode) run per shard vs the unsharded reference."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from jaxserve.attention.backend import get_attention_backend
+    from jaxserve.parallel.mesh import make_mesh
+    from jaxserve.parallel.partition import HEADS_SPEC, KV_CACHE_SPEC, shard_backend
+
+    rng = np.random.default_rng(0)
+    heads, kv_heads, head_dim, block_size, num_blocks, width = 4, 2, 16, 4, 16, 4
+    q_lens, kv_lens = [5, 1, 3], [9, 6, 3]              # a prefill chunk, a decode, a prompt
+    num_tokens, num_seqs = 16, 4
+    tables = np.zeros((num_seqs, width), np.int32)
+    tables[:3] = rng.permutation(num_blocks)[:3 * width].reshape(3, width)
+    query_start = np.array([0, 5, 6, 9, 9], np.int32)
+    lens = np.array(kv_lens + [0], np.int32)
+    slots = np.full(num_tokens, -1, np.int32)
+    for i, (n, kv) in enumerate(zip(q_lens, kv_lens)):
+        positions = np.arange(kv - n, kv)
+        slots[query_start[i]:query_start[i] + n] = (tables[i, positions // block_size]
+                                                    * block_size + positions % block_size)
+    q = rng.standard_normal((num_tokens, heads, head_dim)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((num_tokens, kv_heads, head_dim)).astype(np.float32)
+                    for _ in range(2))
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (rng.standard_normal(cache_shape).astype(np.float32) for _ in range(2))
+    meta = (jnp.asarray(lens), jnp.asarray(tables), jnp.asarray(query_start), jnp.int32(3))
+
+    def step(backend, q, k_cache, v_cache, k_new, v_new, slots):
+        k_cache, v_cache = backend.write_kv(k_cache, v_cache, k_new, v_new, slots)
+        return backend.attention(q, k_cache, v_cache, *meta), k_cache
+
+    mesh = make_mesh(2, 1)
+    heads_on, cache_on = NamedSharding(mesh, HEADS_SPEC), NamedSharding(mesh, KV_CACHE_SPEC)
+    sharded = shard_backend(get_attention_backend("pallas", "cpu"), mesh)
+    out, cache = jax.jit(functools.partial(step, sharded))(
+        jax.device_put(q, heads_on), jax.device_put(k_cache, cache_on),
+        jax.device_put(v_cache, cache_on), jax.device_put(k_new, heads_on),
+        jax.device_put(v_new, heads_on), jnp.asarray(slots))
+    ref_out, ref_cache = jax.jit(functools.partial(step, get_attention_backend("reference")))(
+        q, k_cache, v_cache, k_new, v_new, jnp.asarray(slots))
+    return {"max_abs_diff": float(jnp.max(jnp.abs(out - ref_out))),
+            "cache_equal": bool(jnp.array_equal(cache, ref_cache)),
+            "out_spec": str(out.sharding.spec), "backend": sharded.name}
+
+
 def worker(spec: dict) -> None:
     import traceback
 
@@ -179,6 +247,7 @@ def worker(spec: dict) -> None:
             results[name] = {"error": traceback.format_exc()}
         Path(spec["out"]).write_text(json.dumps(results))
 
+    section("pallas_shard_map", _pallas_under_shard_map)
     tiny = spec["tiny"]
     for tp in (1, 2, 4):
         section(f"tiny_tp{tp}", _run_tp, tiny, tp, TINY_PROMPTS, TINY_MAX_TOKENS, TINY_KV_BYTES)
@@ -249,6 +318,11 @@ def test_tensor_parallel_greedy_outputs_equal_single_device(worker_results, name
     _assert_same_greedy(_section(worker_results, name), _section(worker_results, reference))
 
 
+@pytest.mark.parametrize("name", ["tiny_tp2", "tiny_tp4", "tiny_dp2", "smol_tp3"])
+def test_sharded_serving_compiles_nothing_after_warmup(worker_results, name):
+    assert _section(worker_results, name)["compiles_while_serving"] == []
+
+
 def test_kv_heads_are_replicated_when_tp_exceeds_them(worker_results):
     tp4, tp1 = _section(worker_results, "tiny_tp4"), _section(worker_results, "tiny_tp1")
     assert tp1["kv_shape"][2] == 2                      # the checkpoint's 2 KV heads
@@ -284,6 +358,14 @@ def test_compiled_step_all_reduces_per_layer_and_never_gathers_weights(worker_re
             assert tuple(shape) not in weights, f"a weight matrix is gathered: {op}"
             assert shape == [s, vocab], f"only the logits should be gathered: {op}"
     assert not [op for op in ops if op["op"] in ("all-to-all", "collective-permute")], ops
+
+
+def test_pallas_attention_runs_per_shard_under_shard_map(worker_results):
+    result = _section(worker_results, "pallas_shard_map")
+    assert result["cache_equal"]
+    assert result["max_abs_diff"] < 1e-4
+    assert result["out_spec"] == "P(None, 'model', None)"
+    assert result["backend"].startswith("pallas-interpret (shard_map")
 
 
 def test_data_parallel_serves_concurrent_requests_on_both_replicas(worker_results):
