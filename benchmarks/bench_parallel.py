@@ -100,20 +100,28 @@ def run_config(args: argparse.Namespace) -> dict:
     replicas = getattr(engine, "replicas", [engine])
     rng = np.random.default_rng(0)
     vocab = replicas[0].setup.arch.vocab_size
-    prompts = [rng.integers(3, vocab, size=args.input_len).tolist()
-               for _ in range(args.num_prompts)]
-    llm.generate(prompts[:4], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    before = [(r.stats.num_steps, r.stats.step_time_total) for r in replicas]
+
+    def random_prompts(count: int) -> list[list[int]]:   # fresh ones: no prefix-cache hits
+        return [rng.integers(3, vocab, size=args.input_len).tolist() for _ in range(count)]
+
+    llm.generate(random_prompts(4), SamplingParams(max_tokens=2, ignore_eos=True),
+                 use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    best = None
+    for _ in range(args.repeats):      # best of N: the CPU is shared with other work
+        prompts = random_prompts(args.num_prompts)
+        before = [(r.stats.num_steps, r.stats.step_time_total) for r in replicas]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        if best is None or elapsed < best[0]:
+            best = (elapsed, [r.stats.num_steps - s for r, (s, _) in zip(replicas, before)],
+                    [r.stats.step_time_total - t for r, (_, t) in zip(replicas, before)])
+    elapsed, steps, step_time = best
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    steps = [r.stats.num_steps - s for r, (s, _) in zip(replicas, before)]
-    step_time = [r.stats.step_time_total - t for r, (_, t) in zip(replicas, before)]
     return {"config": f"tp{tp}" if dp == 1 else f"tp{tp}-dp{dp}", "tp": tp, "dp": dp,
             "num_prompts": args.num_prompts, "input_len": args.input_len,
-            "output_len": args.output_len, "seconds": elapsed,
+            "output_len": args.output_len, "repeats": args.repeats, "seconds": elapsed,
             "output_tok_s": generated / elapsed,
             "total_tok_s": (generated + args.num_prompts * args.input_len) / elapsed,
             "steps_per_replica": steps,
@@ -148,6 +156,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--kv-cache-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best counts")
     parser.add_argument("--tag", default=None, help="results file suffix (default: platform)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -169,7 +178,7 @@ def main() -> None:
         command = [sys.executable, __file__, "--worker", "--model", model, "--tp", str(tp),
                    "--dp", str(dp)] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
                        "num_prompts", "input_len", "output_len", "max_num_batched_tokens",
-                       "max_num_seqs", "kv_cache_mib")]
+                       "max_num_seqs", "kv_cache_mib", "repeats")]
         proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
