@@ -64,7 +64,7 @@ def bench_hf(model, prompts, output_len: int, batch: int, pad_id: int) -> dict:
     import torch
 
     config = model.generation_config
-    config.eos_token_id, config.do_sample, config.pad_token_id = None, False, pad_id
+    config.eos_token_id, config.do_sample, config.pad_token_id = [], False, pad_id
     chosen = prompts[:batch]
     width = max(len(p) for p in chosen)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chosen])     # left padding

@@ -46,12 +46,12 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     it (like vLLM's ignore_eos; HF's min_new_tokens would instead forbid EOS)."""
     ids = torch.tensor([prompt_ids])
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
+    config.eos_token_id = []      # transformers 5: None falls back to the model default
     config.do_sample = False
     config.pad_token_id = 0
+    config.max_new_tokens = max_new_tokens
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             generation_config=config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt_ids):].tolist()
 
 
