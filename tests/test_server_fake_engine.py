@@ -179,6 +179,8 @@ def test_models_version_tokenize_detokenize(server):
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "surrogate"),
+    ("/v1/completions", {"prompt": ["a"] * 600, "n": 2}, 400, "at most"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "n": 100000}, 400, "n"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
@@ -212,6 +214,11 @@ def test_context_length_error_uses_vllm_wording(server):
         "This model's maximum context length is 128 tokens. However, you requested 203 tokens "
         "(3 in the messages, 200 in the completion). Please reduce the length of the messages "
         "or completion.")
+
+
+def test_escaped_surrogate_pair_is_fine(server):
+    r = post(server, "/v1/completions", b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_fields_are_accepted(server):

@@ -21,6 +21,8 @@ from jaxserve.entrypoints.openai.serving_engine import (
     prompt_logprobs_echo, reraise_disconnect, sse, sse_error, until_disconnect)
 from jaxserve.outputs import RequestOutput
 
+MAX_CHOICES = 1024       # prompts x n in one request; more is a batch job, not a request
+
 
 class OpenAIServingCompletion(OpenAIServing):
 
@@ -28,6 +30,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                 ) -> Response:
         model = self.model_name(request.model)
         prompts = request.prompts()
+        if len(prompts) * request.n > MAX_CHOICES:
+            raise APIError(f"a request may ask for at most {MAX_CHOICES} completions "
+                           f"(prompts x n); got {len(prompts)} x {request.n}", param="prompt")
         prompt_ids: list[list[int]] = []
         for prompt in prompts:
             if isinstance(prompt, str):

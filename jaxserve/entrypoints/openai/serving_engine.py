@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
@@ -24,6 +25,7 @@ T = TypeVar("T")
 
 MAX_BODY_BYTES = 32 << 20          # a request body larger than this is refused (400)
 _TOKENIZE_INLINE_CHARS = 8192      # longer texts are tokenized off the event loop
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class APIError(Exception):
@@ -75,6 +77,12 @@ async def parse_body(raw_request: Request, model_type: type[ModelT]) -> ModelT:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise APIError(f"request body is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(text):      # "\ud800" decodes to a string no tokenizer takes
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(f"request body contains an unpaired UTF-16 surrogate: {exc}") \
+                from None
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object")
     try:
