@@ -48,7 +48,7 @@ class ModelPlacement:
         if mesh is None:
             if parallel.data_parallel_size > 1:
                 raise ValueError("data_parallel_size > 1 runs one engine per replica behind "
-                                 "jaxserve.parallel.create_engine (LLM and `jaxserve serve` "
+                                 "jaxserve.parallel.launch.create_engine (LLM and `jaxserve serve` "
                                  "use it); LLMEngine alone holds one replica")
             if tp > 1 or jax.process_count() > 1:
                 mesh = make_mesh(tp, 1)
