@@ -2,13 +2,13 @@
 
 Megatron-style, on the mesh axis ``model`` (tp devices):
 
-    layers.{q,k,v,gate,up}_proj.kernel  [L, H, out]   split by output columns  P(None, None, 'model')
-    layers.{q,k,v}_proj.bias            [L, out]      split with its columns   P(None, 'model')
-    layers.{o,down}_proj.kernel         [L, in, H]    split by input rows      P(None, 'model', None)
-    embed_tokens.embedding              [V, H]        split on vocab (else hidden)
-    lm_head.kernel                      [H, V]        split on vocab (else hidden)
+    layers.{q,k,v,gate,up}_proj.kernel  [L, H, out]  by output columns  P(None, None, 'model')
+    layers.{q,k,v}_proj.bias            [L, out]     with its columns   P(None, 'model')
+    layers.{o,down}_proj.kernel         [L, in, H]   by input rows      P(None, 'model', None)
+    embed_tokens.embedding              [V, H]       on vocab (else hidden)
+    lm_head.kernel                      [H, V]       on vocab (else hidden)
     norms, q_norm/k_norm, o_proj.bias   replicated
-    KV cache [L*num_blocks, block_size, Hkv, D]       split on KV heads  P(None, None, 'model', None)
+    KV cache [L*num_blocks, block_size, Hkv, D]      on KV heads  P(None, None, 'model', None)
 
 XLA inserts the collectives: one all-reduce after o_proj and one after
 down_proj per layer (their partial sums), plus a small gather of the logits
