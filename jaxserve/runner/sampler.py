@@ -36,6 +36,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxserve.runner import sampling_ops as ops
@@ -68,30 +69,58 @@ def sample(logits: jax.Array, t: SamplingTensors, num_top_logprobs: int, *,
     logits = logits.astype(_F32)
     num_rows, vocab = logits.shape
     k = num_top_logprobs
-    processed = process_logits(logits, t)
+    need = _needs(t, vocab, num_candidates)
+    processed = process_logits(logits, t, need(_PROCESS))
     xb = ops.blocked(processed, ops.block_width(vocab))      # [S, V/B, B] view
     block_max = jnp.max(xb, -1)
     row_max = jnp.max(block_max, -1)
-    # Cond predicates as f32 max reductions: they compile to YNN, not LLVM kernels.
-    tokens = lax.cond(jnp.max(t.temperature) < GREEDY_EPS,
-                      lambda xb, bm, rm, t: ops.first_max(xb, bm, rm),
+    tokens = lax.cond(need(_RANDOM),
                       partial(_sample_rows, vocab=vocab, num_candidates=num_candidates),
-                      xb, block_max, row_max, t)
-    tokens = jnp.minimum(tokens, vocab - 1).astype(_I32)
+                      lambda xb, bm, rm, t, need_bits: ops.first_max(xb, bm, rm),
+                      xb, block_max, row_max, t, need.bits)
     logprobs = lax.cond(
-        jnp.max(t.num_logprobs) >= 0, partial(_logprobs, k=k),
+        need(_LOGPROBS), partial(_logprobs, k=k),
         lambda lg, tok: (jnp.zeros(num_rows, _F32), jnp.zeros(num_rows, _I32),
                          jnp.zeros((num_rows, k), _I32), jnp.zeros((num_rows, k), _F32)),
         logits, tokens)
     return SamplerOutput(tokens, *logprobs)
 
 
-# -- stage 2: bias, bans and penalties ----------------------------------------------------
-def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Logit bias / min_tokens bans, then vLLM's penalties. [S, V] → [S, V]."""
-    needed = (jnp.max(t.bias_token_ids) >= 0) | (jnp.max(
+# Bits of "does any row need it", one OR-reduction for every cond: a reduction over rows
+# costs two LLVM kernels, a bit test one.
+_PROCESS, _RANDOM, _LOGPROBS, _TOP_K, _BIG_K = (1 << i for i in range(5))
+
+
+class _Need:
+    def __init__(self, bits: jax.Array):
+        self.bits = bits
+
+    def __call__(self, bit: int) -> jax.Array:
+        return (self.bits & bit) != 0
+
+
+def _needs(t: SamplingTensors, vocab: int, num_candidates: int) -> _Need:
+    random = t.temperature >= GREEDY_EPS
+    top_k_on = random & (t.top_k > 0) & (t.top_k < vocab)
+    bits = jnp.where(_needs_processing(t), _PROCESS, 0) | jnp.where(random, _RANDOM, 0) \
+        | jnp.where(t.num_logprobs >= 0, _LOGPROBS, 0) | jnp.where(top_k_on, _TOP_K, 0) \
+        | jnp.where(top_k_on & (t.top_k > min(num_candidates, vocab)), _BIG_K, 0)
+    return _Need(lax.reduce(bits, np.int32(0), lax.bitwise_or, (0,)))
+
+
+def _needs_processing(t: SamplingTensors) -> jax.Array:
+    """Per row: any logit bias / ban (a zero bias is a no-op) or penalty."""
+    return (jnp.max(jnp.abs(t.bias_values), -1) > 0) | (
         jnp.abs(t.repetition_penalty - 1.0) + jnp.abs(t.frequency_penalty)
-        + jnp.abs(t.presence_penalty)) > 0)
+        + jnp.abs(t.presence_penalty) > 0)
+
+
+# -- stage 2: bias, bans and penalties ----------------------------------------------------
+def process_logits(logits: jax.Array, t: SamplingTensors, needed=None) -> jax.Array:
+    """Logit bias / min_tokens bans, then vLLM's penalties. [S, V] → [S, V]. ``needed``:
+    whether any row needs it (computed if None)."""
+    if needed is None:
+        needed = jnp.any(_needs_processing(t))
     return lax.cond(needed, _apply_bias_and_penalties, lambda lg, t: lg, logits, t)
 
 
@@ -121,74 +150,76 @@ def _apply_bias_and_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Arra
 
 # -- stage 4: random rows -----------------------------------------------------------------
 def _keep_bound(xb: jax.Array, row_max: jax.Array, t: SamplingTensors, vocab: int,
-                num_candidates: int):
+                num_candidates: int, need: _Need):
     """(inv_temp, x_max, lo): x = processed * inv_temp, its row max, and the min_p and
     top_k bound, keep x > lo (greedy rows: the row max only)."""
     greedy = t.temperature < GREEDY_EPS
     inv_temp = 1.0 / jnp.where(greedy, 1.0, t.temperature)
     x_max = row_max * inv_temp
     top_k_on = ~greedy & (t.top_k > 0) & (t.top_k < vocab)
-    kth = lax.cond(jnp.max(top_k_on.astype(_F32)) > 0,
-                   partial(_kth_largest, num_candidates=num_candidates),
-                   lambda xb, t, top_k_on: jnp.zeros_like(row_max), xb, t, top_k_on)
+    # Untaken: any [S] buffer (a copy, no kernel); no row reads it.
+    kth = lax.cond(need(_TOP_K), partial(_kth_largest, vocab=vocab, num_candidates=num_candidates),
+                   lambda xb, rm, t, big: rm, xb, row_max, t, need(_BIG_K))
     bound = jnp.maximum(jnp.where(top_k_on, kth * inv_temp, ops.NO_THRESHOLD),
                         jnp.where(~greedy & (t.min_p > 0), x_max + jnp.log(t.min_p),
                                   ops.NO_THRESHOLD))
     return inv_temp, x_max, ops.strict_bound(jnp.where(greedy, x_max, bound))
 
 
-def _kth_largest(xb: jax.Array, t: SamplingTensors, top_k_on: jax.Array,
-                 num_candidates: int) -> jax.Array:
+def _kth_largest(xb: jax.Array, row_max: jax.Array, t: SamplingTensors, any_big: jax.Array,
+                 vocab: int, num_candidates: int) -> jax.Array:
     """The top_k-th largest processed logit of each row: from the exact top candidates,
     or by bisection (32 count passes, run only if some row's top_k exceeds them)."""
     processed = xb.reshape(xb.shape[0], -1)                # -inf padding: never counted
     num_cand = min(num_candidates, processed.shape[1])
     cand = ops.top_k_values(processed, num_cand)
-    kth = jnp.sum(jnp.maximum(cand, ops.NO_THRESHOLD) * ops.one_hot(t.top_k - 1, cand.shape),
+    k = t.top_k.astype(_F32)
+    kth = jnp.sum(jnp.maximum(cand, ops.NO_THRESHOLD) * ops.one_hot(k, cand.shape, offset=1),
                   -1)
-    big_k = top_k_on & (t.top_k > num_cand)
-    kth_big = ops.largest_threshold(processed, lambda p: 1.0, t.top_k.astype(_F32),
-                                    num_steps=jnp.where(jnp.max(big_k.astype(_F32)) > 0, 32, 0))
-    return jnp.where(big_k, kth_big, kth)
+    kth_big = ops.largest_threshold(processed, lambda p: 1.0, k, run=any_big,
+                                    init_key=t.seeds)
+    return jnp.where((t.top_k > num_cand) & (t.top_k < vocab), kth_big, kth)
 
 
 def _sample_rows(xb: jax.Array, block_max: jax.Array, row_max: jax.Array,
-                 t: SamplingTensors, vocab: int, num_candidates: int) -> jax.Array:
+                 t: SamplingTensors, need_bits: jax.Array, vocab: int,
+                 num_candidates: int) -> jax.Array:
     """Rejection sampling of the top-p nucleus, one pass per round (see the module doc)."""
-    inv_temp, x_max, lo = _keep_bound(xb, row_max, t, vocab, num_candidates)
-    greedy = t.temperature < GREEDY_EPS
-    top_p_on = ~greedy & (t.top_p < 1.0)
-    rounds = lax.broadcasted_iota(_I32, (xb.shape[0], _MAX_ROUNDS), 1)
-    u_all = jnp.where(greedy[:, None], 0.0,
-                      ops.uniforms(t.seeds[:, None], t.step_index[:, None], rounds))
+    inv_temp, x_max, lo = _keep_bound(xb, row_max, t, vocab, num_candidates,
+                                      _Need(need_bits))
 
     def cond(state):
         round_, tokens = state[0], state[3]
-        return (jnp.min(tokens) < 0) & (round_ < _MAX_ROUNDS)
+        return (jnp.max(tokens) >= 0) & (round_ < _MAX_ROUNDS)
 
     def body(state):
-        # tokens: the accepted token, or -1 - the pending proposal. Round 0 proposes from
+        # tokens: -1 - the accepted token, or the pending proposal. Round 0 proposes from
         # all kept tokens, and top_p times its total is the nucleus mass; rows without
         # top_p accept. Each later round proposes above the pending proposal, and its
         # total (the mass strictly above that proposal) accepts it if < nucleus mass.
         round_, lo, mass, tokens = state
-        # The barrier ties the per-row inputs to the loop-varying lo: XLA then hoists no
-        # [S, V] part of the pass out of the loop into materialized (LLVM) kernels.
-        lo, inv_temp_, x_max_ = lax.optimization_barrier((lo, inv_temp, x_max))
-        u = jnp.sum(u_all * ops.one_hot(jnp.full(lo.shape, round_), u_all.shape), -1)
+        # The barrier ties the per-row inputs to the loop-varying lo, so that XLA hoists
+        # nothing out of the loop: no [S, V] temporaries, and the per-row arithmetic
+        # stays fused into the loop's kernels instead of kernels of its own.
+        lo, inv_temp_, x_max_, seeds, steps, temperature, top_p = lax.optimization_barrier(
+            (lo, inv_temp, x_max, t.seeds, t.step_index, t.temperature, t.top_p))
+        greedy = temperature < GREEDY_EPS
         j, value, total = ops.pick(
-            xb, lambda p: ops.kept_weights(p * ops.rows(inv_temp_, p.ndim), x_max_, lo), u)
+            xb, lambda p: ops.kept_weights(p * ops.rows(inv_temp_, p.ndim), x_max_, lo),
+            lambda p: ops.kept_weights_small(p * ops.rows(inv_temp_, p.ndim), x_max_, lo),
+            lambda: jnp.where(greedy, 0.0, ops.uniforms(seeds, steps, round_)))
         first = round_ == 0
-        mass = jnp.where(first, t.top_p * total, mass)
+        mass = jnp.where(first, top_p * total, mass)
         accept_pending = ~first & (total < mass)
-        tokens = jnp.where(tokens >= 0, tokens, jnp.where(
-            accept_pending, -1.0 - tokens, jnp.where(top_p_on, -1.0 - j, j)))
-        return round_ + 1, jnp.where(tokens < 0, value * inv_temp_, lo), mass, tokens
+        tokens = jnp.where(tokens < 0, tokens, jnp.where(
+            accept_pending, -1.0 - tokens, jnp.where(~greedy & (top_p < 1.0), j, -1.0 - j)))
+        return round_ + 1, jnp.where(tokens >= 0, value * inv_temp_, lo), mass, tokens
 
-    init = (jnp.int32(0), lo, jnp.zeros_like(lo), jnp.full_like(lo, -1.0))
-    tokens = lax.while_loop(cond, body, init)[3]
+    # Initial mass and tokens are any (non-negative) existing buffers: round 0 sets both,
+    # and a copy needs no kernel.
+    tokens = lax.while_loop(cond, body, (jnp.int32(0), lo, lo, t.temperature))[3]
     # Rows still undecided after the cap (NaN logits) take their pending proposal.
-    return jnp.where(tokens < 0, -1.0 - tokens, tokens)
+    return jnp.minimum(jnp.where(tokens < 0, -1.0 - tokens, tokens), vocab - 1).astype(_I32)
 
 
 # -- logprobs -----------------------------------------------------------------------------
@@ -196,7 +227,7 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
     num_rows, vocab = logits.shape
     m = jnp.max(logits, -1)
     lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), -1))
-    chosen = jnp.take_along_axis(logits, tokens[:, None], 1)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], 1, mode="clip")
     # vLLM: ties count as ahead. Counting in f32 keeps the fast reduction path on CPU.
     ranks = jnp.sum(jnp.where(logits >= chosen, 1.0, 0.0), -1).astype(_I32)
     if k == 0:
@@ -221,7 +252,7 @@ def sampling_probs(logits: jax.Array, t: SamplingTensors, *,
     processed = process_logits(logits.astype(_F32), t)
     vocab = processed.shape[1]
     inv_temp, x_max, lo = _keep_bound(processed[:, None, :], jnp.max(processed, -1), t,
-                                      vocab, num_candidates)
+                                      vocab, num_candidates, _needs(t, vocab, num_candidates))
     x = processed * inv_temp[:, None]
 
     def kept(x, lo):

@@ -55,6 +55,12 @@ def blocked(x: jax.Array, block: int) -> jax.Array:
 
 
 # -- masks --------------------------------------------------------------------------------
+def iota(n: int) -> np.ndarray:
+    """[1, n] column indices as an f32 constant: YNN fusions cannot generate an iota, so a
+    traced one becomes an extra kernel."""
+    return np.arange(n, dtype=np.float32)[None, :]
+
+
 def at_least(d: jax.Array) -> jax.Array:
     """1.0 where d >= 0 else 0.0 (d not NaN); arithmetic, for small arrays."""
     return jnp.minimum(jnp.sign(d) + 1.0, 1.0)
@@ -65,15 +71,21 @@ def above(d: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.sign(d), 0.0)
 
 
-def one_hot(index: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """1.0 at [s, index[s]] of an [S, n] shape (index: f32 or int [S])."""
-    iota = lax.broadcasted_iota(_F32, shape, 1)
-    return 1.0 - jnp.minimum(jnp.abs(iota - index.astype(_F32)[:, None]), 1.0)
+def one_hot(index: jax.Array, shape: tuple[int, ...], offset: int = 0) -> jax.Array:
+    """1.0 at [s, index[s] - offset] of an [S, n] shape (index: f32 [S])."""
+    return 1.0 - jnp.minimum(jnp.abs(iota(shape[1]) + offset - index[:, None]), 1.0)
 
 
 def kept_weights(x: jax.Array, x_max: jax.Array, lo: jax.Array) -> jax.Array:
-    """exp(x - x_max) where x > lo, else 0 (per-row [S] x_max and lo)."""
+    """exp(x - x_max) where x > lo, else 0 (per-row [S] x_max and lo); for [S, V]."""
     return jnp.where(x > rows(lo, x.ndim), jnp.exp(x - rows(x_max, x.ndim)), 0.0)
+
+
+def kept_weights_small(x: jax.Array, x_max: jax.Array, lo: jax.Array) -> jax.Array:
+    """``kept_weights`` as arithmetic (compiles into YNN fusions), for small arrays. The
+    clamp keeps -inf * 0 out; exp of a kept x <= x_max is the same number."""
+    d = jnp.maximum(x, NO_THRESHOLD) - rows(lo, x.ndim)
+    return jnp.exp(jnp.minimum(x - rows(x_max, x.ndim), 0.0)) * above(d)
 
 
 def strict_bound(bound: jax.Array) -> jax.Array:
@@ -94,41 +106,43 @@ def choose(w: jax.Array, cum: jax.Array, target: jax.Array) -> jax.Array:
     last with w > 0 (0 if none): rounding never picks a zero weight. One f32 min of
     key = i (wanted), 2n - i (other positive), 2n (zero weight)."""
     n = w.shape[-1]
-    iota = lax.broadcasted_iota(_F32, w.shape, 1)
     positive = jnp.sign(w)
     over = above(cum - target[:, None])
-    best = jnp.min(positive * ((2.0 * over - 1.0) * iota + (1.0 - over) * (2 * n))
+    best = jnp.min(positive * ((2.0 * over - 1.0) * iota(n) + (1.0 - over) * (2 * n))
                    + (1.0 - positive) * (2 * n), -1)
     return jnp.where(best < n, best, jnp.minimum(2 * n - best, n - 1))
 
 
-def pick(xb: jax.Array, weight_fn, u: jax.Array):
+def pick(xb: jax.Array, weight_fn, small_weight_fn, uniform_fn):
     """Index j of the flattened blocks xb [S, N, B] with probability w[j] / sum(w), where
     w = weight_fn(blocks) is elementwise (fused: never materialized), from one uniform
-    per row. Returns (f32 index, xb value at the index, row total of w)."""
+    per row (``uniform_fn()``, computed where it is used: no kernel of its own);
+    small_weight_fn is the same w as arithmetic, for the one chosen [S, B] block.
+    Returns (f32 index, xb value at the index, row total of w)."""
     num_blocks, block = xb.shape[1:]
     sums = jnp.sum(weight_fn(xb), -1)                               # the one [S, V] pass
     cum = prefix_sum(sums)
-    target = u * cum[:, -1]
+    target = uniform_fn() * cum[:, -1]
     b = choose(sums, cum, target)
-    before = jnp.sum((cum - sums) * one_hot(b, sums.shape), -1)
-    values = jnp.take_along_axis(xb, b.astype(_I32)[:, None, None], 1)[:, 0]   # [S, B]
-    inner = weight_fn(values)
-    j = choose(inner, prefix_sum(inner), target - before)
+    # The target within block b: target minus the mass of the blocks before it.
+    inner_target = jnp.sum((target[:, None] - cum + sums) * one_hot(b, sums.shape), -1)
+    values = jnp.take_along_axis(xb, b.astype(_I32)[:, None, None], 1, mode="clip")[:, 0]
+    inner = small_weight_fn(values)
+    j = choose(inner, prefix_sum(inner), inner_target)
     value = jnp.sum(jnp.maximum(values, NO_THRESHOLD) * one_hot(j, values.shape), -1)
     return jnp.clip(b * block + j, 0, num_blocks * block - 1), value, cum[:, -1]
 
 
 def first_max(xb: jax.Array, block_max: jax.Array, row_max: jax.Array) -> jax.Array:
-    """f32 index of the first row max of the flattened blocks xb [S, N, B], given the
+    """i32 index of the first row max of the flattened blocks xb [S, N, B], given the
     block maxima [S, N]: XLA:CPU's variadic argmax is slow, f32 min/max are not."""
     def first(w):           # first index of w >= row_max (the [S, n] arrays are small)
-        iota = lax.broadcasted_iota(_F32, w.shape, 1)
-        return jnp.min(iota + w.shape[1] * (1.0 - at_least(w - row_max[:, None])), -1)
+        n = w.shape[1]
+        return jnp.min(iota(n) + n * (1.0 - at_least(w - row_max[:, None])), -1)
 
     b = jnp.minimum(first(block_max), block_max.shape[1] - 1)
-    values = jnp.take_along_axis(xb, b.astype(_I32)[:, None, None], 1)[:, 0]
-    return b * xb.shape[2] + jnp.minimum(first(values), xb.shape[2] - 1)
+    values = jnp.take_along_axis(xb, b.astype(_I32)[:, None, None], 1, mode="clip")[:, 0]
+    return (b * xb.shape[2] + jnp.minimum(first(values), xb.shape[2] - 1)).astype(_I32)
 
 
 # -- exact top-k without a full sort ------------------------------------------------------
@@ -146,9 +160,9 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         return lax.top_k(x, k)
     xb = blocked(x, block)
     _, block_ids = lax.top_k(jnp.max(xb, -1), k)
-    gathered = jnp.take_along_axis(xb, block_ids[:, :, None], 1)
+    gathered = jnp.take_along_axis(xb, block_ids[:, :, None], 1, mode="clip")
     values, pos = lax.top_k(gathered.reshape(num_rows, k * block), k)
-    ids = jnp.take_along_axis(block_ids, pos // block, 1) * block + pos % block
+    ids = jnp.take_along_axis(block_ids, pos // block, 1, mode="clip") * block + pos % block
     return values, jnp.minimum(ids, vocab - 1).astype(_I32)
 
 
@@ -164,22 +178,30 @@ def unsortable(key: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, _F32)
 
 
-def largest_threshold(x: jax.Array, weights, target: jax.Array, num_steps=32) -> jax.Array:
+def largest_threshold(x: jax.Array, weights, target: jax.Array, run=True,
+                      init_key=None) -> jax.Array:
     """Per row, the largest float T with sum(weights(x) where x >= T) >= target: with
-    weights 1 and target k it is the k-th largest x. Bisection on float bits, one pass
-    per bit; a traced ``num_steps`` of 0 skips it (the result is then meaningless)."""
-    def body(_, bounds):
-        lo, hi = bounds
-        span = hi - lo
-        mid = lo + (span >> 1) + (span & 1)
-        at_mid = jnp.sum(jnp.where(x >= unsortable(mid)[:, None], weights(x), 0.0), -1)
-        ok = at_mid >= target
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    weights 1 and target k it is the k-th largest x. Built bit by bit from the top on
+    float keys, one pass per bit; ``run`` (traced) False skips it (result meaningless).
+    Keys below -inf's are NaN, where "not x < T" counts everything: still monotone.
+    ``init_key``: any u32 [S] buffer to carry the key in (a copy needs no kernel)."""
+    def cond(state):
+        return run & (state[0] < 32)
 
-    # The keys of -inf and +inf bracket every non-NaN float (predicate(-inf) holds).
-    lo = jnp.full(x.shape[:1], 0x007FFFFF, jnp.uint32)
-    hi = jnp.full(x.shape[:1], 0xFF800000, jnp.uint32)
-    return unsortable(lax.fori_loop(0, num_steps, body, (lo, hi))[0])
+    def body(state):
+        i, key = state
+        key = jnp.where(i == 0, jnp.uint32(0), key)
+        probe = key | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        at_probe = jnp.sum(jnp.where(x < unsortable(probe)[:, None], 0.0, weights(x)), -1)
+        return i + 1, jnp.where(at_probe >= target, probe, key)
+
+    if init_key is None:
+        init_key = jnp.zeros(x.shape[:1], jnp.uint32)
+    key = lax.while_loop(cond, body, (jnp.int32(0), init_key))[1]
+    found = unsortable(key)
+    # XLA:CPU compares denormals as 0: the search may end on one where the answer is 0.
+    return jnp.where(key < 0x007FFFFF, -jnp.inf,
+                     jnp.where(jnp.abs(found) < np.finfo(np.float32).tiny, 0.0, found))
 
 
 # -- per-row uniforms ---------------------------------------------------------------------
