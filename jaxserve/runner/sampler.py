@@ -201,19 +201,21 @@ def _sample_rows(xb: jax.Array, block_max: jax.Array, row_max: jax.Array,
         # The barrier ties the per-row inputs to the loop-varying lo, so that XLA hoists
         # nothing out of the loop: no [S, V] temporaries, and the per-row arithmetic
         # stays fused into the loop's kernels instead of kernels of its own.
-        lo, inv_temp_, x_max_, seeds, steps, temperature, top_p = lax.optimization_barrier(
-            (lo, inv_temp, x_max, t.seeds, t.step_index, t.temperature, t.top_p))
+        lo, row_max_, seeds, steps, temperature, top_p = lax.optimization_barrier(
+            (lo, row_max, t.seeds, t.step_index, t.temperature, t.top_p))
         greedy = temperature < GREEDY_EPS
-        j, value, total = ops.pick(
-            xb, lambda p: ops.kept_weights(p * ops.rows(inv_temp_, p.ndim), x_max_, lo),
-            lambda p: ops.kept_weights_small(p * ops.rows(inv_temp_, p.ndim), x_max_, lo),
+        inv_temp_ = 1.0 / jnp.where(greedy, 1.0, temperature)
+        j, block, j_in_block, total = ops.pick(
+            xb, lambda p: ops.kept_weights(p, row_max_, inv_temp_, lo),
+            lambda p: ops.kept_weights_small(p, row_max_, inv_temp_, lo),
             lambda: jnp.where(greedy, 0.0, ops.uniforms(seeds, steps, round_)))
         first = round_ == 0
         mass = jnp.where(first, top_p * total, mass)
         accept_pending = ~first & (total < mass)
         tokens = jnp.where(tokens < 0, tokens, jnp.where(
             accept_pending, -1.0 - tokens, jnp.where(~greedy & (top_p < 1.0), j, -1.0 - j)))
-        return round_ + 1, jnp.where(tokens >= 0, value * inv_temp_, lo), mass, tokens
+        x_j = ops.take(block, j_in_block) * inv_temp_
+        return round_ + 1, jnp.where(tokens >= 0, x_j, lo), mass, tokens
 
     # Initial mass and tokens are any (non-negative) existing buffers: round 0 sets both,
     # and a copy needs no kernel.
@@ -227,18 +229,18 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
     num_rows, vocab = logits.shape
     m = jnp.max(logits, -1)
     lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), -1))
-    chosen = jnp.take_along_axis(logits, tokens[:, None], 1, mode="clip")
     # vLLM: ties count as ahead. Counting in f32 keeps the fast reduction path on CPU.
-    ranks = jnp.sum(jnp.where(logits >= chosen, 1.0, 0.0), -1).astype(_I32)
+    chosen = ops.take(logits, tokens)
+    ranks = jnp.sum(jnp.where(logits >= chosen[:, None], 1.0, 0.0), -1).astype(_I32)
+    sampled = chosen - lse
     if k == 0:
-        return chosen[:, 0] - lse, ranks, jnp.zeros((num_rows, 0), _I32), \
-            jnp.zeros((num_rows, 0), _F32)
+        return sampled, ranks, jnp.zeros((num_rows, 0), _I32), jnp.zeros((num_rows, 0), _F32)
     values, ids = ops.top_k(logits, min(k, vocab))
     if values.shape[1] < k:                                   # vocab smaller than K
         pad = ((0, 0), (0, k - values.shape[1]))
         values = jnp.pad(values, pad, constant_values=-jnp.inf)
         ids = jnp.pad(ids, pad)
-    return chosen[:, 0] - lse, ranks, ids.astype(_I32), values - lse[:, None]
+    return sampled, ranks, ids.astype(_I32), values - lse[:, None]
 
 
 # -- for tests and notebooks --------------------------------------------------------------

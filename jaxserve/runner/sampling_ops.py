@@ -76,16 +76,21 @@ def one_hot(index: jax.Array, shape: tuple[int, ...], offset: int = 0) -> jax.Ar
     return 1.0 - jnp.minimum(jnp.abs(iota(shape[1]) + offset - index[:, None]), 1.0)
 
 
-def kept_weights(x: jax.Array, x_max: jax.Array, lo: jax.Array) -> jax.Array:
-    """exp(x - x_max) where x > lo, else 0 (per-row [S] x_max and lo); for [S, V]."""
-    return jnp.where(x > rows(lo, x.ndim), jnp.exp(x - rows(x_max, x.ndim)), 0.0)
+def kept_weights(p: jax.Array, row_max: jax.Array, inv_temp: jax.Array,
+                 lo: jax.Array) -> jax.Array:
+    """exp((p - row_max) * inv_temp) where x = p * inv_temp > lo, else 0: the kept
+    weights of processed logits p [S, ...] (per-row [S] row_max, inv_temp, lo)."""
+    it = rows(inv_temp, p.ndim)
+    return jnp.where(p * it > rows(lo, p.ndim), jnp.exp((p - rows(row_max, p.ndim)) * it), 0.0)
 
 
-def kept_weights_small(x: jax.Array, x_max: jax.Array, lo: jax.Array) -> jax.Array:
+def kept_weights_small(p: jax.Array, row_max: jax.Array, inv_temp: jax.Array,
+                       lo: jax.Array) -> jax.Array:
     """``kept_weights`` as arithmetic (compiles into YNN fusions), for small arrays. The
-    clamp keeps -inf * 0 out; exp of a kept x <= x_max is the same number."""
-    d = jnp.maximum(x, NO_THRESHOLD) - rows(lo, x.ndim)
-    return jnp.exp(jnp.minimum(x - rows(x_max, x.ndim), 0.0)) * above(d)
+    clamps keep -inf * 0 out and are no-ops on kept entries."""
+    it = rows(inv_temp, p.ndim)
+    d = jnp.maximum(p, NO_THRESHOLD) * it - rows(lo, p.ndim)
+    return jnp.exp(jnp.minimum((p - rows(row_max, p.ndim)) * it, 0.0)) * above(d)
 
 
 def strict_bound(bound: jax.Array) -> jax.Array:
@@ -118,19 +123,28 @@ def pick(xb: jax.Array, weight_fn, small_weight_fn, uniform_fn):
     w = weight_fn(blocks) is elementwise (fused: never materialized), from one uniform
     per row (``uniform_fn()``, computed where it is used: no kernel of its own);
     small_weight_fn is the same w as arithmetic, for the one chosen [S, B] block.
-    Returns (f32 index, xb value at the index, row total of w)."""
+    Returns (f32 index, the chosen [S, B] block, the index in it, row total of w); read
+    the value as ``take(block, j)`` in the consumer's kernel (a gather fuses there)."""
     num_blocks, block = xb.shape[1:]
     sums = jnp.sum(weight_fn(xb), -1)                               # the one [S, V] pass
     cum = prefix_sum(sums)
     target = uniform_fn() * cum[:, -1]
     b = choose(sums, cum, target)
+    bi = b.astype(_I32)[:, None]
     # The target within block b: target minus the mass of the blocks before it.
-    inner_target = jnp.sum((target[:, None] - cum + sums) * one_hot(b, sums.shape), -1)
-    values = jnp.take_along_axis(xb, b.astype(_I32)[:, None, None], 1, mode="clip")[:, 0]
+    inner_target = target - take(cum - sums, bi)
+    values = jnp.take_along_axis(xb, bi[:, :, None], 1, mode="clip")[:, 0]
     inner = small_weight_fn(values)
     j = choose(inner, prefix_sum(inner), inner_target)
-    value = jnp.sum(jnp.maximum(values, NO_THRESHOLD) * one_hot(j, values.shape), -1)
-    return jnp.clip(b * block + j, 0, num_blocks * block - 1), value, cum[:, -1]
+    index = jnp.clip(b * block + j, 0, num_blocks * block - 1)
+    return index, values, j, cum[:, -1]
+
+
+def take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[s, index[s]] of [S, n] (index: i32 [S, 1] or f32 [S]), clipped into range."""
+    if index.ndim == 1:
+        index = index.astype(_I32)[:, None]
+    return jnp.take_along_axis(x, index, 1, mode="clip")[:, 0]
 
 
 def first_max(xb: jax.Array, block_max: jax.Array, row_max: jax.Array) -> jax.Array:
