@@ -452,5 +452,64 @@ def test_two_processes_serve_like_one_and_the_follower_ends_with_the_leader(
                 proc.wait()
 
 
+# -- the step broadcast alone: a leader killed mid-run --------------------------------------------
+def protocol(rank: int, coordinator: str) -> None:
+    """Leader: broadcast two fake steps, then wait to be killed. Follower: `follow` them."""
+    from jaxserve.config import ParallelConfig
+    from jaxserve.parallel import distributed
+    from jaxserve.runner.sampling_tensors import SamplingTensorBuilder
+    from jaxserve.runner.step_inputs import packed_size
+
+    distributed.initialize(ParallelConfig(num_processes=2, process_id=rank,
+                                          coordinator_address=coordinator))
+    builder, width = SamplingTensorBuilder(4, 16), 2
+    if rank == 0:
+        channel = distributed.StepBroadcaster()
+        for step in range(2):
+            packed = np.full(packed_size(4, 2, width), step + 7, np.int32)
+            channel.send(4, 2, packed, builder.build([], 2))
+        print("sent", flush=True)
+        time.sleep(600)                                       # until killed
+
+    class Runner:
+        sampling = builder
+
+        def __init__(self) -> None:
+            self.width = width
+
+        def run_step(self, packed, sampling, t, s, n) -> None:
+            print(f"step t={t} s={s} value={int(packed[0])}", flush=True)
+
+    distributed.follow(Runner())
+
+
+def test_killing_the_leader_ends_the_follower_within_seconds(tmp_path):
+    coordinator = f"127.0.0.1:{_free_port()}"
+    logs = [tmp_path / "leader.log", tmp_path / "follower.log"]
+    procs = [subprocess.Popen([sys.executable, __file__, "protocol", str(rank), coordinator],
+                              env=_env(None), cwd=REPO, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT) for rank, log in enumerate(logs)]
+    leader, follower = procs
+    try:
+        deadline = time.monotonic() + 120
+        while "value=8" not in logs[1].read_text():
+            assert time.monotonic() < deadline and follower.poll() is None, logs[1].read_text()
+            time.sleep(0.2)
+        assert "step t=4 s=2 value=7" in logs[1].read_text()
+        leader.kill()
+        start = time.monotonic()
+        assert follower.wait(timeout=60) != 0
+        assert time.monotonic() - start < 30
+        assert "lost the leader after 2 steps" in logs[1].read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 if __name__ == "__main__":
-    worker(json.loads(sys.argv[1]))
+    if sys.argv[1] == "protocol":
+        protocol(int(sys.argv[2]), sys.argv[3])
+    else:
+        worker(json.loads(sys.argv[1]))
