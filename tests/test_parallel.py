@@ -8,7 +8,8 @@ device count at start-up, and the rest of the suite runs on one device):
   tests check to JSON: tiny Llama at tp = 1, 2, 4 (4 > 2 KV heads: replication),
   dp = 2, and SmolLM2 at tp = 1, 3;
 * two ``jaxserve serve`` processes (one CPU device each, gloo collectives) form one
-  tp = 2 engine across processes.
+  tp = 2 engine across processes;
+* two bare processes exercise the step broadcast alone, to kill the leader mid-run.
 
 Engines are tiny (3 step buckets each) because compiling is most of the cost.
 """
