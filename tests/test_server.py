@@ -356,12 +356,14 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, http):
         assert r.status_code == 200
         events = (line for line in r.iter_lines() if line.startswith("data: "))
         next(events), next(events)      # two tokens arrived: the request is running
-    after = wait_for(lambda: (lambda t: t if metric(t, "jaxserve:request_success_total",
-                                                    finished_reason="abort") > before
-                              else None)(http.get("/metrics").text), what="the abort")
+    def aborts() -> float:
+        return metric(http.get("/metrics").text, "jaxserve:request_success_total",
+                      finished_reason="abort")
+
+    wait_for(lambda: aborts() > before, what="the abort")
     wait_for(lambda: metric(http.get("/metrics").text, "jaxserve:kv_cache_usage_perc") == 0,
              what="the KV blocks to return")
-    assert metric(after, "jaxserve:num_requests_running") == 0
+    assert metric(http.get("/metrics").text, "jaxserve:num_requests_running") == 0
     assert http.post("/v1/completions", json={"prompt": "fox", "max_tokens": 2}).status_code \
         == 200
 
