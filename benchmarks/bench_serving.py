@@ -23,15 +23,16 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work "
-          "week case point government company number group problem fact").split()
+_WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand",
+          "part", "child", "eye", "woman", "place", "work", "week", "case", "point",
+          "government", "company", "number", "group", "problem", "fact"]
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_serving import make_prompts  # noqa: E402
+from bench_serving import make_prompts
 
 
 def main() -> None:
@@ -38,8 +38,8 @@ def main() -> None:
     args.dataset, args.endpoint, args.prompt = "random", "/v1/completions", ""
 
     from jaxserve import LLM, SamplingParams
-    from jaxserve.entrypoints.cli import build_parser, config_from_args
     from jaxserve.config import EngineConfig
+    from jaxserve.entrypoints.cli import build_parser, config_from_args
 
     engine_args = build_parser().parse_args(["chat", *engine_flags])
     config = config_from_args(EngineConfig(), engine_args)

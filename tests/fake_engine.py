@@ -62,10 +62,10 @@ class FakeEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError("prompt too long")
         start = sum(ids) % len(CYCLE)
-        self.requests[request_id] = dict(
-            ids=ids, params=params, outs=[[] for _ in range(params.n)],
-            finish=[None] * params.n, start=start, changed=False,
-            metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+        self.requests[request_id] = {
+            "ids": ids, "params": params, "outs": [[] for _ in range(params.n)],
+            "finish": [None] * params.n, "start": start, "changed": False,
+            "metrics": RequestMetrics(arrival_time=arrival_time or time.time())}
         self.stats.num_prompt_tokens += len(ids)
         self._update_gauges()
 

@@ -133,7 +133,7 @@ def test_streamed_completion_deltas_join_to_the_full_text(server):
     text = "".join(c["text"] for c in chunks)
     full = post(server, "/v1/completions", {**body, "stream": False}).json()["choices"][0]
     assert text == full["text"]
-    tokens = sum((c["logprobs"]["tokens"] for c in chunks if c["logprobs"]), [])
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
     assert tokens == full["logprobs"]["tokens"]
     assert full["logprobs"]["text_offset"][:2] == [0, 1]
 

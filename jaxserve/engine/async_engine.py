@@ -27,8 +27,9 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from jaxserve.outputs import RequestOutput
 
@@ -61,7 +62,7 @@ OutputObserver = Callable[[list[RequestOutput], float], None]
 class _RequestStream:
     """Where one request's outputs go: an asyncio.Queue living on the caller's loop."""
 
-    __slots__ = ("request_id", "loop", "queue", "accepted", "finished")
+    __slots__ = ("accepted", "finished", "loop", "queue", "request_id")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -236,7 +237,7 @@ class AsyncLLMEngine:
                     self.last_step_time = time.monotonic()
                     self._dispatch(outputs)
                     self._publish_snapshot()
-        except BaseException as exc:   # noqa: BLE001 - every failure must reach the clients
+        except BaseException as exc:   # every failure must reach the clients, never hang them
             logger.exception("engine thread failed; failing all in-flight requests")
             self._fail_all(exc)
         finally:
@@ -278,7 +279,7 @@ class AsyncLLMEngine:
         for observer in self._observers:
             try:
                 observer(outputs, now)
-            except Exception:   # noqa: BLE001 - metrics must never stop the engine
+            except Exception:   # metrics must never stop the engine
                 logger.exception("output observer failed")
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
@@ -309,9 +310,7 @@ class AsyncLLMEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
-            if not isinstance(exc, EngineDeadError):
-                self._dead = exc
-            elif self._dead is None:
+            if not isinstance(exc, EngineDeadError) or self._dead is None:
                 self._dead = exc
             pending = [c[1] for c in self._inbox if c[0] == "add"]
             self._inbox.clear()

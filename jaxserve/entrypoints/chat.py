@@ -7,7 +7,8 @@ until the one request finishes, printing the new text after every step.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from jaxserve.sampling_params import SamplingParams
 

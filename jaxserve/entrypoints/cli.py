@@ -13,7 +13,8 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxserve.config import EngineConfig, ServeConfig, iter_leaf_fields, load_yaml, set_flat
 
@@ -62,7 +63,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
         help_text = meta.pop("help", "")
         default = getattr(section, name)
         kind, is_list = _field_kind(field)
-        kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS)
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             help_text += f" (default: {'on' if default else 'off'})"

@@ -22,7 +22,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -34,12 +35,21 @@ from starlette.responses import JSONResponse, Response
 import jaxserve
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeRequest, error_body)
+from jaxserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.serving_engine import (APIError, ClientGone, parse_body,
-                                                        validation_error)
+from jaxserve.entrypoints.openai.serving_engine import (
+    APIError,
+    ClientGone,
+    parse_body,
+    validation_error,
+)
 from jaxserve.metrics import CONTENT_TYPE, attach_metrics
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _log_extra_fields(self) -> "OpenAIBaseModel":
+    def _log_extra_fields(self) -> OpenAIBaseModel:
         extra = self.model_extra or {}
         if extra:
             kind = type(self).__name__
@@ -78,14 +78,14 @@ class SamplingFields(OpenAIBaseModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams kwargs for the fields every endpoint shares (unset ones omitted)."""
-        kwargs: dict[str, Any] = dict(
-            n=self.n, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self.logit_bias, seed=self.seed)
+        kwargs: dict[str, Any] = {
+            "n": self.n, "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self.logit_bias, "seed": self.seed}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "best_of"):
             value = getattr(self, name)
@@ -108,7 +108,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _check_prompt(self) -> "CompletionRequest":
+    def _check_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         if isinstance(self.prompt, list) and any(isinstance(p, list) and not p
@@ -153,7 +153,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> "ChatCompletionRequest":
+    def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -184,7 +184,7 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
+    def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of `prompt` or `messages`")
         return self

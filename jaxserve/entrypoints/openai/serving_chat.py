@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -18,8 +19,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
 from jaxserve.entrypoints.openai.serving_engine import (
-    SSE_DONE, APIError, OpenAIServing, chat_logprobs, new_request_id, reraise_disconnect, sse,
-    sse_error, until_disconnect)
+    SSE_DONE,
+    APIError,
+    OpenAIServing,
+    chat_logprobs,
+    new_request_id,
+    reraise_disconnect,
+    sse,
+    sse_error,
+    until_disconnect,
+)
 from jaxserve.outputs import RequestOutput
 from jaxserve.tokenizer import apply_chat_template, read_chat_template
 

@@ -9,16 +9,26 @@ a usage chunk and `data: [DONE]`.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.entrypoints.openai.protocol import (CompletionRequest, completion_response,
-                                                  usage_dict)
+from jaxserve.entrypoints.openai.protocol import CompletionRequest, completion_response, usage_dict
 from jaxserve.entrypoints.openai.serving_engine import (
-    SSE_DONE, APIError, OpenAIServing, completion_logprobs, merge_streams, new_request_id,
-    prompt_logprobs_echo, reraise_disconnect, sse, sse_error, until_disconnect)
+    SSE_DONE,
+    APIError,
+    OpenAIServing,
+    completion_logprobs,
+    merge_streams,
+    new_request_id,
+    prompt_logprobs_echo,
+    reraise_disconnect,
+    sse,
+    sse_error,
+    until_disconnect,
+)
 from jaxserve.outputs import RequestOutput
 
 MAX_CHOICES = 1024       # prompts x n in one request; more is a batch job, not a request
