@@ -190,6 +190,21 @@ def test_filtered_distribution_matches_numpy(case):
     assert np.all(want[np.arange(S), tokens] > 0), "sampled a filtered-out token"
 
 
+def test_keep_bounds_at_exactly_zero():
+    """A row max or k-th value of exactly 0.0 is kept: the sampler keeps x > (the float
+    below the bound), and XLA:CPU compares denormals as 0."""
+    logits = np.full((S, V), -3.0, np.float32)
+    logits[:, 5:50] = -1.0
+    logits[:, 1234] = 0.0
+    greedy = np.arange(S) % 2 == 0        # mixed with random rows: the sampling loop
+    t = make_tensors(temperature=np.where(greedy, 0.0, 1.0), top_k=np.where(greedy, 0, 1),
+                     seeds=np.arange(S))
+    tokens = np.asarray(sample_jit(logits, t, num_top_logprobs=K).next_tokens)
+    np.testing.assert_array_equal(tokens, 1234)
+    probs = np.asarray(probs_jit(logits, t, num_candidates=NUM_CANDIDATES))
+    np.testing.assert_array_equal(probs[~greedy, 1234], 1.0)
+
+
 def mixed_batch(rng: np.random.Generator) -> tuple[np.ndarray, SamplingTensors]:
     """Rows with every feature: greedy, filters, penalties, bias, logprobs."""
     logits = random_logits(rng)

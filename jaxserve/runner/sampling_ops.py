@@ -95,8 +95,12 @@ def kept_weights_small(p: jax.Array, row_max: jax.Array, inv_temp: jax.Array,
 
 def strict_bound(bound: jax.Array) -> jax.Array:
     """The largest float below bound (x >= bound iff x > strict_bound(bound)), but at
-    least NO_THRESHOLD: -inf is never kept."""
-    return jnp.maximum(lax.nextafter(bound, jnp.full_like(bound, -jnp.inf)), NO_THRESHOLD)
+    least NO_THRESHOLD (-inf is never kept) and never a denormal: XLA:CPU compares
+    denormals as 0, so below 0.0 it is -FLT_MIN and below FLT_MIN it is 0.0."""
+    tiny = float(np.finfo(np.float32).tiny)
+    below = lax.nextafter(bound, jnp.full_like(bound, -jnp.inf))
+    below = jnp.where(jnp.abs(below) < tiny, jnp.where(bound > 0, 0.0, -tiny), below)
+    return jnp.maximum(below, NO_THRESHOLD)
 
 
 # -- inverse CDF --------------------------------------------------------------------------
