@@ -86,13 +86,14 @@ class LLMEngine:
         if out.is_empty:
             return self.outputs.drain()
         step_start = time.perf_counter()
+        scheduled_time = time.time()
         scheduled = [(item.seq, item.num_new_tokens) for item in out.scheduled]
         result = self.runner.execute(scheduled)
         now = time.time()
         completed = {seq.seq_id for seq in self.scheduler.complete_step(out)}
         num_generated = 0
         for row, (seq, _) in enumerate(scheduled):
-            self.outputs.mark_scheduled(seq, now)
+            self.outputs.mark_scheduled(seq, scheduled_time)
             if seq.seq_id not in completed:
                 continue                      # mid-prefill chunk: its sample is meaningless
             status = self.outputs.append_token(seq, result, row, now)

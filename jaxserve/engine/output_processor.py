@@ -51,14 +51,14 @@ class OutputProcessor:
         self.default_overrides = default_overrides
         self._rng = random.Random(seed)
         self.requests: dict[str, RequestState] = {}
-        self._finished_unsent: list[RequestState] = []
 
     @property
     def num_unfinished(self) -> int:
         return sum(not r.finished for r in self.requests.values())
 
     def has_pending_outputs(self) -> bool:
-        return bool(self._finished_unsent)
+        """True while some request has an output not yet returned by `drain` (an abort's)."""
+        return any(state.changed for state in self.requests.values())
 
     # -- admission -----------------------------------------------------------------------------
     def new_request(self, request_id: str, prompt: str | list[int] | None,
