@@ -369,14 +369,9 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, http):
 
 # -- README examples ------------------------------------------------------------------------------
 def readme_blocks() -> list[tuple[str, str]]:
-    """(language, code) of fenced blocks tagged `test-server`, from README.md, else the draft."""
-    for name in ("README.md", "README.server.md"):
-        path = ROOT / name
-        if path.exists():
-            blocks = re.findall(r"```(\w+) test-server\n(.*?)```", path.read_text(), re.DOTALL)
-            if blocks:
-                return blocks
-    return []
+    """(language, code) of the fenced blocks of README.md tagged `test-server`."""
+    return re.findall(r"```(\w+) test-server\n(.*?)```", (ROOT / "README.md").read_text(),
+                      re.DOTALL)
 
 
 def test_readme_curl_and_openai_examples_run(server):
