@@ -7,7 +7,7 @@ Runtime: per case at S=64, median over --iters calls of wall time and CPU time
 
   python benchmarks/bench_sampler.py                       # default buckets and cases
   python benchmarks/bench_sampler.py --sizes 1,64 --iters 30
-  python benchmarks/bench_sampler.py --impl old=/tmp/old_sampler.py --impl new=jaxserve/runner/sampler.py
+  python benchmarks/bench_sampler.py --impl old=/tmp/old.py --impl new=jaxserve/runner/sampler.py
       # compare versions (a sampler.py file each), interleaved call by call
 """
 

@@ -299,8 +299,8 @@ def test_inverse_cdf_samples_follow_the_filtered_distribution():
     """Many seeds on one row of logits, one group of rows per filter setting.
 
     With 4 candidates the groups cover every path: no filter, min_p, top_k within the
-    candidates, top_k beyond them (bisection), a nucleus within them, and nuclei beyond
-    them (rejection sampling).
+    candidates, top_p (rejection sampling) with a small and a large nucleus, and top_k
+    beyond the candidates (bisection) with top_p.
     """
     rng = np.random.default_rng(8)
     row = np.full(DIST_VOCAB, -np.inf, np.float32)

@@ -42,7 +42,7 @@ from jax import lax
 from jaxserve.runner import sampling_ops as ops
 from jaxserve.runner.sampling_tensors import SamplingTensors
 
-__all__ = ["SamplerOutput", "SamplingTensors", "sample", "process_logits", "sampling_probs"]
+__all__ = ["SamplerOutput", "SamplingTensors", "process_logits", "sample", "sampling_probs"]
 
 GREEDY_EPS = 1e-5
 _MAX_ROUNDS = 32    # guard against NaN logits; normal rows finish in a few rounds
@@ -158,7 +158,8 @@ def _keep_bound(xb: jax.Array, row_max: jax.Array, t: SamplingTensors, vocab: in
     x_max = row_max * inv_temp
     top_k_on = ~greedy & (t.top_k > 0) & (t.top_k < vocab)
     # Untaken: any [S] buffer (a copy, no kernel); no row reads it.
-    kth = lax.cond(need(_TOP_K), partial(_kth_largest, vocab=vocab, num_candidates=num_candidates),
+    kth = lax.cond(need(_TOP_K),
+                   partial(_kth_largest, vocab=vocab, num_candidates=num_candidates),
                    lambda xb, rm, t, big: rm, xb, row_max, t, need(_BIG_K))
     bound = jnp.maximum(jnp.where(top_k_on, kth * inv_temp, ops.NO_THRESHOLD),
                         jnp.where(~greedy & (t.min_p > 0), x_max + jnp.log(t.min_p),
@@ -170,7 +171,7 @@ def _kth_largest(xb: jax.Array, row_max: jax.Array, t: SamplingTensors, any_big:
                  vocab: int, num_candidates: int) -> jax.Array:
     """The top_k-th largest processed logit of each row: from the exact top candidates,
     or by bisection (32 count passes, run only if some row's top_k exceeds them)."""
-    processed = xb.reshape(xb.shape[0], -1)                # -inf padding: never counted
+    processed = xb.reshape(xb.shape[0], -1)    # -inf padding moves no k-th value > -inf
     num_cand = min(num_candidates, processed.shape[1])
     cand = ops.top_k_values(processed, num_cand)
     k = t.top_k.astype(_F32)
@@ -185,8 +186,7 @@ def _sample_rows(xb: jax.Array, block_max: jax.Array, row_max: jax.Array,
                  t: SamplingTensors, need_bits: jax.Array, vocab: int,
                  num_candidates: int) -> jax.Array:
     """Rejection sampling of the top-p nucleus, one pass per round (see the module doc)."""
-    inv_temp, x_max, lo = _keep_bound(xb, row_max, t, vocab, num_candidates,
-                                      _Need(need_bits))
+    _, _, lo = _keep_bound(xb, row_max, t, vocab, num_candidates, _Need(need_bits))
 
     def cond(state):
         round_, tokens = state[0], state[3]

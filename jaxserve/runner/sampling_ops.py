@@ -2,15 +2,17 @@
 
 The sampler is compiled once per step bucket, and XLA:CPU compiles every LLVM kernel
 (a loop fusion: elementwise work, gathers, per-row [S] arithmetic) as its own module,
-~15-40 ms of CPU each. f32 reductions and dots go to YNNPACK instead, together with
-the plain arithmetic feeding them (sub, mul, exp, min, max, abs, sign): ~10 ms each.
-But YNN runs such chains slowly, so:
+~10-40 ms of CPU each. f32 reductions and dots go to YNNPACK instead, together with
+the plain arithmetic feeding them (sub, mul, exp, min, max, abs, sign): a few ms each.
+But YNN runs such chains slowly, and an [S] value or constant broadcast that two YNN
+fusions share is materialized by a kernel of its own. So:
 
 * passes over [S, V] use ``where`` forms: one LLVM kernel feeding a YNN reduction,
   the fast way at run time (a sign/min chain over [S, V] is 3-4x slower);
 * small arrays ([S, blocks], [S, block], [S, candidates]) use arithmetic forms
   (``at_least``, ``one_hot``, ``choose``), which compile into the YNN reductions;
 * prefix sums are dots with a constant triangular matrix (cumsum: several kernels);
+* gathers (``take``) are read inside their consumer's kernel, where they fuse;
 * each helper is meant to be called from ONE site (kernels are not shared).
 """
 
@@ -165,13 +167,14 @@ def first_max(xb: jax.Array, block_max: jax.Array, row_max: jax.Array) -> jax.Ar
 
 # -- exact top-k without a full sort ------------------------------------------------------
 def top_k_values(x: jax.Array, k: int) -> jax.Array:
-    """Exact ``lax.top_k(x, k)`` values of [S, V]: the top k lie in the k blocks with the
-    largest maxima, so only those k * block values are searched."""
+    """Exact ``lax.top_k(x, k)`` values of [S, V] (``top_k`` without the ids)."""
     return top_k(x, k)[0]
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Exact ``lax.top_k(x, k)`` (values, i32 ids) of [S, V], two-level as above."""
+    """Exact ``lax.top_k(x, k)`` (values, i32 ids) of [S, V], ties aside: the top k lie in
+    the k blocks with the largest maxima, so only those k * block values are searched
+    (XLA:CPU's sort of a whole [64, 49152] takes ~1 s)."""
     num_rows, vocab = x.shape
     block = TOPK_BLOCK
     if vocab < 4 * k * block:
@@ -185,13 +188,9 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 # -- threshold search ---------------------------------------------------------------------
-def sortable(x: jax.Array) -> jax.Array:
-    """f32 → u32 with the same order."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
-
-
 def unsortable(key: jax.Array) -> jax.Array:
+    """u32 key → f32, order-preserving: the inverse of key = bits | 0x80000000 for
+    non-negative floats and ~bits for negative ones."""
     bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
     return lax.bitcast_convert_type(bits, _F32)
 
