@@ -23,17 +23,17 @@ probs_jit = jax.jit(sampling_probs, static_argnames=("num_candidates",))
 
 def make_tensors(rows: int = S, vocab: int = V, history: int = P, **values) -> SamplingTensors:
     """Neutral (greedy) rows, with the given fields broadcast over them."""
-    base = dict(
-        temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
-        top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32),
-        presence_penalty=np.zeros(rows, np.float32),
-        frequency_penalty=np.zeros(rows, np.float32),
-        repetition_penalty=np.ones(rows, np.float32), seeds=np.zeros(rows, np.uint32),
-        step_index=np.zeros(rows, np.int32), num_logprobs=np.full(rows, -1, np.int32),
-        penalty_token_ids=np.full((rows, history), -1, np.int32),
-        num_prompt_tokens=np.zeros(rows, np.int32),
-        bias_token_ids=np.full((rows, NB), -1, np.int32),
-        bias_values=np.zeros((rows, NB), np.float32))
+    base = {
+        "temperature": np.zeros(rows, np.float32), "top_k": np.zeros(rows, np.int32),
+        "top_p": np.ones(rows, np.float32), "min_p": np.zeros(rows, np.float32),
+        "presence_penalty": np.zeros(rows, np.float32),
+        "frequency_penalty": np.zeros(rows, np.float32),
+        "repetition_penalty": np.ones(rows, np.float32), "seeds": np.zeros(rows, np.uint32),
+        "step_index": np.zeros(rows, np.int32), "num_logprobs": np.full(rows, -1, np.int32),
+        "penalty_token_ids": np.full((rows, history), -1, np.int32),
+        "num_prompt_tokens": np.zeros(rows, np.int32),
+        "bias_token_ids": np.full((rows, NB), -1, np.int32),
+        "bias_values": np.zeros((rows, NB), np.float32)}
     for name, value in values.items():
         base[name] = np.broadcast_to(np.asarray(value, base[name].dtype),
                                      base[name].shape).copy()
@@ -166,14 +166,14 @@ def test_greedy_rows_take_argmax_of_processed_logits():
 
 
 FILTER_CASES = {
-    "temperature": dict(temperature=0.7),
-    "min_p": dict(temperature=1.3, min_p=0.05),
-    "top_k_small": dict(temperature=0.9, top_k=7),
-    "top_k_above_candidates": dict(temperature=1.0, top_k=300),
-    "top_p_small_nucleus": dict(temperature=0.5, top_p=0.8),
-    "top_p_large_nucleus": dict(temperature=1.5, top_p=0.95),
-    "top_k_top_p_min_p": dict(temperature=1.1, top_k=40, top_p=0.7, min_p=0.01),
-    "top_k_large_top_p": dict(temperature=2.0, top_k=5000, top_p=0.9),
+    "temperature": {"temperature": 0.7},
+    "min_p": {"temperature": 1.3, "min_p": 0.05},
+    "top_k_small": {"temperature": 0.9, "top_k": 7},
+    "top_k_above_candidates": {"temperature": 1.0, "top_k": 300},
+    "top_p_small_nucleus": {"temperature": 0.5, "top_p": 0.8},
+    "top_p_large_nucleus": {"temperature": 1.5, "top_p": 0.95},
+    "top_k_top_p_min_p": {"temperature": 1.1, "top_k": 40, "top_p": 0.7, "min_p": 0.01},
+    "top_k_large_top_p": {"temperature": 2.0, "top_k": 5000, "top_p": 0.9},
 }
 
 
@@ -307,9 +307,9 @@ def test_inverse_cdf_samples_follow_the_filtered_distribution():
     support = rng.choice(DIST_VOCAB, 14, replace=False)          # spread over the blocks
     row[support] = rng.normal(0, 1.2, 14)
     row[rng.choice(DIST_VOCAB, 200)] = -8.0 + rng.normal(0, 0.5, 200)   # a thin tail
-    params = [dict(temperature=1.0), dict(temperature=1.0, min_p=0.1),
-              dict(temperature=1.0, top_k=3), dict(temperature=0.7, top_p=0.4),
-              dict(temperature=0.8, top_p=0.85), dict(temperature=1.2, top_k=6, top_p=0.9)]
+    params = [{"temperature": 1.0}, {"temperature": 1.0, "min_p": 0.1},
+              {"temperature": 1.0, "top_k": 3}, {"temperature": 0.7, "top_p": 0.4},
+              {"temperature": 0.8, "top_p": 0.85}, {"temperature": 1.2, "top_k": 6, "top_p": 0.9}]
     n = DIST_ROWS // len(params)
     fields = {"seeds": np.arange(DIST_ROWS) % 997, "step_index": np.arange(DIST_ROWS) // 997}
     for name in ("temperature", "top_k", "top_p", "min_p"):
