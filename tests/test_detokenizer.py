@@ -92,7 +92,9 @@ def test_byte_pieces_of_a_character_are_held_back_until_complete(tokenizer):
     text = "🦀👩‍👩‍👧好"
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [tokenizer.decode([i]) for i in ids]
-    assert any("\ufffd" in piece for piece in pieces), "expected a character split into bytes"
+    byte_tokens = [t for t in tokenizer.convert_ids_to_tokens(ids) if t.startswith("<0x")]
+    assert byte_tokens or any("\ufffd" in piece for piece in pieces), \
+        "expected a character split into bytes"
     _, deltas = stream(tokenizer, [], ids)
     assert "" in deltas and "".join(deltas) == tokenizer.decode(ids) == text
     assert not any("\ufffd" in delta for delta in deltas)
