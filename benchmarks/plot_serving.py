@@ -29,7 +29,8 @@ def main() -> None:
     fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax_tput.plot(conc, [r["output_throughput"] for r in runs], "o-", label="server")
     if args.offline:
-        ax_tput.axhline(args.offline, color="gray", ls="--", label="offline LLM.generate (batch = largest concurrency)")
+        ax_tput.axhline(args.offline, color="gray", ls="--",
+                        label="offline LLM.generate (batch = largest concurrency)")
     ax_tput.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
                 title="Throughput")
     ax_tput.set_xticks(conc, [str(c) for c in conc])

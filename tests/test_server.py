@@ -30,7 +30,8 @@ ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "32", "--max-num-batc
 MODEL_NAME = "tiny"
 STARTUP_TIMEOUT = 300.0
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "language", "model", "predicts", "next", "token", "paged", "attention", "stores", "cache", "blocks", "continuous", "batching", "lets", "new", "requests", "join"]
+WORDS = ("the quick brown fox jumps over lazy dog language model predicts next token paged "
+         "attention stores cache blocks continuous batching lets new requests join").split()
 
 
 def free_port() -> int:

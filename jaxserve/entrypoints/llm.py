@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine

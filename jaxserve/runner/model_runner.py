@@ -15,7 +15,8 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import jax
 import jax.numpy as jnp

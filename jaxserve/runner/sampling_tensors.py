@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence as Seq
+from typing import TYPE_CHECKING
+from typing import Sequence as Seq
 
 import jax
 import numpy as np

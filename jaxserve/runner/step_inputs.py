@@ -72,7 +72,9 @@ class InputBuilder:
             buf = self._buffers[key] = np.zeros(packed_size(T, S, W), np.int32)
         tok, pos, slot = buf[0:T], buf[T:2 * T], buf[2 * T:3 * T]
         o = 3 * T
-        qsl, kvl, lidx = buf[o:o + S + 1], buf[o + S + 1:o + 2 * S + 1], buf[o + 2 * S + 1:o + 3 * S + 1]
+        qsl = buf[o:o + S + 1]
+        kvl = buf[o + S + 1:o + 2 * S + 1]
+        lidx = buf[o + 2 * S + 1:o + 3 * S + 1]
         nseq = buf[o + 3 * S + 1:o + 3 * S + 2]
         tables = buf[o + 3 * S + 2:].reshape(S, W)
 
