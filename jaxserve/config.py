@@ -87,27 +87,27 @@ class RunnerConfig:
     disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
 
 
-_ENGINE_SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
-                    "runner_config")
-
-
-@dataclass
-class EngineConfig:
-    model_config: ModelConfig = field(default_factory=ModelConfig)
-    cache_config: CacheConfig = field(default_factory=CacheConfig)
-    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    runner_config: RunnerConfig = field(default_factory=RunnerConfig)
+class FlatOptions:
+    """Flat, vLLM-named access to a tree of option sections."""
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Build from flat vLLM-style kwargs: ``EngineConfig.from_kwargs(max_model_len=512)``."""
+    def from_kwargs(cls, **kwargs: Any):
+        """Build from flat kwargs: ``EngineConfig.from_kwargs(max_model_len=512)``."""
         config = cls()
         set_flat(config, kwargs)
         return config
 
     def to_flat_dict(self) -> dict[str, Any]:
         return {name: getattr(section, name) for section, name, _ in iter_leaf_fields(self)}
+
+
+@dataclass
+class EngineConfig(FlatOptions):
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    runner_config: RunnerConfig = field(default_factory=RunnerConfig)
 
     def finalize(self, platform: str) -> "EngineConfig":
         """Resolve platform-dependent defaults and check ranges. Returns self."""
@@ -142,19 +142,11 @@ class ServerConfig:
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(FlatOptions):
     """Everything `jaxserve serve` takes: the engine plus the HTTP front end."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "ServeConfig":
-        config = cls()
-        set_flat(config, kwargs)
-        return config
-
-    def to_flat_dict(self) -> dict[str, Any]:
-        return {name: getattr(section, name) for section, name, _ in iter_leaf_fields(self)}
 
 
 def iter_leaf_fields(config: Any) -> Iterator[tuple[Any, str, dataclasses.Field]]:
