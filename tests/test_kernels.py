@@ -297,11 +297,12 @@ def test_reference_bfloat16_close_to_float64_oracle():
     assert_close_on_valid_rows(out, naive_attention(round_to_bfloat16(batch)), batch, atol=2e-2)
 
 
-# ---- the Pallas kernel, in interpret mode ------------------------------------------------
+# ---- the Pallas kernel: interpret mode on CPU, compiled (Triton) on a GPU ------------------
+INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 
 
 def kernel(batch: Batch, dtype=jnp.float32, **knobs):
-    return ragged_paged_attention(*batch.args(dtype), interpret=True, **knobs)
+    return ragged_paged_attention(*batch.args(dtype), interpret=INTERPRET, **knobs)
 
 
 @pytest.mark.parametrize("name", sorted(SWEEPS))
