@@ -147,3 +147,15 @@ def test_finish_reasons_max_tokens_and_stop_token(llm):
     first = out.token_ids.index(stop_at)
     assert c.finish_reason == "stop" and c.stop_reason == stop_at
     assert c.token_ids == out.token_ids[:first + 1]
+
+
+def test_logprob_ranks_of_sampled_tokens_are_consistent_with_the_top_candidates(llm):
+    params = SamplingParams(temperature=3.0, seed=7, max_tokens=16, ignore_eos=True, logprobs=2)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 16
+    for token, entry in zip(out.token_ids, out.logprobs):
+        top1 = min(entry.values(), key=lambda lp: lp.rank if lp.rank else 1 << 30)
+        sampled = entry[token]
+        higher = sum(1 for lp in entry.values() if lp.logprob > sampled.logprob)
+        assert sampled.rank >= 1 + higher
+        assert (sampled.rank == 1) == (sampled.logprob >= top1.logprob)

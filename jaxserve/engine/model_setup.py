@@ -7,7 +7,6 @@ person can read what the server is about to do.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -165,6 +164,3 @@ def setup_model(config: EngineConfig, mesh: Any = None) -> ModelSetup:
                       num_params=num_params, warmup_seconds=warmup_seconds,
                       load_seconds=load_seconds)
 
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.detokenizer import IncrementalDetokenizer, find_stop_string
+from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ class RequestState:
     texts: list[_SeqText]
     metrics: RequestMetrics
     finished: bool = False
-    holdback: int = 0             # chars withheld from unfinished text (partial stop strings)
+    stops: StopChecker = field(default_factory=StopChecker)   # stop strings and hold-back
     changed: bool = False
     stop_token_ids: frozenset = field(default_factory=frozenset)
 
@@ -106,12 +106,10 @@ class OutputProcessor:
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens)
             texts.append(_SeqText(detok))
-        holdback = 0
-        if params.stop and not params.include_stop_str_in_output:
-            holdback = max(len(s) for s in params.stop) - 1
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, seqs, texts,
-            RequestMetrics(arrival_time=arrival_time), holdback=holdback,
+            RequestMetrics(arrival_time=arrival_time),
+            stops=StopChecker(params.stop, params.include_stop_str_in_output),
             stop_token_ids=frozenset(params.stop_token_ids or ()))
         return seqs
 
@@ -159,8 +157,7 @@ class OutputProcessor:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
         if params.stop and past_min and text.detok is not None:
-            match = find_stop_string(text.text, num_new_chars, params.stop,
-                                     params.include_stop_str_in_output)
+            match = state.stops.check(text.text, num_new_chars)
             if match is not None:
                 seq.stop_reason, text.text = match
                 return SequenceStatus.FINISHED_STOPPED
@@ -175,9 +172,8 @@ class OutputProcessor:
         top_ids = result.top_token_ids[row][:num_top]
         top_lps = result.top_logprobs[row][:num_top]
         entry: dict[int, Logprob] = {}
-        sampled_lp = float(result.sampled_logprobs[row])
-        rank = 1 + sum(1 for lp in result.top_logprobs[row] if lp > sampled_lp)
-        entry[token] = Logprob(sampled_lp, rank, self._decode_one(token))
+        entry[token] = Logprob(float(result.sampled_logprobs[row]),
+                               int(result.sampled_ranks[row]), self._decode_one(token))
         for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
             tid = int(tid)
             if tid not in entry:
@@ -214,8 +210,8 @@ class OutputProcessor:
         completions = []
         for seq, text in zip(state.seqs, state.texts):
             visible = text.text
-            if text.finish_reason is None and state.holdback:
-                visible = visible[:max(0, len(visible) - state.holdback)]
+            if text.finish_reason is None and state.stops.holdback:
+                visible = visible[:max(0, len(visible) - state.stops.holdback)]
             completions.append(CompletionOutput(
                 index=seq.index, text=visible, token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,

@@ -39,6 +39,7 @@ class StepResult:
     """Host copies of one step's sampler outputs, rows in batch order."""
     next_tokens: np.ndarray        # i32[n]
     sampled_logprobs: np.ndarray   # f32[n]
+    sampled_ranks: np.ndarray      # i32[n], 1 + tokens with a higher logprob (whole vocab)
     top_token_ids: np.ndarray      # i32[n, K]
     top_logprobs: np.ndarray       # f32[n, K]
 
@@ -152,7 +153,8 @@ class ModelRunner:
                                              self._put(packed), sampling)
         host = jax.device_get(out)
         return StepResult(np.asarray(host.next_tokens)[:n], np.asarray(host.sampled_logprobs)[:n],
-                          np.asarray(host.top_token_ids)[:n], np.asarray(host.top_logprobs)[:n])
+                          np.asarray(host.sampled_ranks)[:n], np.asarray(host.top_token_ids)[:n],
+                          np.asarray(host.top_logprobs)[:n])
 
     def _to_device(self, sampling: SamplingTensors, s: int) -> SamplingTensors:
         """Send this step's sampling inputs; the big per-row penalty and bias tables, when no
