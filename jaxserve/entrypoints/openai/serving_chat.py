@@ -23,6 +23,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     chat_logprobs,
+    collect_finals,
     new_request_id,
     reraise_disconnect,
     sse,
@@ -82,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(
                 self._stream(request, request_id, model, created, stream, len(prompt_ids)),
                 media_type="text/event-stream")
-        final = await until_disconnect(raw_request, _last(stream))
+        [final] = await until_disconnect(raw_request, collect_finals([stream]))
         return JSONResponse(self._full_response(request, request_id, model, created, final))
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, model: str,
@@ -154,9 +155,3 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
-    async for out in stream:
-        final = out
-    assert final is not None and final.finished
-    return final

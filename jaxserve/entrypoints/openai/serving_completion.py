@@ -20,6 +20,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     APIError,
     OpenAIServing,
+    collect_finals,
     completion_logprobs,
     merge_streams,
     new_request_id,
@@ -69,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResponse(
                 self._stream(request, request_id, model, created, streams, prompt_ids,
                              prompt_texts), media_type="text/event-stream")
-        finals = await until_disconnect(raw_request, _collect(streams))
+        finals = await until_disconnect(raw_request, collect_finals(streams))
         return JSONResponse(self._full_response(request, request_id, model, created, finals,
                                                 prompt_ids, prompt_texts))
 
@@ -160,14 +161,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise
             yield sse_error(exc)
         yield SSE_DONE
-
-
-async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merge_streams(streams):
-        if out.finished:
-            finals[i] = out
-    return finals  # type: ignore[return-value]
 
 
 def _join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

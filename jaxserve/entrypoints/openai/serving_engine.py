@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
-from jaxserve.outputs import CompletionOutput, Logprob
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -249,6 +249,16 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
             await asyncio.gather(*pending, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+
+
+async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Drain request streams concurrently; the final RequestOutput of each, in order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        if out.finished:
+            finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
 
 
 # -- server-sent events ------------------------------------------------------------------------
