@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jaxserve.runner.sampling_tensors import SamplingTensorBuilder, SamplingTensors
+from jaxserve.runner.sampling_tensors import SamplingTensors
 
 V, K, P, NB = 49152, 20, 256, 320
 
@@ -59,10 +59,22 @@ def load_samplers(impls: list[str] | None) -> dict:
     return samplers
 
 
+def neutral(rows: int) -> dict[str, np.ndarray]:
+    """Greedy rows with every filter, penalty and bias off."""
+    f32, i32 = np.float32, np.int32
+    return {"temperature": np.zeros(rows, f32), "top_k": np.zeros(rows, i32),
+            "top_p": np.ones(rows, f32), "min_p": np.zeros(rows, f32),
+            "presence_penalty": np.zeros(rows, f32), "frequency_penalty": np.zeros(rows, f32),
+            "repetition_penalty": np.ones(rows, f32), "seeds": np.zeros(rows, np.uint32),
+            "step_index": np.zeros(rows, i32), "num_logprobs": np.full(rows, -1, i32),
+            "penalty_token_ids": np.full((rows, P), -1, i32),
+            "num_prompt_tokens": np.zeros(rows, i32),
+            "bias_token_ids": np.full((rows, NB), -1, i32),
+            "bias_values": np.zeros((rows, NB), f32), "newest_token_ids": np.full(rows, -1, i32)}
+
+
 def tensors(rows: int, rng: np.random.Generator, **values) -> SamplingTensors:
-    base = SamplingTensorBuilder(rows, P, num_bias_slots=NB).build([], rows)
-    fields = {name: np.array(getattr(base, name)) for name in SamplingTensors.__dataclass_fields__
-              if name not in ("needs_penalties", "needs_bias")}
+    fields = neutral(rows)
     fields["seeds"] = rng.integers(0, 2**32, rows).astype(np.uint32)
     fields["step_index"] = rng.integers(0, 500, rows).astype(np.int32)
     for name, value in values.items():
@@ -125,7 +137,7 @@ def main(argv=None) -> None:
         print(f"\ncompile, CPU s (getrusage)\n{'S':>5s} " + " ".join(f"{n:>12s}" for n in names))
         totals = dict.fromkeys(names, 0.0)
         for s in (int(x) for x in args.sizes.split(",")):
-            t = jax.device_put(SamplingTensorBuilder(max(s, 64), P).build([], s))
+            t = jax.device_put(SamplingTensors(**neutral(s)))
             row = []
             for name in names:
                 lowered = fns[name].lower(jnp.zeros((s, V)), t)

@@ -66,6 +66,18 @@ class SchedulerConfig:
         None, "Token budget of one step (prefill chunks + decodes). Default: 2048 on GPU, "
         "512 on CPU.")
     enable_chunked_prefill: bool = opt(True, "Split long prompts across steps.")
+    long_prefill_token_threshold: int = opt(
+        0, "Most prompt tokens one request may prefill in a step (vLLM's flag; 0 = no "
+        "per-request cap).")
+    max_num_partial_prefills: int = opt(
+        1, "How many prompts may be partly prefilled at once (vLLM's flag).")
+    prefill_budget_while_decoding: int | None = opt(
+        None, "While decodes run, the most prompt tokens a step may prefill, so a prefill "
+        "cannot stall every stream's next token. Default: as many as there are decodes (at "
+        "least 32), which keeps such a step near twice a decode step; 0 = no cap.")
+    async_scheduling: bool = opt(
+        True, "Schedule and prepare step N+1 while step N runs; a decode takes step N's "
+        "token on the device (vLLM's --async-scheduling). Same tokens either way.")
 
 
 @dataclass
@@ -119,6 +131,11 @@ class EngineConfig(FlatOptions):
             self.runner_config.attention_backend = "reference" if on_cpu else "pallas"
         _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
+        _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)
+        _check_range("max_num_partial_prefills", s.max_num_partial_prefills, 1, 4096)
+        if s.prefill_budget_while_decoding is not None:
+            _check_range("prefill_budget_while_decoding", s.prefill_budget_while_decoding, 0,
+                         1 << 20)
         _check_range("gpu_memory_utilization", c.gpu_memory_utilization, 0.01, 1.0)
         _check_range("tensor_parallel_size", p.tensor_parallel_size, 1, 4096)
         _check_range("data_parallel_size", p.data_parallel_size, 1, 4096)

@@ -4,9 +4,9 @@ of the HTTP layer, the async engine and the terminal chat."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -48,10 +48,9 @@ class FakeEngine:
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.fail_next_step = False
-        self.stats = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0)
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
-        self.block_manager = SimpleNamespace(usage=0.0, num_free_blocks=64, num_blocks=64,
-                                             prefix_cache_queries=0, prefix_cache_hits=0)
+        self.model_path = "fake-model"
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     def add_request(self, request_id, prompt, params: SamplingParams, *, prompt_token_ids=None,
                     arrival_time=None) -> None:
@@ -66,8 +65,7 @@ class FakeEngine:
             "ids": ids, "params": params, "outs": [[] for _ in range(params.n)],
             "finish": [None] * params.n, "start": start, "changed": False,
             "metrics": RequestMetrics(arrival_time=arrival_time or time.time())}
-        self.stats.num_prompt_tokens += len(ids)
-        self._update_gauges()
+        self.num_prompt_tokens += len(ids)
 
     def abort_request(self, request_ids) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -98,7 +96,7 @@ class FakeEngine:
                 char = CYCLE[(state["start"] + j + len(out)) % len(CYCLE)]
                 out.append(ord(char))
                 state["changed"] = True
-                self.stats.num_generation_tokens += 1
+                self.num_generation_tokens += 1
                 m = state["metrics"]
                 m.first_scheduled_time = m.first_scheduled_time or now
                 m.first_token_time = m.first_token_time or now
@@ -110,7 +108,6 @@ class FakeEngine:
                     state["finish"][j] = "length"
             if state["changed"]:
                 outputs.append(self._output(request_id, state, now))
-        self._update_gauges()
         return outputs
 
     def _output(self, request_id, state, now) -> RequestOutput:
@@ -137,6 +134,12 @@ class FakeEngine:
         return RequestOutput(request_id, None, state["ids"], completions, finished,
                              metrics=state["metrics"])
 
-    def _update_gauges(self) -> None:
-        self.scheduler.num_running = len(self.requests)
-        self.block_manager.usage = min(1.0, len(self.requests) / 8)
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(num_running=len(self.requests),
+                              kv_cache_usage=min(1.0, len(self.requests) / 8),
+                              num_free_blocks=64, num_blocks=64,
+                              num_prompt_tokens=self.num_prompt_tokens,
+                              num_generation_tokens=self.num_generation_tokens)
+
+    def add_metrics(self, registry, model_name: str) -> None:
+        pass

@@ -458,28 +458,27 @@ def protocol(rank: int, coordinator: str) -> None:
     """Leader: broadcast two fake steps, then wait to be killed. Follower: `follow` them."""
     from jaxserve.config import ParallelConfig
     from jaxserve.parallel import distributed
-    from jaxserve.runner.sampling_tensors import SamplingTensorBuilder
-    from jaxserve.runner.step_inputs import packed_size
+    from jaxserve.runner.input_batch import InputBatch
 
     distributed.initialize(ParallelConfig(num_processes=2, process_id=rank,
                                           coordinator_address=coordinator))
-    builder, width = SamplingTensorBuilder(4, 16), 2
+    batch = InputBatch(4, 16, 8, 2)
     if rank == 0:
         channel = distributed.StepBroadcaster()
         for step in range(2):
-            packed = np.full(packed_size(4, 2, width), step + 7, np.int32)
-            channel.send(4, 2, packed, builder.build([], 2))
+            inputs = batch.empty_inputs(4, 2, penalties=step == 1)
+            inputs.packed[:] = step + 7
+            channel.send(inputs)
         print("sent", flush=True)
         time.sleep(600)                                       # until killed
 
     class Runner:
-        sampling = builder
+        def empty_inputs(self, t, s, **kwargs):
+            return batch.empty_inputs(t, s, **kwargs)
 
-        def __init__(self) -> None:
-            self.width = width
-
-        def run_step(self, packed, sampling, t, s, n) -> None:
-            print(f"step t={t} s={s} value={int(packed[0])}", flush=True)
+        def run_step(self, inputs) -> None:
+            print(f"step t={inputs.num_tokens} s={inputs.num_seqs} value={int(inputs.packed[0])}"
+                  f" penalties={inputs.penalty_token_ids is not None}", flush=True)
 
     distributed.follow(Runner())
 
@@ -496,7 +495,8 @@ def test_killing_the_leader_ends_the_follower_within_seconds(tmp_path):
         while "value=8" not in logs[1].read_text():
             assert time.monotonic() < deadline and follower.poll() is None, logs[1].read_text()
             time.sleep(0.2)
-        assert "step t=4 s=2 value=7" in logs[1].read_text()
+        assert "step t=4 s=2 value=7 penalties=False" in logs[1].read_text()
+        assert "step t=4 s=2 value=8 penalties=True" in logs[1].read_text()
         leader.kill()
         start = time.monotonic()
         assert follower.wait(timeout=60) != 0

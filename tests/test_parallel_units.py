@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.arch import ModelArch
 from jaxserve.parallel import partition
-from jaxserve.parallel.data_parallel import DataParallelEngine, _BlockTotals, _Totals
+from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.parallel.data_parallel import DataParallelEngine
 from jaxserve.parallel.mesh import make_mesh
 
 
@@ -111,10 +113,13 @@ def test_requests_go_to_the_least_loaded_replica():
         front.add_request("a", None)
 
 
-def test_totals_read_like_one_engine():
-    parts = [_FakeReplica(1, 0.5), _FakeReplica(3, 0.0)]
-    assert _Totals(parts).unfinished == 4
-    blocks = [dataclasses.replace(p) for p in parts]
-    for b, n in zip(blocks, (100, 300)):
-        b.num_blocks = n
-    assert _BlockTotals(blocks).usage == pytest.approx(50 / 400)
+def test_snapshot_sums_the_replicas():
+    front = DataParallelEngine.__new__(DataParallelEngine)
+    front.replicas = [
+        SimpleNamespace(snapshot=lambda: EngineSnapshot(num_running=1, kv_cache_usage=0.5,
+                                                        num_blocks=100, num_steps=3)),
+        SimpleNamespace(snapshot=lambda: EngineSnapshot(num_running=3, kv_cache_usage=0.0,
+                                                        num_blocks=300, num_steps=4))]
+    snap = front.snapshot()
+    assert snap.num_running == 4 and snap.num_blocks == 400 and snap.num_steps == 7
+    assert snap.kv_cache_usage == pytest.approx(50 / 400)

@@ -6,9 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.sampler import process_logits, sample, sampling_probs
-from jaxserve.runner.sampling_tensors import SamplingTensorBuilder, SamplingTensors
+from jaxserve.runner.sampling_tensors import SamplingTensors
+from jaxserve.runner.step_inputs import StepLayout
 from jaxserve.sampling_params import SamplingParams
 
 # One shape for most tests (each new shape is a compile): V is not a multiple of the
@@ -33,7 +35,8 @@ def make_tensors(rows: int = S, vocab: int = V, history: int = P, **values) -> S
         "penalty_token_ids": np.full((rows, history), -1, np.int32),
         "num_prompt_tokens": np.zeros(rows, np.int32),
         "bias_token_ids": np.full((rows, NB), -1, np.int32),
-        "bias_values": np.zeros((rows, NB), np.float32)}
+        "bias_values": np.zeros((rows, NB), np.float32),
+        "newest_token_ids": np.full(rows, -1, np.int32)}
     for name, value in values.items():
         base[name] = np.broadcast_to(np.asarray(value, base[name].dtype),
                                      base[name].shape).copy()
@@ -50,8 +53,7 @@ def random_logits(rng: np.random.Generator, rows: int = S, vocab: int = V) -> np
 
 
 def rows_of(t: SamplingTensors, index: np.ndarray) -> dict:
-    return {name: getattr(t, name)[index] for name in t.__dataclass_fields__
-            if name not in ("needs_penalties", "needs_bias")}
+    return {name: getattr(t, name)[index] for name in t.__dataclass_fields__}
 
 
 # -- numpy references (vLLM v1) -----------------------------------------------------------
@@ -128,6 +130,26 @@ def test_penalties_match_vllm_formulas():
     got = np.asarray(process_jit(logits, t))
     np.testing.assert_allclose(got, ref_process(logits, t), rtol=1e-6, atol=1e-6)
     assert not np.allclose(got, logits)
+
+
+def test_newest_token_unknown_to_the_host_counts_as_an_output_token():
+    # Async scheduling: the token fed this step is not in the host's history yet.
+    rng = np.random.default_rng(11)
+    logits = random_logits(rng)
+    t = random_penalty_tensors(rng)
+    newest = rng.integers(0, V, S).astype(np.int32)
+    newest[5] = -1
+    history = t.penalty_token_ids.copy()
+    lengths = (history >= 0).sum(1)
+    appended = np.full((S, P + 1), -1, np.int32)
+    appended[:, :P] = history
+    appended[np.arange(S), lengths] = newest
+    want = ref_process(logits, make_tensors(history=P + 1, **{
+        **rows_of(t, slice(None)), "penalty_token_ids": appended,
+        "num_prompt_tokens": np.minimum(t.num_prompt_tokens, lengths)}))
+    got = np.asarray(process_jit(logits, make_tensors(**{**rows_of(t, slice(None)),
+                                                         "newest_token_ids": newest})))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_logit_bias_and_bans_are_added_before_penalties():
@@ -328,99 +350,98 @@ def test_inverse_cdf_samples_follow_the_filtered_distribution():
         assert stat < 60, (params[i], stat, cells)
 
 
-# -- host builder -------------------------------------------------------------------------
-def make_seq(prompt: list[int], seed: int = 0, **params) -> Sequence:
-    return Sequence("req", prompt, SamplingParams(**params), seed=seed)
+# -- host side: the runner's persistent batch ----------------------------------------------
+_SEQ_IDS = iter(range(1000, 100000))
 
 
-def test_builder_rows_padding_and_shared_constants():
-    builder = SamplingTensorBuilder(max_num_seqs=8, max_model_len=32, num_bias_slots=6,
-                                    eos_token_ids=[2])
-    a = make_seq([5, 6, 7], seed=11, temperature=0.7, top_k=-1, top_p=0.9, logprobs=2)
-    b = make_seq([8, 9], seed=(1 << 40) + 3, temperature=0.0)
-    a.append_token(4)
-    t = builder.build([a, b], padded_size=4)
-    np.testing.assert_allclose(t.temperature, [0.7, 0.0, 0.0, 0.0])
-    np.testing.assert_allclose(t.top_p, [0.9, 1.0, 1.0, 1.0])
-    np.testing.assert_array_equal(t.top_k, [0, 0, 0, 0])
-    np.testing.assert_array_equal(t.num_logprobs, [2, -1, -1, -1])
-    np.testing.assert_array_equal(t.step_index, [1, 0, 0, 0])
-    assert t.seeds.dtype == np.uint32 and t.seeds[0] == 11 and t.seeds[1] != 3
-    assert not t.needs_penalties and not t.needs_bias
-    assert t.penalty_token_ids.shape == (4, 32) and np.all(t.penalty_token_ids == -1)
-    assert t.penalty_token_ids is builder.constants(4)["penalty_token_ids"]
-    assert not t.penalty_token_ids.flags.writeable
+def new_seq(prompt: list[int], seed: int = 0, **params) -> NewSeqData:
+    return NewSeqData(next(_SEQ_IDS), list(prompt), len(prompt), [0], 0,
+                      SamplingParams(**params), seed)
+
+
+def prepare(batch: InputBatch, seqs: list[NewSeqData], padded: int, computed=None,
+            new: list[NewSeqData] = ()):
+    """One step that decodes every seq in ``seqs`` (admitting ``new`` first)."""
+    computed = computed or [len(s.token_ids) - 1 for s in seqs]
+    out = SchedulerOutput(seq_ids=[s.seq_id for s in seqs], num_scheduled_tokens=[1] * len(seqs),
+                          num_computed_tokens=computed, is_sampling=[True] * len(seqs),
+                          new_seqs=list(new), total_num_scheduled_tokens=len(seqs))
+    rows = batch.apply(out)
+    inputs = batch.prepare(out, rows, padded, padded)
+    return inputs, StepLayout(padded, padded, batch.width).views(inputs.packed), rows
+
+
+def test_batch_rows_padding_and_sampling_fields():
+    batch = InputBatch(8, 32, 16, 2, num_bias_slots=6, eos_token_ids=[2])
+    a = new_seq([5, 6, 7, 4], seed=11, temperature=0.7, top_k=-1, top_p=0.9, logprobs=2)
+    b = new_seq([8, 9], seed=(1 << 40) + 3, temperature=0.0)
+    inputs, v, _ = prepare(batch, [a, b], 4, new=[a, b])
+    np.testing.assert_allclose(v["temperature"], [0.7, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(v["top_p"], [0.9, 1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(v["top_k"], [0, 0, 0, 0])
+    np.testing.assert_array_equal(v["num_logprobs"], [2, -1, -1, -1])
+    np.testing.assert_array_equal(v["kv_lens"] - v["num_prompt_tokens"], [0, 0, 0, 0])
+    assert v["seeds"].dtype == np.uint32 and v["seeds"][0] == 11 and v["seeds"][1] != 3
+    np.testing.assert_array_equal(v["token_ids"][:2], [4, 9])     # the newest known tokens
+    assert inputs.penalty_token_ids is None and inputs.bias_token_ids is None
     # Padding rows of a smaller batch do not keep the old rows' values.
-    t = builder.build([b], padded_size=4)
-    np.testing.assert_allclose(t.temperature, 0.0)
-    np.testing.assert_array_equal(t.num_logprobs, -1)
+    _, v, _ = prepare(batch, [b], 4)
+    np.testing.assert_allclose(v["temperature"], 0.0)
+    np.testing.assert_array_equal(v["num_logprobs"], -1)
 
 
-def test_builder_penalty_history_only_for_rows_that_need_it():
-    builder = SamplingTensorBuilder(max_num_seqs=4, max_model_len=16, num_bias_slots=4)
-    pen = make_seq([3, 4, 5], temperature=1.0, repetition_penalty=1.2)
-    plain = make_seq([6, 7])
-    t = builder.build([plain, pen], padded_size=2)
-    assert t.needs_penalties
-    np.testing.assert_array_equal(t.penalty_token_ids[0], -1)
-    np.testing.assert_array_equal(t.penalty_token_ids[1, :4], [3, 4, 5, -1])
-    np.testing.assert_array_equal(t.num_prompt_tokens, [2, 3])
-    for token in (9, 9):
-        pen.append_token(token)
-        for _ in range(2):                         # both ring buffers see the new history
-            t = builder.build([pen, plain], padded_size=2)
-    np.testing.assert_array_equal(t.penalty_token_ids[0, :6], [3, 4, 5, 9, 9, -1])
-    np.testing.assert_array_equal(t.penalty_token_ids[1], -1)   # stale row cleared
-    np.testing.assert_array_equal(t.step_index, [2, 0])
+def test_batch_penalty_history_grows_with_recorded_samples():
+    batch = InputBatch(4, 16, 16, 1, num_bias_slots=4)
+    pen = new_seq([3, 4, 5], temperature=1.0, repetition_penalty=1.2)
+    plain = new_seq([6, 7])
+    inputs, v, rows = prepare(batch, [plain, pen], 2, new=[plain, pen])
+    np.testing.assert_array_equal(inputs.penalty_token_ids[1, :4], [3, 4, 5, -1])
+    np.testing.assert_array_equal(v["num_prompt_tokens"], [2, 3])
+    batch.record_sampled([plain.seq_id, pen.seq_id], rows, v["kv_lens"][:2].copy(),
+                         [True, True], [9, 9])
+    inputs, v, rows = prepare(batch, [pen, plain], 2, computed=[3, 2])
+    np.testing.assert_array_equal(inputs.penalty_token_ids[0, :5], [3, 4, 5, 9, -1])
+    np.testing.assert_array_equal(v["token_ids"][:2], [9, 9])
+    np.testing.assert_array_equal(v["kv_lens"] - v["num_prompt_tokens"], [1, 1])
+    # With async scheduling the next decode's token is not known yet: the device feeds it.
+    inputs, v, _ = prepare(batch, [pen], 2, computed=[4])
+    assert v["token_ids"][0] == -1 - rows[0]
+    np.testing.assert_array_equal(inputs.penalty_token_ids[0, :5], [3, 4, 5, 9, -1])
 
 
-def test_builder_min_tokens_bans_eos_and_stop_tokens_until_reached():
-    builder = SamplingTensorBuilder(max_num_seqs=4, max_model_len=16, num_bias_slots=5,
-                                    eos_token_ids=[2])
-    seq = make_seq([3, 4], min_tokens=2, stop_token_ids=[7], logit_bias={5: 1.5})
-    ignore = make_seq([3], min_tokens=2, ignore_eos=True)
-    t = builder.build([seq, ignore], padded_size=2)
-    assert t.needs_bias
-    row = dict(zip(t.bias_token_ids[0].tolist(), t.bias_values[0].tolist()))
+def test_batch_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    batch = InputBatch(4, 16, 16, 1, num_bias_slots=5, eos_token_ids=[2])
+    seq = new_seq([3, 4], min_tokens=2, stop_token_ids=[7], logit_bias={5: 1.5})
+    ignore = new_seq([3, 3], min_tokens=2, ignore_eos=True)
+    inputs, _, _ = prepare(batch, [seq, ignore], 2, new=[seq, ignore])
+    row = dict(zip(inputs.bias_token_ids[0].tolist(), inputs.bias_values[0].tolist()))
     assert row == {5: 1.5, 7: -np.inf, 2: -np.inf, -1: 0.0}
-    assert 2 not in t.bias_token_ids[1]                   # EOS is no stop with ignore_eos
-    for _ in range(2):
-        seq.append_token(9)
-        ignore.append_token(9)
-    t = builder.build([seq, ignore], padded_size=2)
-    row = dict(zip(t.bias_token_ids[0].tolist(), t.bias_values[0].tolist()))
+    assert 2 not in inputs.bias_token_ids[1]                  # EOS is no stop with ignore_eos
+    inputs, _, _ = prepare(batch, [seq, ignore], 2, computed=[3, 3])    # 2 outputs so far
+    row = dict(zip(inputs.bias_token_ids[0].tolist(), inputs.bias_values[0].tolist()))
     assert row == {5: 1.5, -1: 0.0}
-    np.testing.assert_array_equal(t.bias_token_ids[1], -1)
+    np.testing.assert_array_equal(inputs.bias_token_ids[1], -1)
 
 
 def test_min_tokens_ban_blocks_eos_in_the_sampler():
     eos = 2
-    builder = SamplingTensorBuilder(max_num_seqs=S, max_model_len=P, num_bias_slots=NB,
-                                    eos_token_ids=[eos])
-    seqs = [make_seq([5, 6], seed=i, temperature=0.0 if i % 2 else 1.0, min_tokens=3)
-            for i in range(S)]
     logits = random_logits(np.random.default_rng(9))
     logits[:, eos] = 40.0                                  # EOS is the obvious choice
-    tokens = np.asarray(sample_jit(logits, builder.build(seqs, S), num_top_logprobs=K)
-                        .next_tokens)
+    temperature = np.where(np.arange(S) % 2, 0.0, 1.0)
+    ban = make_tensors(temperature=temperature, seeds=np.arange(S),
+                       bias_token_ids=np.where(np.arange(NB) == 0, eos, -1),
+                       bias_values=np.where(np.arange(NB) == 0, -np.inf, 0.0))
+    tokens = np.asarray(sample_jit(logits, ban, num_top_logprobs=K).next_tokens)
     assert np.all(tokens != eos)
-    for seq in seqs:
-        for token in (10, 11, 12):
-            seq.append_token(token)
-    tokens = np.asarray(sample_jit(logits, builder.build(seqs, S), num_top_logprobs=K)
-                        .next_tokens)
-    assert np.all(tokens == eos)
+    free = make_tensors(temperature=temperature, seeds=np.arange(S))
+    assert np.all(np.asarray(sample_jit(logits, free, num_top_logprobs=K).next_tokens) == eos)
 
 
-def test_builder_rejects_requests_that_need_too_many_bias_slots():
-    builder = SamplingTensorBuilder(max_num_seqs=2, max_model_len=8, num_bias_slots=2,
-                                    eos_token_ids=[1])
-    params = SamplingParams(logit_bias={3: 1.0, 4: 1.0}, min_tokens=1)
+def test_requests_that_need_too_many_bias_slots_are_rejected():
+    batch = InputBatch(2, 8, 16, 1, num_bias_slots=2, eos_token_ids=[1])
     with pytest.raises(ValueError, match="num_bias_slots=2"):
-        builder.check(params)
-    with pytest.raises(ValueError, match="num_bias_slots=2"):
-        builder.build([Sequence("r", [5], params)], padded_size=2)
-    builder.check(SamplingParams(logit_bias={3: 1.0, 4: 1.0}))
+        batch.check(SamplingParams(logit_bias={3: 1.0, 4: 1.0}, min_tokens=1))
+    batch.check(SamplingParams(logit_bias={3: 1.0, 4: 1.0}))
 
 
 def test_row_uniforms_are_uniform_and_uncorrelated():

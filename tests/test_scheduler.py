@@ -1,7 +1,11 @@
-"""Scheduler: continuous batching, chunked prefill, preemption, finishing and aborts."""
+"""Scheduler: continuous batching, chunked prefill, preemption, finishing and aborts; and
+the scheduler -> runner contract (the runner's persistent batch) under async scheduling."""
 
 from __future__ import annotations
 
+from collections import deque
+
+import numpy as np
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -9,33 +13,42 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.step_contract import SchedulerOutput
+from jaxserve.runner.buckets import BucketPolicy
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.step_inputs import StepLayout
+from jaxserve.sampling_params import SamplingParams
+
+_NAMES: dict[int, str] = {}     # seq id -> request id, for readable plans
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
-                   max_model_len=32, enable_chunked_prefill=True, enable_prefix_caching=True):
+                   max_model_len=32, enable_chunked_prefill=True, enable_prefix_caching=True,
+                   **extra):
     config = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             enable_chunked_prefill=enable_chunked_prefill)
+                             enable_chunked_prefill=enable_chunked_prefill, **extra)
     block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(config, block_manager, max_model_len)
 
 
-def make_seq(tokens, request_id="r") -> Sequence:
-    return Sequence(request_id, list(tokens), sampling_params=None)
+def make_seq(tokens, request_id="r", **kwargs) -> Sequence:
+    seq = Sequence(request_id, list(tokens), sampling_params=SamplingParams(), **kwargs)
+    _NAMES[seq.seq_id] = request_id
+    return seq
 
 
 def planned(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled]
+    return [(_NAMES[seq_id], n) for seq_id, n in zip(out.seq_ids, out.num_scheduled_tokens)]
 
 
 def step(scheduler: Scheduler, max_len: dict[str, int] | None = None,
          token: int = 0) -> SchedulerOutput:
-    """One engine step: schedule, compute, append a token to ready seqs, finish at max_len."""
+    """One synchronous engine step: schedule, "run", append the token, finish at max_len."""
     out = scheduler.schedule()
-    for seq in scheduler.complete_step(out):
-        seq.append_token(token)
+    for _, seq in scheduler.update_from_output(out, [token] * out.num_rows):
         if max_len is not None and seq.num_tokens >= max_len[seq.request_id]:
             scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
     return out
@@ -48,10 +61,10 @@ def test_chunked_prefill_splits_long_prompt_under_the_budget():
     chunks = []
     for _ in range(3):
         out = scheduler.schedule()
-        assert out.num_batched_tokens <= 8
-        chunks.append(out.scheduled[0].num_new_tokens)
-        ready = scheduler.complete_step(out)
-        assert ready == ([seq] if sum(chunks) == 20 else [])
+        assert out.total_num_scheduled_tokens <= 8
+        chunks.append(out.num_scheduled_tokens[0])
+        received = scheduler.update_from_output(out, [0] * out.num_rows)
+        assert [s for _, s in received] == ([seq] if sum(chunks) == 20 else [])
     assert chunks == [8, 8, 4]
     assert seq.num_computed_tokens == 20 and len(seq.block_table) == 5
 
@@ -66,7 +79,7 @@ def test_decodes_and_prefill_chunks_share_one_step():
     assert planned(out) == [("a", 1), ("b", 7)]      # running first, then admitted
     out = step(scheduler)
     assert planned(out) == [("a", 1), ("b", 7)]      # decode + continuing chunk
-    assert out.num_batched_tokens == 8
+    assert out.total_num_scheduled_tokens == 8
 
 
 def test_max_num_seqs_caps_running_seqs():
@@ -103,11 +116,11 @@ def test_preemption_evicts_newest_seq_which_resumes_and_finishes():
         if not scheduler.has_unfinished():
             break
         out = step(scheduler, max_len, token=9)
-        preempted += out.preempted
-        assert not {id(s) for s in out.preempted} & {id(s.seq) for s in out.scheduled}
+        preempted += out.preempted_seq_ids
+        assert not set(out.preempted_seq_ids) & set(out.seq_ids)
         scheduler.block_manager.check_invariants([*scheduler.running, *scheduler.waiting])
     assert not scheduler.has_unfinished()
-    assert preempted and all(seq is new for seq in preempted)
+    assert preempted and all(seq_id == new.seq_id for seq_id in preempted)
     assert new.num_preemptions == len(preempted) == scheduler.num_preemptions
     assert old.status == new.status == SequenceStatus.FINISHED_LENGTH
     assert new.token_ids == [5, 6, 7, 8, 9, 9, 9, 9]  # generated tokens survive preemption
@@ -123,7 +136,7 @@ def test_preempted_seq_goes_to_front_and_blocks_admission_that_step():
     step(scheduler)                              # both prefilled: all 4 blocks used
     scheduler.add_seq(make_seq([1], "c"))
     out = step(scheduler)                        # "a" needs a 3rd block: "b" is preempted
-    assert planned(out) == [("a", 1)] and out.preempted == [b]
+    assert planned(out) == [("a", 1)] and out.preempted_seq_ids == [b.seq_id]
     assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0
     assert b.block_table == [] and b.num_tokens == 5
     assert [s.request_id for s in scheduler.waiting] == ["b", "c"]
@@ -138,7 +151,7 @@ def test_only_running_seq_preempts_itself_when_cache_is_held_elsewhere():
     hog = make_seq([0, 0, 0, 0], "hog")          # blocks taken outside the scheduler
     assert scheduler.block_manager.allocate_slots(hog, 4, [])
     out = scheduler.schedule()
-    assert out.is_empty and out.preempted == [seq]
+    assert out.is_empty and out.preempted_seq_ids == [seq.seq_id]
     assert scheduler.waiting == (seq,) and scheduler.num_running == 0
 
 
@@ -152,19 +165,22 @@ def test_preempted_seq_is_recomputed_cheaply_from_prefix_cache():
         step(scheduler, {"old": 12, "new": 12})
     scheduler.finish_seq(old, SequenceStatus.FINISHED_STOPPED)
     out = scheduler.schedule()
-    assert out.scheduled[0].seq is new
+    assert out.seq_ids[0] == new.seq_id and out.new_seqs[0].seq_id == new.seq_id
     assert new.num_cached_tokens > 0
-    assert out.scheduled[0].num_new_tokens == new.num_tokens - new.num_cached_tokens
+    assert out.num_scheduled_tokens[0] == new.num_tokens - new.num_cached_tokens
+    assert out.new_seqs[0].token_ids == new.token_ids      # resumed with its outputs
 
 
-def test_complete_step_returns_only_fully_computed_seqs():
+def test_only_rows_that_reach_the_newest_token_sample():
     scheduler = make_scheduler(max_num_batched_tokens=10)
     short, long = make_seq(range(3), "short"), make_seq(range(20), "long")
     scheduler.add_seq(short)
     scheduler.add_seq(long)
     out = scheduler.schedule()
     assert planned(out) == [("short", 3), ("long", 7)]
-    assert scheduler.complete_step(out) == [short]
+    assert out.is_sampling == [True, False]
+    assert [s for _, s in scheduler.update_from_output(out, [5, 6])] == [short]
+    assert short.token_ids[-1] == 5 and long.num_tokens == 20
 
 
 def test_abort_of_waiting_and_running_requests_frees_blocks():
@@ -185,14 +201,59 @@ def test_abort_of_waiting_and_running_requests_frees_blocks():
     assert not scheduler.has_unfinished() and scheduler.abort_request("wait") == []
 
 
-def test_seq_aborted_during_step_is_not_returned_by_complete_step():
+def test_seq_aborted_during_step_gets_no_token_and_its_row_is_dropped_next_step():
     scheduler = make_scheduler()
     seq = make_seq(range(5))
     scheduler.add_seq(seq)
     out = scheduler.schedule()
     scheduler.abort_request("r")
-    assert scheduler.complete_step(out) == []
-    assert seq.num_computed_tokens == 0
+    assert scheduler.update_from_output(out, [1]) == []
+    assert seq.num_tokens == 5
+    assert scheduler.schedule().finished_seq_ids == [seq.seq_id]
+
+
+def test_async_scheduling_plans_the_next_decode_before_the_token_is_known():
+    scheduler = make_scheduler()
+    seq = make_seq(range(5), max_num_tokens=8)
+    scheduler.add_seq(seq)
+    first = scheduler.schedule()                 # prefill; its sample is pending
+    assert seq.num_pending_tokens == 1 and seq.num_computed_tokens == 5
+    second = scheduler.schedule()                # decode of the pending token, in flight
+    assert planned(second) == [("r", 1)] and second.num_computed_tokens == [5]
+    assert seq.num_pending_tokens == 2 and second.new_seqs == []
+    scheduler.update_from_output(first, [40])
+    scheduler.update_from_output(second, [41])
+    assert seq.token_ids == [0, 1, 2, 3, 4, 40, 41] and seq.num_pending_tokens == 0
+
+
+def test_a_pending_token_that_reaches_max_tokens_is_not_decoded_again():
+    scheduler = make_scheduler()
+    seq = make_seq(range(5), max_num_tokens=6)   # one output token
+    scheduler.add_seq(seq)
+    first = scheduler.schedule()
+    assert scheduler.schedule().is_empty         # nothing to do until the token arrives
+    scheduler.update_from_output(first, [9])
+    assert seq.num_tokens == 6
+
+
+def test_prefill_is_capped_while_decodes_run():
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=128, num_blocks=64,
+                               prefill_budget_while_decoding=8)
+    scheduler.add_seq(make_seq(range(4), "a"))
+    step(scheduler)                               # "a" decodes from now on
+    scheduler.add_seq(make_seq(range(100, 140), "b"))
+    assert planned(step(scheduler)) == [("a", 1), ("b", 8)]
+    assert planned(step(scheduler)) == [("a", 1), ("b", 8)]
+    scheduler.finish_seq(scheduler.running[0], SequenceStatus.FINISHED_STOPPED)
+    assert planned(step(scheduler)) == [("b", 24)]    # alone, a prompt takes the budget
+
+
+def test_long_prefill_threshold_and_partial_prefill_limit():
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=128, num_blocks=64,
+                               long_prefill_token_threshold=10, max_num_partial_prefills=1)
+    scheduler.add_seq(make_seq(range(30), "a"))
+    scheduler.add_seq(make_seq(range(100, 130), "b"))
+    assert planned(step(scheduler)) == [("a", 10)]    # "b" would be a second partial prefill
 
 
 def test_finish_seq_is_idempotent_and_keeps_first_status():
@@ -224,17 +285,27 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(max_model_len=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]),
                 spare_blocks=st.integers(0, 2), max_num_seqs=st.integers(1, 4),
-                budget=st.integers(1, 12), chunked=st.booleans(), prefix_caching=st.booleans())
+                budget=st.integers(1, 12), chunked=st.booleans(), prefix_caching=st.booleans(),
+                steps_in_flight=st.sampled_from([1, 2]), prefill_cap=st.sampled_from([None, 0, 2]))
     def setup(self, max_model_len, block_size, spare_blocks, max_num_seqs, budget, chunked,
-              prefix_caching):
+              prefix_caching, steps_in_flight, prefill_cap):
         # Room for one max-length seq and hardly more, so preemption is common.
         num_blocks = -(-max_model_len // block_size) + spare_blocks
         self.max_model_len = max_model_len
         if not chunked:
             budget = max(budget, self.max_model_len)
         self.scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, budget,
-                                        self.max_model_len, chunked, prefix_caching)
+                                        self.max_model_len, chunked, prefix_caching,
+                                        prefill_budget_while_decoding=prefill_cap)
         self.bm = self.scheduler.block_manager
+        # The runner side: its persistent batch, bucket policy and a fake device that keeps
+        # each row's last sample (what async decodes read) and a KV cache of token ids.
+        self.width = -(-max_model_len // block_size)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width)
+        self.buckets = BucketPolicy(budget, max_num_seqs)
+        self.steps_in_flight = steps_in_flight
+        self.in_flight: deque = deque()
+        self.last_tokens: dict[int, int] = {}
         self.max_len: dict[str, int] = {}       # request id -> final length of its seqs
         self.live: list[Sequence] = []
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token id written
@@ -252,7 +323,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         shortfall = data.draw(st.integers(0, self.max_model_len))
         self.max_len[request_id] = max(len(prompt), self.max_model_len - shortfall // 4)
         for index in range(n):
-            seq = Sequence(request_id, prompt, sampling_params=None, index=index)
+            seq = Sequence(request_id, prompt, SamplingParams(), index=index,
+                           max_num_tokens=self.max_len[request_id])
             self.scheduler.add_seq(seq)
             self.live.append(seq)
 
@@ -279,61 +351,120 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live = [seq for seq in self.live if seq.request_id != request_id]
 
     def _step(self, stop) -> None:
+        """One engine step: dispatch the next step if there is room in flight, and collect
+        the oldest when the pipeline is full (or nothing new could be dispatched)."""
+        dispatched = False
+        if len(self.in_flight) < self.steps_in_flight and self.scheduler.has_unfinished():
+            dispatched = self._dispatch()
+        if self.in_flight and (len(self.in_flight) >= self.steps_in_flight or not dispatched):
+            self._collect(stop)
+
+    def _dispatch(self) -> bool:
         scheduler, bm = self.scheduler, self.bm
         running_before = scheduler.num_running
         out = scheduler.schedule()
-        ids = [id(s.seq) for s in out.scheduled]
-        assert len(set(ids)) == len(ids), "a seq scheduled twice"
-        assert not set(ids) & {id(seq) for seq in out.preempted}
-        assert all(s.num_new_tokens > 0 for s in out.scheduled)
-        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
-        assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
-        assert len(out.scheduled) <= scheduler.max_num_seqs
+        assert len(set(out.seq_ids)) == out.num_rows, "a seq scheduled twice"
+        assert not set(out.seq_ids) & set(out.preempted_seq_ids)
+        assert all(n > 0 for n in out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+        assert out.num_rows <= scheduler.max_num_seqs
         assert scheduler.num_running <= scheduler.max_num_seqs
-        if out.preempted:
+        if out.preempted_seq_ids:
             assert scheduler.num_running <= running_before, "admitted despite preemption"
-        if scheduler.has_unfinished():
-            assert not out.is_empty, "no progress"
-        bm.check_invariants(self.live)
-        if out.preempted:
             event("preemption")
-        if any(s.seq.num_cached_tokens and s.seq.num_computed_tokens == s.seq.num_cached_tokens
-               for s in out.scheduled):
+        if scheduler.has_unfinished() and out.is_empty:
+            assert self.in_flight, "no progress with nothing in flight"
+        bm.check_invariants(self.live)
+        if any(new.num_computed_tokens for new in out.new_seqs):
             event("prefix-cache hit used")
-        # The "model" reads the prefix's KV and writes the new tokens' KV.
-        for scheduled in out.scheduled:
-            seq, start = scheduled.seq, scheduled.seq.num_computed_tokens
-            self._check_kv(seq, start)
-            for pos in range(start, start + scheduled.num_new_tokens):
-                self.kv[self._slot(seq, pos)] = seq.token_ids[pos]
-        for seq in scheduler.complete_step(out):
-            seq.append_token(1)
+        rows = self.batch.apply(out)
+        if out.is_empty:
+            return False
+        t, s = self.buckets.shape_for(out.total_num_scheduled_tokens, out.num_rows)
+        inputs = self.batch.prepare(out, rows, t, s)
+        v = StepLayout(t, s, self.width).views(inputs.packed)
+        n, live = out.num_rows, out.total_num_scheduled_tokens
+        assert v["num_seqs"][0] == n and v["query_start_loc"][n] == live
+        assert np.all(v["slot_mapping"][live:] == -1) and np.all(v["kv_lens"][n:] == 0)
+        # The fake device: resolve tokens, check the prefix's KV, write the new tokens' KV.
+        sampled = []
+        for i, seq_id in enumerate(out.seq_ids):
+            seq = scheduler.get_seq(seq_id)
+            start, end = v["query_start_loc"][i], v["query_start_loc"][i + 1]
+            computed = out.num_computed_tokens[i]
+            assert end - start == out.num_scheduled_tokens[i]
+            assert v["kv_lens"][i] == computed + end - start
+            table = v["block_tables"][i]
+            np.testing.assert_array_equal(table[:len(seq.block_table)], seq.block_table)
+            self._check_kv(seq, table, computed)
+            for t_index in range(start, end):
+                pos = int(v["positions"][t_index])
+                token = int(v["token_ids"][t_index])
+                if token < 0:                          # the device's sample of last step
+                    assert -1 - token == rows[i] and pos == seq.num_tokens, "bad device token"
+                    token = self.last_tokens[int(rows[i])]
+                    event("token fed from the device")
+                assert token == self._true_token(seq, pos), (seq, pos)
+                slot = int(v["slot_mapping"][t_index])
+                assert slot == table[pos // bm.block_size] * bm.block_size + pos % bm.block_size
+                self.kv[divmod(slot, bm.block_size)] = token
+            kv_len = int(v["kv_lens"][i])
+            sampled.append(self._true_token(seq, kv_len) if out.is_sampling[i] else -7)
+        for row, token in zip(rows.tolist(), sampled):
+            self.last_tokens[row] = token              # garbage (-7) for mid-prefill rows
+        self.in_flight.append((out, rows, sampled))
+        return True
+
+    def _collect(self, stop) -> None:
+        out, rows, sampled = self.in_flight.popleft()
+        kv_lens = np.asarray(out.num_computed_tokens) + np.asarray(out.num_scheduled_tokens)
+        self.batch.record_sampled(out.seq_ids, rows, kv_lens, out.is_sampling, sampled)
+        for _, seq in self.scheduler.update_from_output(out, sampled):
             if seq.num_tokens >= self.max_len[seq.request_id] or stop():
-                scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
                 self.live.remove(seq)
 
-    def _slot(self, seq: Sequence, pos: int) -> tuple[int, int]:
-        return seq.block_table[pos // self.bm.block_size], pos % self.bm.block_size
+    @staticmethod
+    def _true_token(seq: Sequence, pos: int) -> int:
+        """Prompt tokens, then what the fake model samples at each position."""
+        if pos < seq.num_prompt_tokens:
+            return seq.token_ids[pos]
+        return 3 + (seq.seq_id * 7 + pos) % 5
 
-    def _check_kv(self, seq: Sequence, num_computed: int) -> None:
+    def _check_kv(self, seq: Sequence, table, num_computed: int) -> None:
+        bs = self.bm.block_size
         for pos in range(num_computed):
-            assert self.kv.get(self._slot(seq, pos)) == seq.token_ids[pos], (seq, pos)
+            assert self.kv.get((int(table[pos // bs]), pos % bs)) == self._true_token(seq, pos), \
+                (seq, pos)
 
     @invariant()
     def consistent(self):
         if not hasattr(self, "scheduler"):
             return
-        scheduler = self.scheduler
+        scheduler, batch = self.scheduler, self.batch
         self.bm.check_invariants(self.live)
         live_ids = {id(seq) for seq in self.live}
         assert {id(s) for s in (*scheduler.running, *scheduler.waiting)} == live_ids
         for seq in scheduler.running:
             assert seq.status == SequenceStatus.RUNNING
             assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens
-            self._check_kv(seq, seq.num_computed_tokens)
+            self._check_kv(seq, seq.block_table, min(seq.num_computed_tokens, seq.num_tokens))
+            # The runner's row says what the scheduler believes.
+            row = batch.row_of[seq.seq_id]
+            known = int(batch.num_known[row])
+            assert known == seq.num_tokens, (seq, known)   # collected tokens are recorded
+            np.testing.assert_array_equal(batch.token_ids[row, :known], seq.token_ids)
+            assert np.all(batch.token_ids[row, known:] == -1)
+            np.testing.assert_array_equal(batch.block_table[row, :batch.num_blocks[row]],
+                                          seq.block_table)
         for seq in scheduler.waiting:
             assert seq.status == SequenceStatus.WAITING
             assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert seq.seq_id not in batch.row_of
+        # Rows exist for running sequences and for those finished since the last step.
+        assert set(batch.row_of) == {s.seq_id for s in scheduler.running} | set(
+            scheduler._finished_ids)
         if not self.live:
             assert self.bm.num_free_blocks == self.bm.num_blocks
 
@@ -342,13 +473,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         # Liveness: the oldest running seq always progresses, so every seq finishes
         # within (sum of remaining lengths) steps, never reading its own preemption.
-        limit = sum(self.max_len[seq.request_id] for seq in self.live) + 1
+        limit = 2 * sum(self.max_len[seq.request_id] for seq in self.live) + 2
         for _ in range(limit):
-            if not self.scheduler.has_unfinished():
+            if not self.scheduler.has_unfinished() and not self.in_flight:
                 break
             self._step(stop=lambda: False)
             self.consistent()
-        assert not self.scheduler.has_unfinished() and not self.live
+        assert not self.scheduler.has_unfinished() and not self.live and not self.in_flight
         assert self.bm.num_free_blocks == self.bm.num_blocks
         self.bm.check_invariants([])
 

@@ -28,9 +28,9 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.engine.engine_core import EngineCore, EngineSnapshot
 from jaxserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -38,21 +38,6 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed or was shut down; no request can complete."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges and counters, published by the engine thread after every step."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0          # fraction of KV blocks referenced, [0, 1]
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    prefix_cache_queries: int = 0        # tokens looked up / found in the prefix cache
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0           # totals since start
-    num_generation_tokens: int = 0
 
 
 # Observer of every step's outputs, called on the engine thread: (outputs, wall time).
@@ -75,7 +60,7 @@ class _RequestStream:
 class AsyncLLMEngine:
     """Runs an `LLMEngine` on its own thread and serves many asyncio callers."""
 
-    def __init__(self, engine: Any, *, start: bool = True) -> None:
+    def __init__(self, engine: EngineCore, *, start: bool = True) -> None:
         self.engine = engine
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()
@@ -84,7 +69,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._observers: list[OutputObserver] = []
-        self.snapshot = EngineSnapshot()
+        self.snapshot: EngineSnapshot = engine.snapshot()
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         if start:
@@ -323,16 +308,7 @@ class AsyncLLMEngine:
         self._streams.clear()
 
     def _publish_snapshot(self) -> None:
-        engine = self.engine
-        scheduler, blocks, stats = engine.scheduler, engine.block_manager, engine.stats
-        self.snapshot = EngineSnapshot(
-            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
-            kv_cache_usage=blocks.usage, num_free_blocks=blocks.num_free_blocks,
-            num_blocks=blocks.num_blocks, prefix_cache_queries=blocks.prefix_cache_queries,
-            prefix_cache_hits=blocks.prefix_cache_hits,
-            num_preemptions=scheduler.num_preemptions,
-            num_prompt_tokens=stats.num_prompt_tokens,
-            num_generation_tokens=stats.num_generation_tokens)
+        self.snapshot = self.engine.snapshot()
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

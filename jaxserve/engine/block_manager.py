@@ -128,7 +128,9 @@ class BlockManager:
         """Register ``seq``'s newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # Only blocks whose tokens the host knows: with async scheduling the newest computed
+        # position may hold a token still pending on the device.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         start = self._num_registered.get(seq.seq_id, 0)
         if num_full <= start:
             return

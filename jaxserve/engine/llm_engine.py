@@ -1,26 +1,35 @@
-"""The engine loop: add requests, step (schedule → run → update), return outputs.
+"""The engine loop: add requests, step (schedule → dispatch → collect), return outputs.
 
-One `step()` is the whole serving loop on a screen:
-    out = scheduler.schedule()
-    result = runner.execute(out.scheduled)
-    done = scheduler.complete_step(out)        # KV now holds the scheduled tokens
-    append sampled tokens to `done`, detokenize, stop checks, free finished seqs
+One `step()` on a screen, with async scheduling (two steps in flight):
+
+    out = scheduler.schedule()             # step N+1, while step N still runs
+    pending = runner.execute(out)          # diffs applied, inputs packed, dispatched
+    result = oldest_in_flight.result()     # step N's samples (the device already has them)
+    scheduler.update_from_output(...)      # append tokens, register full blocks
+    output processing                      # EOS / stop strings / text, while N+1 runs
+
+Without async scheduling the same loop keeps one step in flight: it collects each step
+before scheduling the next, so both modes run the same code and give the same tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.stats import EngineStats
+from jaxserve.engine.step_contract import SchedulerOutput
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -28,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Offline/online engine core. Not thread-safe: one thread calls add/abort/step."""
+    """Offline/online engine core (an `EngineCore`). Not thread-safe: one thread calls it."""
 
     def __init__(self, config: EngineConfig, *, log_stats: bool | None = None,
                  mesh: Any = None) -> None:
@@ -40,6 +49,7 @@ class LLMEngine:
         s = self.setup
         self.tokenizer = s.tokenizer
         self.max_model_len = s.max_model_len
+        self.model_path = s.model_path
         self.block_manager = BlockManager(s.kv_plan.num_blocks, s.kv_plan.block_size,
                                           config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len)
@@ -51,6 +61,8 @@ class LLMEngine:
         if log_stats is None:
             log_stats = not config.runner_config.disable_log_stats
         self.log_stats = log_stats
+        self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
+        self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,
@@ -58,9 +70,9 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError (and changes nothing) if it can never run."""
-        self.runner.sampling.check(sampling_params or SamplingParams())
-        seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids,
-                                        sampling_params or SamplingParams(),
+        params = sampling_params or SamplingParams()
+        self.runner.batch.check(params)
+        seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids, params,
                                         arrival_time or time.time())
         for seq in seqs:
             self.scheduler.add_seq(seq)
@@ -69,60 +81,76 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            for seq in self.scheduler.abort_request(request_id):
-                self.runner.release(seq.seq_id)
+            self.scheduler.abort_request(request_id)
             self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.outputs.has_pending_outputs()
+        return (self.scheduler.has_unfinished() or bool(self._in_flight)
+                or self.outputs.has_pending_outputs())
 
     def get_num_unfinished_requests(self) -> int:
         return self.outputs.num_unfinished
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return outputs of requests that changed (or finished)."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return self.outputs.drain()
-        step_start = time.perf_counter()
-        scheduled_time = time.time()
-        scheduled = [(item.seq, item.num_new_tokens) for item in out.scheduled]
-        result = self.runner.execute(scheduled)
-        now = time.time()
-        completed = {seq.seq_id for seq in self.scheduler.complete_step(out)}
-        num_generated = 0
-        for row, (seq, _) in enumerate(scheduled):
-            self.outputs.mark_scheduled(seq, scheduled_time)
-            if seq.seq_id not in completed:
-                continue                      # mid-prefill chunk: its sample is meaningless
-            status = self.outputs.append_token(seq, result, row, now)
-            num_generated += 1
-            if status is not None:
-                self.scheduler.finish_seq(seq, status)
-                self.runner.release(seq.seq_id)
-        self.stats.record_step(
-            num_prompt_tokens=out.num_batched_tokens - num_generated_decodes(scheduled),
-            num_generation_tokens=num_generated, num_preempted=len(out.preempted),
-            step_time=time.perf_counter() - step_start)
+        """Dispatch the next step (if there is room in flight) and collect the oldest one when
+        the pipeline is full; returns outputs of requests that changed (or finished)."""
+        dispatched = False
+        if len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished():
+            out = self.scheduler.schedule()
+            pending = self.runner.execute(out)      # applies the diffs even with no tokens
+            if pending is not None:
+                now = time.time()
+                for new in out.new_seqs:
+                    self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
+                self._in_flight.append((out, pending, time.perf_counter()))
+                dispatched = True
+        if self._in_flight and (len(self._in_flight) >= self.max_steps_in_flight
+                                or not dispatched):
+            self._collect(*self._in_flight.popleft())
         if self.log_stats:
-            self.stats.maybe_log(self.scheduler, self.block_manager)
+            self.stats.maybe_log(self.snapshot())
         return self.outputs.drain()
 
+    def _collect(self, out: SchedulerOutput, pending: Any, dispatch_time: float) -> None:
+        """Wait for a dispatched step; append its tokens and run output processing."""
+        result = pending.result()
+        now = time.time()
+        received = self.scheduler.update_from_output(out, result.sampled_token_ids)
+        for row, seq in received:
+            status = self.outputs.process_token(seq, result, row, now)
+            if status is not None:
+                self.scheduler.finish_seq(seq, status)
+        self.stats.record_step(
+            num_prompt_tokens=out.total_num_scheduled_tokens - out.num_decode_tokens,
+            num_generation_tokens=len(received), num_preempted=len(out.preempted_seq_ids),
+            step_time=time.perf_counter() - dispatch_time)
+
+    def snapshot(self) -> EngineSnapshot:
+        scheduler, blocks, stats = self.scheduler, self.block_manager, self.stats
+        return EngineSnapshot(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            kv_cache_usage=blocks.usage, num_free_blocks=blocks.num_free_blocks,
+            num_blocks=blocks.num_blocks, prefix_cache_queries=blocks.prefix_cache_queries,
+            prefix_cache_hits=blocks.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_generation_tokens=stats.num_generation_tokens, num_steps=stats.num_steps)
+
+    def add_metrics(self, registry: Any, model_name: str) -> None:
+        """One replica has no series beyond the snapshot's."""
+
     # -- inspection ----------------------------------------------------------------------------
-    def prompt_logits(self, prompt_token_ids: list[int]) -> "np.ndarray":
+    def prompt_logits(self, prompt_token_ids: list[int]) -> np.ndarray:
         """Logits [len, V] of a prompt through the paged path, for parity checks (idle engine)."""
         from jaxserve.engine.sequence import Sequence
 
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logits needs an idle engine")
         seq = Sequence("__prompt_logits__", prompt_token_ids, SamplingParams())
         if not self.block_manager.allocate_slots(seq, seq.num_tokens):
             raise RuntimeError("not enough free KV blocks for prompt_logits")
         try:
-            return self.runner.prompt_logits(seq)
+            return self.runner.prompt_logits(prompt_token_ids, seq.block_table)
         finally:
             self.block_manager.free(seq)
-
-
-def num_generated_decodes(scheduled: list) -> int:
-    """Decode tokens in a step: sequences past their prompt that feed back one sampled token."""
-    return sum(1 for seq, n in scheduled if seq.num_computed_tokens - n >= seq.num_prompt_tokens)

@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.step_contract import RunnerOutput, SampledLogprobs
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -94,8 +95,10 @@ class OutputProcessor:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & 0x7FFFFFFF
             else:
                 seed = self._rng.getrandbits(31)
+            max_num_tokens = self.max_model_len if params.max_tokens is None else min(
+                self.max_model_len, len(prompt_token_ids) + params.max_tokens)
             seq = Sequence(request_id, prompt_token_ids, params, index=i, seed=seed,
-                           arrival_time=arrival_time)
+                           arrival_time=arrival_time, max_num_tokens=max_num_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
             seqs.append(seq)
@@ -119,20 +122,21 @@ class OutputProcessor:
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = now
 
-    def append_token(self, seq: Sequence, result: Any, row: int, now: float
-                     ) -> SequenceStatus | None:
-        """Add the sampled token of batch row `row` to seq; return a finish status or None."""
+    def process_token(self, seq: Sequence, result: RunnerOutput, row: int, now: float
+                      ) -> SequenceStatus | None:
+        """seq just received the token of batch row ``row`` (already appended to it): text,
+        logprobs and stop checks. Returns a finish status, or None."""
         state = self.requests[seq.request_id]
         params = state.params
-        token = int(result.next_tokens[row])
-        seq.append_token(token)
+        token = seq.token_ids[-1]
         state.changed = True
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.metrics.last_token_time = now
         if seq.logprobs is not None:
-            seq.cumulative_logprob += float(result.sampled_logprobs[row])
-            seq.logprobs.append(self._logprob_entry(token, result, row, params.logprobs))
+            logprobs = result.logprobs
+            seq.cumulative_logprob += float(logprobs.sampled_logprobs[row])
+            seq.logprobs.append(self._logprob_entry(token, logprobs, row, params.logprobs))
 
         text = state.texts[seq.index]
         delta = ""
@@ -167,7 +171,7 @@ class OutputProcessor:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _logprob_entry(self, token: int, result: Any, row: int, num_top: int
+    def _logprob_entry(self, token: int, result: SampledLogprobs, row: int, num_top: int
                        ) -> dict[int, Logprob]:
         top_ids = result.top_token_ids[row][:num_top]
         top_lps = result.top_logprobs[row][:num_top]

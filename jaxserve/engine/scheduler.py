@@ -7,42 +7,36 @@ sequence is preempted by recompute: its blocks are freed and it goes back to
 the front of the waiting queue, to be recomputed (prompt + output so far) when
 it is admitted again; the prefix cache often makes that cheap.
 
-The scheduler knows sequences and blocks, never tensors.
+A step's tokens count as computed when they are *scheduled* (vLLM v1), so the
+next step can be scheduled while this one still runs (async scheduling). A
+step that ends at a sequence's newest token samples a token the host learns
+one step later: until then it is *pending* (``seq.num_pending_tokens``), and
+the next step's decode feeds it from the device. `update_from_output` appends
+the sampled tokens when they arrive.
+
+While decodes run, prefill work per step is capped (``long_prefill_token_threshold``,
+``max_num_partial_prefills``, and the decode-aware budget below), so one long
+prompt cannot stall every stream's next token.
+
+The scheduler knows sequences and blocks, never tensors: it speaks to the
+runner only through `SchedulerOutput` (jaxserve/engine/step_contract.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    # Batch order: running sequences first, then newly admitted ones.
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
-    """Waiting queue (FIFO) and running list; ``schedule`` then ``complete_step`` each step."""
+    """Waiting queue (FIFO) and running list; ``schedule`` then ``update_from_output``."""
 
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
                  max_model_len: int) -> None:
@@ -62,10 +56,15 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = budget
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold or 0
+        self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
+        self.decode_prefill_budget = scheduler_config.prefill_budget_while_decoding
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []   # in admission order; the last is the newest
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
+        self._finished_ids: list[int] = []    # rows the runner should drop next step
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ state
@@ -88,76 +87,157 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def get_seq(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
     def add_seq(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table, seq
         assert seq.num_tokens <= self.max_model_len, (seq.num_tokens, self.max_model_len)
         self._waiting.append(seq)
+        self._seqs[seq.seq_id] = seq
 
     # ------------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and token counts, allocating their KV blocks."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.max_num_batched_tokens
+        running = self._running
+        # Decodes this step (running sequences past their prompt): the decode-aware prefill
+        # cap needs the count before any prefill chunk is planned.
+        num_decodes = sum(1 for seq in running if seq.num_computed_tokens >= seq.num_prompt_tokens)
+        num_partial = 0           # sequences still inside their prompt after this step
+        prefill_used = 0          # prompt tokens planned this step
 
         # Running sequences first: decodes and the next chunks of unfinished prefills.
         i = 0
-        while i < len(self._running) and budget > 0:
-            seq = self._running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = seq.num_tokens_with_pending - seq.num_computed_tokens
+            if num_new == 0 or (seq.num_pending_tokens
+                                and seq.num_tokens_with_pending >= seq.max_num_tokens):
+                # Nothing to do, or its pending token is its last: the step in flight ends it.
                 i += 1
                 continue
-            # Everything before index i is already scheduled, so the newest running
-            # sequence is always a legal victim; when it is seq itself, seq yields.
-            while not self.block_manager.allocate_slots(seq, num_new):
-                victim = self._running.pop()
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
+            is_prefill = num_new > 1
+            if is_prefill:
+                num_new = min(num_new, self._chunk_cap(prefill_used, num_decodes))
+                if num_new <= 0:
+                    i += 1
+                    continue
+            num_new = min(num_new, budget)
+            if not self._allocate_running(seq, num_new, out):
+                continue              # seq preempted itself; running[i] is now past the end
+            budget -= num_new
+            if is_prefill:
+                prefill_used += num_new
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    num_partial += 1
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
-                i += 1
+                out.num_decode_tokens += 1
+            i += 1
 
         # Then admit waiting sequences in FIFO order, unless the cache was just short.
-        if not out.preempted:
-            while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+        if not out.preempted_seq_ids:
+            while self._waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = self._waiting[0]
-                assert seq.num_tokens <= self.max_model_len, seq
+                if seq.num_pending_tokens:
+                    break   # preempted while a step ran: wait for that step's token
+                cap = min(budget, self._chunk_cap(prefill_used, num_decodes))
+                if cap <= 0:
+                    break
                 computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
                 num_remaining = seq.num_tokens - num_cached
-                num_new = min(num_remaining, budget)
-                if not self.enable_chunked_prefill and num_new < num_remaining:
-                    break
+                num_new = min(num_remaining, cap)
+                if num_new < num_remaining:
+                    if not self.enable_chunked_prefill or num_partial >= self.max_num_partial_prefills:
+                        break
                 if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                     break  # head-of-line blocking keeps admission FIFO-fair
                 self._waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
-                self._running.append(seq)
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                running.append(seq)
+                out.new_seqs.append(NewSeqData(
+                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                    list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed))
+                self._plan(seq, num_new, out)
                 budget -= num_new
+                prefill_used += num_new
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    num_partial += 1
 
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def complete_step(self, out: SchedulerOutput) -> list[Sequence]:
-        """Record that the step computed its scheduled tokens.
+    def _chunk_cap(self, prefill_used: int, num_decodes: int) -> int:
+        """Most prompt tokens the next sequence may take this step (<= 0: none).
 
-        Returns the sequences whose tokens are now all computed (the engine samples
-        and appends one token to each); sequences mid-prefill are not returned, nor
-        are sequences finished (e.g. aborted) while the step ran.
+        vLLM's per-request ``long_prefill_token_threshold``; and while decodes run, the
+        step's prefill work is held to ``prefill_budget_while_decoding`` (auto: as many
+        tokens as there are decodes, at least 32), so a step with a prefill costs about
+        twice a decode step instead of several times it. Without chunked prefill a prompt
+        must fit whole, so only the step's token budget applies.
         """
-        ready = []
-        for scheduled in out.scheduled:
-            seq = scheduled.seq
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            assert seq.num_computed_tokens <= seq.num_tokens, seq
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                ready.append(seq)
-        return ready
+        cap = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            return cap
+        if self.long_prefill_token_threshold > 0:
+            cap = self.long_prefill_token_threshold
+        if num_decodes and self.decode_prefill_budget != 0:
+            limit = self.decode_prefill_budget
+            if limit is None:
+                limit = max(32, num_decodes)
+            cap = min(cap, limit - prefill_used)
+        return cap
+
+    def _allocate_running(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for a running seq's next tokens, preempting the newest running
+        sequences (never an earlier one: they are already planned) until they fit."""
+        num_blocks_before = len(seq.block_table)
+        while not self.block_manager.allocate_slots(seq, num_new):
+            victim = self._running.pop()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        if len(seq.block_table) > num_blocks_before:
+            out.new_block_ids[seq.seq_id] = seq.block_table[num_blocks_before:]
+        self._plan(seq, num_new, out)
+        return True
+
+    @staticmethod
+    def _plan(seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        """Add seq's row to the step and count its tokens as computed."""
+        out.seq_ids.append(seq.seq_id)
+        out.num_scheduled_tokens.append(num_new)
+        out.num_computed_tokens.append(seq.num_computed_tokens)
+        seq.num_computed_tokens += num_new
+        sampling = seq.num_computed_tokens == seq.num_tokens_with_pending
+        out.is_sampling.append(sampling)
+        if sampling:
+            seq.num_pending_tokens += 1
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]
+                           ) -> list[tuple[int, Sequence]]:
+        """A step finished: append each sampling row's token; register newly full blocks.
+
+        Returns (row, seq) for every sequence that received a token (running, or preempted
+        while the step ran: its sample is still valid). Rows of sequences finished or
+        aborted since the step was scheduled are dropped here: at most that one token is
+        thrown away, never emitted.
+        """
+        received = []
+        seqs = self._seqs
+        for row, seq_id in enumerate(out.seq_ids):
+            seq = seqs.get(seq_id)
+            if seq is None:
+                continue                        # finished meanwhile
+            if out.is_sampling[row]:
+                seq.num_pending_tokens -= 1
+                seq.token_ids.append(sampled_token_ids[row])
+                received.append((row, seq))
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
+        return received
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free ``seq``'s blocks and requeue it at the front, to be recomputed."""
@@ -168,7 +248,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self._waiting.appendleft(seq)
         self.num_preemptions += 1
-        out.preempted.append(seq)
+        out.preempted_seq_ids.append(seq.seq_id)
         logger.debug("preempted %r (KV cache full; %d free blocks)", seq,
                      self.block_manager.num_free_blocks)
 
@@ -180,10 +260,12 @@ class Scheduler:
             return
         if seq.status == SequenceStatus.RUNNING:
             self._running.remove(seq)
+            self._finished_ids.append(seq.seq_id)   # the runner holds a row for it
         else:
             self._waiting.remove(seq)
         seq.status = status
         self.block_manager.free(seq)
+        del self._seqs[seq.seq_id]
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of ``request_id`` as aborted, waiting or running."""

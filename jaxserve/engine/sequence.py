@@ -38,12 +38,12 @@ class Sequence:
         "seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "seed",
         "arrival_time", "stop_reason", "cumulative_logprob", "logprobs", "num_preemptions",
-        "block_hashes",
+        "block_hashes", "num_pending_tokens", "max_num_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: "SamplingParams", index: int = 0, seed: int = 0,
-                 arrival_time: float = 0.0) -> None:
+                 arrival_time: float = 0.0, max_num_tokens: int = 1 << 62) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
         self.index = index                      # which of the request's n completions
@@ -51,7 +51,14 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0            # tokens whose K/V are in the cache
+        # Tokens whose K/V are in the cache, or will be once the steps in flight finish
+        # (the scheduler counts a step's tokens when it schedules them).
+        self.num_computed_tokens = 0
+        # Tokens sampled by steps in flight that the host has not seen yet (async scheduling:
+        # the device feeds them to the next step itself). At most one per step in flight.
+        self.num_pending_tokens = 0
+        # Prompt + max_tokens, capped by max_model_len: no step is scheduled past it.
+        self.max_num_tokens = max_num_tokens
         self.block_table: list[int] = []        # block ids, in position order
         self.block_hashes: list[int] = []       # hash chain of this seq's full blocks
         self.num_cached_tokens = 0              # prompt tokens served from the prefix cache
@@ -68,6 +75,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

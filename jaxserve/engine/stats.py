@@ -29,20 +29,21 @@ class EngineStats:
         self.num_steps += 1
         self.step_time_total += step_time
 
-    def maybe_log(self, scheduler, block_manager) -> None:
+    def maybe_log(self, snapshot) -> None:
+        """Log the stats line every ``log_interval`` s."""
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed < self.log_interval:
             return
         prompt_tps = (self.num_prompt_tokens - self._last_prompt) / elapsed
         gen_tps = (self.num_generation_tokens - self._last_generation) / elapsed
-        queries = block_manager.prefix_cache_queries
-        hit_rate = block_manager.prefix_cache_hits / queries if queries else 0.0
+        queries = snapshot.prefix_cache_queries
+        hit_rate = snapshot.prefix_cache_hits / queries if queries else 0.0
         logger.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                     "Prefix cache hit rate: %.1f%%, Avg prompt throughput: %.1f tokens/s, "
                     "Avg generation throughput: %.1f tokens/s, Preemptions: %d",
-                    scheduler.num_running, scheduler.num_waiting, 100 * block_manager.usage,
-                    100 * hit_rate, prompt_tps, gen_tps, self.num_preemptions)
+                    snapshot.num_running, snapshot.num_waiting, 100 * snapshot.kv_cache_usage,
+                    100 * hit_rate, prompt_tps, gen_tps, snapshot.num_preemptions)
         self._last_log = now
         self._last_prompt = self.num_prompt_tokens
         self._last_generation = self.num_generation_tokens

@@ -12,41 +12,25 @@ different devices overlap.
     engine.step()                                           # steps both replicas
     engine.replica_stats()                                  # per-replica counters
 
-`scheduler`, `block_manager` and `stats` read as the totals over replicas, so
-`AsyncLLMEngine` and `/metrics` work unchanged; `add_replica_metrics` adds the
-per-replica series (``jaxserve:replica_*{replica="0"}``).
+It is an `EngineCore` like one `LLMEngine`: `snapshot` sums the replicas' gauges and
+counters, and `add_metrics` adds the per-replica series
+(``jaxserve:replica_*{replica="0"}``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.mesh import describe, make_mesh, replica_meshes
 
 logger = logging.getLogger(__name__)
-
-
-class _Totals:
-    """Reads like one scheduler / block manager / stats object: each attribute summed."""
-
-    def __init__(self, parts: list[Any]) -> None:
-        self._parts = parts
-
-    def __getattr__(self, name: str) -> Any:
-        return sum(getattr(part, name) for part in self._parts)
-
-
-class _BlockTotals(_Totals):
-    @property
-    def usage(self) -> float:
-        """Fraction of all replicas' KV blocks in use."""
-        total = sum(part.num_blocks for part in self._parts)
-        return sum(part.usage * part.num_blocks for part in self._parts) / max(total, 1)
 
 
 class DataParallelEngine:
@@ -70,9 +54,7 @@ class DataParallelEngine:
         self.setup = first.setup
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
-        self.scheduler = _Totals([r.scheduler for r in self.replicas])
-        self.block_manager = _BlockTotals([r.block_manager for r in self.replicas])
-        self.stats = _Totals([r.stats for r in self.replicas])
+        self.model_path = first.model_path
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")
@@ -83,6 +65,15 @@ class DataParallelEngine:
         return min(range(len(self.replicas)), key=lambda i: (
             self.replicas[i].get_num_unfinished_requests(),
             self.replicas[i].block_manager.usage, i))
+
+    def snapshot(self) -> EngineSnapshot:
+        """The replicas' gauges and counters, summed (KV usage: over all replicas' blocks)."""
+        parts = [replica.snapshot() for replica in self.replicas]
+        totals = {f.name: sum(getattr(p, f.name) for p in parts)
+                  for f in dataclasses.fields(EngineSnapshot)}
+        totals["kv_cache_usage"] = sum(p.kv_cache_usage * p.num_blocks for p in parts) / max(
+            1, totals["num_blocks"])
+        return EngineSnapshot(**totals)
 
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     sampling_params: Any = None, *, prompt_token_ids: list[int] | None = None,
@@ -144,7 +135,7 @@ class DataParallelEngine:
             "generation_tokens": r.stats.num_generation_tokens,
         } for index, r in enumerate(self.replicas)]
 
-    def add_replica_metrics(self, registry: Any, model_name: str) -> None:
+    def add_metrics(self, registry: Any, model_name: str) -> None:
         """Register per-replica Prometheus series on `registry` (the server's /metrics)."""
         registry.register(ReplicaCollector(self, model_name))
 

@@ -9,10 +9,14 @@ followers learn each step's inputs from the leader through a JAX collective
 
     leader, per step                          follower, forever
     ─────────────────                         ─────────────────
-    build packed inputs + SamplingTensors     header = broadcast(zeros)     # [cmd, T, S, ...]
+    pack the step's StepInputs                header = broadcast(zeros)     # [cmd, T, S, ...]
     broadcast(header)             ───────▶    payload = broadcast(zeros of the bucket's shapes)
     broadcast(payload)            ───────▶    runner.run_step(payload)      # same program
     runner.run_step(...)                      (STOP → leave the loop, exit 0)
+
+Every process runs the same executables on the same inputs, so the device-resident
+state a step carries (the KV cache, the last sampled token of each row) evolves the
+same way everywhere, and async scheduling needs nothing extra here.
 
 At exit the leader broadcasts STOP, so followers leave cleanly (exit 0). If
 the leader dies instead, the followers' pending collective fails (the TCP peer
@@ -33,13 +37,12 @@ import jax
 import numpy as np
 
 from jaxserve.config import ParallelConfig
+from jaxserve.runner.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
-_HEADER = 8            # int32 [command, T, S, needs_penalties, needs_bias, 0, 0, 0]
-_PENALTY_FIELDS = ("penalty_token_ids", "num_prompt_tokens")
-_BIAS_FIELDS = ("bias_token_ids", "bias_values")
+_HEADER = 8            # int32 [command, T, S, has_penalties, has_bias, 0, 0, 0]
 
 
 def initialize(parallel: ParallelConfig) -> bool:
@@ -85,18 +88,6 @@ def _broadcast(tree: Any) -> Any:
     return broadcast_one_to_all(tree)
 
 
-def _sent_fields(sampling_fields: list[str], needs_penalties: bool,
-                 needs_bias: bool) -> list[str]:
-    """Sampling leaves the leader sends; the others are the builder's shared constants."""
-    skip = (() if needs_penalties else _PENALTY_FIELDS) + (() if needs_bias else _BIAS_FIELDS)
-    return [name for name in sampling_fields if name not in skip]
-
-
-def _sampling_fields(sampling: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(sampling)
-            if f.name not in ("needs_penalties", "needs_bias")]
-
-
 class StepBroadcaster:
     """The leader's half: sends every step's inputs to the followers, and STOP at exit.
 
@@ -108,15 +99,14 @@ class StepBroadcaster:
         self._stopped = False
         atexit.register(self.stop)   # runs before JAX's own atexit shutdown (LIFO)
 
-    def send(self, t: int, s: int, packed: np.ndarray, sampling: Any) -> None:
+    def send(self, inputs: StepInputs) -> None:
         if self._stopped:
             raise RuntimeError("the followers were already told to stop")
-        penalties, bias = bool(sampling.needs_penalties), bool(sampling.needs_bias)
+        penalties, bias = inputs.penalty_token_ids is not None, inputs.bias_token_ids is not None
         header = np.zeros(_HEADER, np.int32)
-        header[:5] = (STEP, t, s, penalties, bias)
+        header[:5] = (STEP, inputs.num_tokens, inputs.num_seqs, penalties, bias)
         _broadcast(header)
-        names = _sent_fields(_sampling_fields(sampling), penalties, bias)
-        _broadcast({"packed": packed, **{name: getattr(sampling, name) for name in names}})
+        _broadcast(_payload(inputs))
 
     def stop(self) -> None:
         """Tell the followers to leave their loop (idempotent; called at exit)."""
@@ -139,6 +129,17 @@ def lead(runner: Any) -> StepBroadcaster:
     return channel
 
 
+def _payload(inputs: StepInputs) -> dict[str, np.ndarray]:
+    """The arrays of a step that travel (the optional tables only when present)."""
+    payload = {"packed": inputs.packed}
+    if inputs.penalty_token_ids is not None:
+        payload["penalty_token_ids"] = inputs.penalty_token_ids
+    if inputs.bias_token_ids is not None:
+        payload["bias_token_ids"] = inputs.bias_token_ids
+        payload["bias_values"] = inputs.bias_values
+    return payload
+
+
 def follow(runner: Any) -> int:
     """A follower's whole life: run each step the leader broadcasts until STOP.
 
@@ -146,8 +147,6 @@ def follow(runner: Any) -> int:
     exits at once with status 1: JAX's own shutdown would wait on a coordinator that
     is gone.
     """
-    from jaxserve.runner.step_inputs import packed_size
-
     logger.info("process %d: following the leader's steps", jax.process_index())
     num_steps = 0
     try:
@@ -160,15 +159,9 @@ def follow(runner: Any) -> int:
                 return 0
             if command != STEP:
                 raise RuntimeError(f"unknown command {command} from the leader")
-            template = runner.sampling.build([], s)
-            names = _sent_fields(_sampling_fields(template), bool(penalties), bool(bias))
-            zeros = {"packed": np.zeros(packed_size(t, s, runner.width), np.int32),
-                     **{name: np.zeros_like(getattr(template, name)) for name in names}}
-            payload = _broadcast(zeros)
-            packed = payload.pop("packed")
-            sampling = dataclasses.replace(template, **payload, needs_penalties=bool(penalties),
-                                           needs_bias=bool(bias))
-            runner.run_step(packed, sampling, t, s, 0)
+            template = runner.empty_inputs(t, s, penalties=bool(penalties), bias=bool(bias))
+            payload = _broadcast(_payload(template))
+            runner.run_step(dataclasses.replace(template, **payload))
             num_steps += 1
     except Exception:
         logger.exception("process %d: lost the leader after %d steps; exiting",

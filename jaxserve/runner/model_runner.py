@@ -1,20 +1,22 @@
-"""Turns the scheduler's decisions into one jitted, donated, bucketed step.
+"""Turns a `SchedulerOutput` into one jitted, donated, bucketed step, dispatched async.
 
-The runner knows tensors, never queues: it receives [(sequence, num_new_tokens)],
-packs the inputs in numpy, pads them to a bucket, runs forward + sampling in a
-single `jax.jit` call with the KV cache donated, and hands back numpy results.
+The runner knows tensors, never queues or `Sequence`s: it applies the scheduler's
+diffs to its persistent batch (input_batch.py), packs the step's inputs into one
+int32 buffer for bucket (T, S), and calls that bucket's ahead-of-time compiled
+executable with the KV cache and ``last_tokens`` donated. The call returns at once
+(JAX dispatch is asynchronous); `PendingStep.result()` waits for the sampled
+tokens. Between the two the host schedules and packs the next step, whose decodes
+read this step's samples from ``last_tokens`` on the device.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from typing import Any
 from typing import Sequence as Seq
 
@@ -23,37 +25,72 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import AttentionBackend
+from jaxserve.engine.step_contract import RunnerOutput, SampledLogprobs, SchedulerOutput
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import CausalLM
 from jaxserve.parallel.mesh import put_replicated
 from jaxserve.runner.buckets import BucketPolicy
-from jaxserve.runner.sampler import sample
-from jaxserve.runner.sampling_tensors import SamplingTensorBuilder, SamplingTensors
-from jaxserve.runner.step_inputs import InputBuilder, unpack
+from jaxserve.runner.input_batch import InputBatch, StepInputs
+from jaxserve.runner.sampler import SamplerOutput, sample
+from jaxserve.runner.sampling_tensors import SamplingTensors
+from jaxserve.runner.step_inputs import StepLayout, resolve_token_ids
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepResult:
-    """Host copies of one step's sampler outputs, rows in batch order."""
-    next_tokens: np.ndarray        # i32[n]
-    sampled_logprobs: np.ndarray   # f32[n]
-    sampled_ranks: np.ndarray      # i32[n], 1 + tokens with a higher logprob (whole vocab)
-    top_token_ids: np.ndarray      # i32[n, K]
-    top_logprobs: np.ndarray       # f32[n, K]
-
-
-def _step(params, k_cache, v_cache, packed, sampling, *, model: CausalLM, inv_freq,
-          num_tokens: int, num_seqs: int, width: int, num_top_logprobs: int,
+def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
+          bias_values, *, model: CausalLM, inv_freq, layout: StepLayout, num_top_logprobs: int,
           logits_shardings: tuple = ()):
-    token_ids, positions, logits_indices, meta = unpack(packed, num_tokens, num_seqs, width)
-    logits, k_cache, v_cache = model.apply(params, token_ids, positions, meta, k_cache, v_cache,
-                                           logits_indices, inv_freq)
+    """One engine step: forward over the flat token axis, then sample each row's next token.
+
+    last_tokens: i32[R + 1], the latest sample of every persistent row (donated, updated).
+    """
+    f = layout.unpack(packed)
+    token_ids = resolve_token_ids(f["token_ids"], last_tokens)
+    logits, k_cache, v_cache = model.apply(params, token_ids, f["positions"],
+                                           layout.metadata(f), k_cache, v_cache,
+                                           f["logits_indices"], inv_freq)
     for sharding in logits_shardings:   # tensor parallel: keep the lm_head local (logits split
         logits = jax.lax.with_sharding_constraint(logits, sharding)   # on vocab), then gather
+    last = f["logits_indices"]
+    sampling = SamplingTensors(
+        temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
+        presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
+        repetition_penalty=f["repetition_penalty"], seeds=f["seeds"],
+        step_index=f["kv_lens"] - f["num_prompt_tokens"], num_logprobs=f["num_logprobs"],
+        penalty_token_ids=penalty_token_ids, num_prompt_tokens=f["num_prompt_tokens"],
+        bias_token_ids=bias_token_ids, bias_values=bias_values,
+        newest_token_ids=jnp.where(f["token_ids"][last] < 0, token_ids[last], -1))
     out = sample(logits, sampling, num_top_logprobs)
-    return k_cache, v_cache, out
+    last_tokens = last_tokens.at[f["batch_rows"]].set(out.next_tokens, mode="drop")
+    return k_cache, v_cache, last_tokens, out
+
+
+class PendingStep:
+    """A dispatched step; `result()` waits for its samples and returns a RunnerOutput."""
+
+    def __init__(self, runner: ModelRunner, out: SchedulerOutput, rows: np.ndarray,
+                 kv_lens: np.ndarray, sampler_out: SamplerOutput, want_logprobs: bool) -> None:
+        self._runner, self._out, self._rows, self._kv_lens = runner, out, rows, kv_lens
+        self._sampler_out, self._want_logprobs = sampler_out, want_logprobs
+        self._result: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._result is None:
+            n = self._out.num_rows
+            tokens = np.asarray(self._sampler_out.next_tokens)[:n].tolist()
+            logprobs = None
+            if self._want_logprobs:
+                o = jax.device_get(self._sampler_out)
+                logprobs = SampledLogprobs(np.asarray(o.sampled_logprobs)[:n],
+                                           np.asarray(o.sampled_ranks)[:n],
+                                           np.asarray(o.top_token_ids)[:n],
+                                           np.asarray(o.top_logprobs)[:n])
+            self._runner.batch.record_sampled(self._out.seq_ids, self._rows, self._kv_lens,
+                                              self._out.is_sampling, tokens)
+            self._result = RunnerOutput(tokens, logprobs)
+            self._sampler_out = None
+        return self._result
 
 
 class ModelRunner:
@@ -78,28 +115,30 @@ class ModelRunner:
         self.logits_shardings = tuple(logits_shardings)
         self.step_channel: Any = None
         self.inv_freq = self._put(arch.inv_freq())
-        self.inputs = InputBuilder(block_size, self.width)
-        self.sampling = SamplingTensorBuilder(self.buckets.seq_cap, max_model_len,
-                                              eos_token_ids=list(eos_token_ids))
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
+                                eos_token_ids=list(eos_token_ids))
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype), out_shardings=kv_sharding)
         self.k_cache, self.v_cache = zeros(), zeros()
-        self._steps = {}   # (T, S) -> jitted step (one compiled executable each)
-        self._constant_cache: dict[tuple[int, str], jax.Array] = {}
+        self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
+        self._steps = {}   # (T, S) -> compiled executable
+        self._device_constants: dict[int, dict[str, jax.Array]] = {}
 
     # -- compilation ---------------------------------------------------------------------------
-    def _jitted(self, num_tokens: int, num_seqs: int):
+    def _jitted(self, layout: StepLayout):
         return jax.jit(functools.partial(
-            _step, model=self.model, inv_freq=self.inv_freq, num_tokens=num_tokens,
-            num_seqs=num_seqs, width=self.width, num_top_logprobs=self.num_top_logprobs,
-            logits_shardings=self.logits_shardings), donate_argnums=(1, 2))
+            _step, model=self.model, inv_freq=self.inv_freq, layout=layout,
+            num_top_logprobs=self.num_top_logprobs, logits_shardings=self.logits_shardings),
+            donate_argnums=(1, 2, 3))
 
     def _compile(self, num_tokens: int, num_seqs: int):
         """Ahead-of-time compile one bucket; returns the executable (called directly later)."""
-        packed = self.inputs.build([], num_tokens, num_seqs)
-        sampling = self._to_device(self.sampling.build([], num_seqs), num_seqs)
-        return self._jitted(num_tokens, num_seqs).lower(
-            self.params, self.k_cache, self.v_cache, self._put(packed), sampling).compile()
+        layout = StepLayout(num_tokens, num_seqs, self.width)
+        consts = self._constants(num_seqs)
+        return self._jitted(layout).lower(
+            self.params, self.k_cache, self.v_cache, self.last_tokens,
+            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+            consts["bias_token_ids"], consts["bias_values"]).compile()
 
     def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
         """Compile every bucket before serving, several at once (XLA compiles release the GIL;
@@ -128,73 +167,83 @@ class ModelRunner:
         return sorted(self._steps)
 
     # -- one step ------------------------------------------------------------------------------
-    def execute(self, scheduled: list[tuple[Any, int]]) -> StepResult:
-        """scheduled: [(Sequence, num_new_tokens)] in batch order → sampler output per row."""
-        num_tokens = sum(n for _, n in scheduled)
-        t, s = self.buckets.shape_for(num_tokens, len(scheduled))
-        return self._run_bucket(scheduled, t, s)
-
-    def _run_bucket(self, scheduled, t: int, s: int) -> StepResult:
-        packed = self.inputs.build(scheduled, t, s)
-        sampling = self.sampling.build([seq for seq, _ in scheduled], s)
+    def execute(self, out: SchedulerOutput) -> PendingStep | None:
+        """Apply ``out``'s diffs and dispatch its step; None when it schedules no tokens."""
+        rows = self.batch.apply(out)
+        if out.is_empty:
+            return None
+        t, s = self.buckets.shape_for(out.total_num_scheduled_tokens, out.num_rows)
+        inputs = self.batch.prepare(out, rows, t, s)
         if self.step_channel is not None:   # multi-host leader: every process runs this step
-            self.step_channel.send(t, s, packed, sampling)
-        return self.run_step(packed, sampling, t, s, len(scheduled))
+            self.step_channel.send(inputs)
+        sampler_out = self.run_step(inputs)
+        kv_lens = self.batch.num_computed[rows] + np.asarray(out.num_scheduled_tokens)
+        want_logprobs = bool((self.batch.num_logprobs[rows] >= 0).any())
+        return PendingStep(self, out, rows, kv_lens, sampler_out, want_logprobs)
 
-    def run_step(self, packed: np.ndarray, sampling: SamplingTensors, t: int, s: int,
-                 n: int) -> StepResult:
-        """Run bucket (t, s) on host inputs; rows [:n] of the result are live. Multi-host
-        followers enter here with the inputs the leader broadcast."""
-        sampling = self._to_device(sampling, s)
+    def run_step(self, inputs: StepInputs) -> SamplerOutput:
+        """Dispatch bucket (T, S) on host inputs; returns the sampler's device outputs at once.
+        Multi-host followers enter here with the inputs the leader broadcast."""
+        t, s = inputs.num_tokens, inputs.num_seqs
         fn = self._steps.get((t, s))
         if fn is None:   # only before warm-up (or for a shape warm-up skipped): compile now
             fn = self._steps[(t, s)] = self._compile(t, s)
-        self.k_cache, self.v_cache, out = fn(self.params, self.k_cache, self.v_cache,
-                                             self._put(packed), sampling)
-        host = jax.device_get(out)
-        return StepResult(np.asarray(host.next_tokens)[:n], np.asarray(host.sampled_logprobs)[:n],
-                          np.asarray(host.sampled_ranks)[:n], np.asarray(host.top_token_ids)[:n],
-                          np.asarray(host.top_logprobs)[:n])
+        consts = self._constants(s)
+        penalty = consts["penalty_token_ids"] if inputs.penalty_token_ids is None \
+            else self._put(inputs.penalty_token_ids)
+        if inputs.bias_token_ids is None:
+            bias_ids, bias_values = consts["bias_token_ids"], consts["bias_values"]
+        else:
+            bias_ids, bias_values = self._put((inputs.bias_token_ids, inputs.bias_values))
+        self.k_cache, self.v_cache, self.last_tokens, out = fn(
+            self.params, self.k_cache, self.v_cache, self.last_tokens, self._put(inputs.packed),
+            penalty, bias_ids, bias_values)
+        out.next_tokens.copy_to_host_async()
+        return out
 
-    def _to_device(self, sampling: SamplingTensors, s: int) -> SamplingTensors:
-        """Send this step's sampling inputs; the big per-row penalty and bias tables, when no
-        row uses them, are device-resident constants instead of a fresh transfer."""
-        replace = {}
-        groups = [(sampling.needs_penalties, ("penalty_token_ids", "num_prompt_tokens")),
-                  (sampling.needs_bias, ("bias_token_ids", "bias_values"))]
-        for needed, names in groups:
-            if needed:
-                continue
-            for name in names:
-                cached = self._constant_cache.get((s, name))
-                if cached is None:
-                    cached = self._constant_cache[(s, name)] = self._put(
-                        self.sampling.constants(s)[name])
-                replace[name] = cached
-        return self._put(dataclasses.replace(sampling, **replace))
+    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
+                     bias: bool = False) -> StepInputs:
+        return self.batch.empty_inputs(num_tokens, num_seqs, penalties=penalties, bias=bias)
+
+    def _constants(self, num_seqs: int) -> dict[str, jax.Array]:
+        """Device-resident penalty / bias tables for steps where no row needs them."""
+        consts = self._device_constants.get(num_seqs)
+        if consts is None:
+            consts = self._device_constants[num_seqs] = self._put(self.batch.constants(num_seqs))
+        return consts
 
     def _put(self, tree: Any) -> Any:
         """Host → device, replicated on the mesh (multi-host safe: no cross-process check)."""
         return put_replicated(tree, self.input_sharding)
 
-    def release(self, seq_id: int) -> None:
-        self.sampling.release(seq_id)
-
     # -- inspection (tests, notebooks): not on the serving path ---------------------------------
-    def prompt_logits(self, seq: Any) -> np.ndarray:
-        """Logits [num_tokens, V] of every position of `seq` (which must own enough blocks).
+    def prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> np.ndarray:
+        """Logits [len, V] of every position of a prompt whose KV goes to ``block_ids``.
 
         Compiles a shape of its own, so use it for checks, never while serving.
         """
-        n = seq.num_tokens - seq.num_computed_tokens
+        n = len(token_ids)
         t = max(16, 1 << (n - 1).bit_length())
-        packed = self.inputs.build([(seq, n)], t, 1)
+        layout = StepLayout(t, 1, self.width)
+        buf = layout.empty(self.batch.padding_row)
+        v = layout.views(buf)
+        positions = np.arange(n)
+        blocks = np.asarray(block_ids, np.int32)
+        v["token_ids"][:n] = token_ids
+        v["positions"][:n] = positions
+        v["slot_mapping"][:n] = blocks[positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        v["query_start_loc"][1:] = n
+        v["kv_lens"][0] = n
+        v["num_seqs"][0] = 1
+        v["block_tables"][0, :len(blocks)] = blocks
 
         def forward(params, k_cache, v_cache, packed):
-            token_ids, positions, _, meta = unpack(packed, t, 1, self.width)
-            return self.model.apply(params, token_ids, positions, meta, k_cache, v_cache,
-                                    jnp.arange(t, dtype=jnp.int32), self.inv_freq)
+            f = layout.unpack(packed)
+            return self.model.apply(params, f["token_ids"], f["positions"], layout.metadata(f),
+                                    k_cache, v_cache, jnp.arange(t, dtype=jnp.int32),
+                                    self.inv_freq)
 
         logits, self.k_cache, self.v_cache = jax.jit(forward, donate_argnums=(1, 2))(
-            self.params, self.k_cache, self.v_cache, self._put(packed))
+            self.params, self.k_cache, self.v_cache, self._put(buf))
         return np.asarray(logits)[:n]

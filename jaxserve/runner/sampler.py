@@ -130,13 +130,16 @@ def _apply_bias_and_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Arra
     tokens, frequency/presence over output tokens, all after the bias."""
     num_rows, vocab = logits.shape
     num_bias = t.bias_token_ids.shape[1]
-    ids = jnp.concatenate([t.bias_token_ids, t.penalty_token_ids], 1)
+    # The newest token (when the host did not know it) goes last: past any prompt position,
+    # so it counts as an output token.
+    ids = jnp.concatenate([t.bias_token_ids, t.penalty_token_ids, t.newest_token_ids[:, None]],
+                          1)
     column = lax.broadcasted_iota(_I32, ids.shape, 1)
     offset = jnp.where(column < num_bias, 0, jnp.where(
         column - num_bias < t.num_prompt_tokens[:, None], vocab, 2 * vocab))
     cols = jnp.where((ids >= 0) & (ids < vocab), ids + offset, 3 * vocab)
     updates = jnp.concatenate(
-        [t.bias_values, jnp.ones(t.penalty_token_ids.shape, _F32)], 1)
+        [t.bias_values, jnp.ones((num_rows, ids.shape[1] - num_bias), _F32)], 1)
     row = lax.broadcasted_iota(_I32, ids.shape, 0)
     acc = jnp.zeros((num_rows, 3 * vocab), _F32).at[row, cols].add(updates, mode="drop")
     logits = logits + acc[:, :vocab]

@@ -1,9 +1,19 @@
-"""Per-step model inputs: built in numpy, packed into one int32 buffer, sent once.
+"""Per-step model inputs: one int32 buffer, filled in numpy, sent with one transfer.
 
-Layout of the packed buffer for a (T, S) bucket with block-table width W:
-  token_ids[T] | positions[T] | slot_mapping[T] | query_start_loc[S+1] | kv_lens[S]
-  | logits_indices[S] | num_seqs[1] | block_tables[S*W]
-`unpack` slices it apart inside jit with static offsets.
+Layout of the packed buffer for a (T, S) bucket with block-table width W (float32
+fields travel as their int32 bit patterns, seeds as uint32 bits):
+
+  token_ids[T] positions[T] slot_mapping[T]
+  query_start_loc[S+1] kv_lens[S] logits_indices[S] batch_rows[S] num_seqs[1]
+  top_k[S] seeds[S] num_logprobs[S] num_prompt_tokens[S]
+  temperature[S] top_p[S] min_p[S] presence_penalty[S] frequency_penalty[S]
+  repetition_penalty[S]
+  block_tables[S*W]
+
+``token_ids[t] < 0`` means "the token sampled last step for persistent row -1 - t":
+with async scheduling the host does not know it yet, so the step takes it from the
+device-resident ``last_tokens`` array (`resolve_token_ids`). `unpack` slices the
+buffer apart inside the jit with static offsets.
 """
 
 from __future__ import annotations
@@ -13,6 +23,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+INT_FIELDS = ("top_k", "seeds", "num_logprobs", "num_prompt_tokens")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty")
+FLOAT_NEUTRAL = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)   # padding rows: greedy, no filters
 
 
 @jax.tree_util.register_dataclass
@@ -25,20 +40,65 @@ class AttentionMetadata:
     num_seqs: jax.Array         # i32 scalar
 
 
-def packed_size(num_tokens: int, num_seqs: int, width: int) -> int:
-    return 3 * num_tokens + 3 * num_seqs + 2 + num_seqs * width
+class StepLayout:
+    """Offsets of every field in the packed buffer of bucket (T, S) with table width W."""
+
+    def __init__(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        T, S = num_tokens, num_seqs
+        sizes = {"token_ids": T, "positions": T, "slot_mapping": T, "query_start_loc": S + 1,
+                 "kv_lens": S, "logits_indices": S, "batch_rows": S, "num_seqs": 1,
+                 **{name: S for name in INT_FIELDS + FLOAT_FIELDS},
+                 "block_tables": S * width}
+        self.num_tokens, self.num_seqs, self.width = T, S, width
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes.items():
+            self.offsets[name] = (start, start + size)
+            start += size
+        self.size = start
+
+    def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """Writable numpy views of each field (float fields as float32 views)."""
+        views = {name: buf[a:b] for name, (a, b) in self.offsets.items()}
+        for name in FLOAT_FIELDS:
+            views[name] = views[name].view(np.float32)
+        views["seeds"] = views["seeds"].view(np.uint32)
+        views["block_tables"] = views["block_tables"].reshape(self.num_seqs, self.width)
+        return views
+
+    def unpack(self, packed: jax.Array) -> dict[str, jax.Array]:
+        """Inside the jit: packed i32[size] -> named fields (floats and seeds bit-cast)."""
+        fields = {name: packed[a:b] for name, (a, b) in self.offsets.items()}
+        for name in FLOAT_FIELDS:
+            fields[name] = jax.lax.bitcast_convert_type(fields[name], jnp.float32)
+        fields["seeds"] = jax.lax.bitcast_convert_type(fields["seeds"], jnp.uint32)
+        fields["block_tables"] = fields["block_tables"].reshape(self.num_seqs, self.width)
+        fields["num_seqs"] = fields["num_seqs"][0]
+        return fields
+
+    def metadata(self, fields: dict[str, jax.Array]) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=fields["slot_mapping"], kv_lens=fields["kv_lens"],
+                                 block_tables=fields["block_tables"],
+                                 query_start_loc=fields["query_start_loc"],
+                                 num_seqs=fields["num_seqs"])
+
+    def empty(self, padding_row: int) -> np.ndarray:
+        """An all-padding buffer (no live sequence): warm-up and idle followers."""
+        buf = np.zeros(self.size, np.int32)
+        views = self.views(buf)
+        views["slot_mapping"][:] = -1
+        views["batch_rows"][:] = padding_row
+        views["num_logprobs"][:] = -1
+        for name, value in zip(FLOAT_FIELDS, FLOAT_NEUTRAL):
+            views[name][:] = value
+        return buf
 
 
-def unpack(packed: jax.Array, num_tokens: int, num_seqs: int, width: int):
-    """packed i32[packed_size] → (token_ids, positions, logits_indices, AttentionMetadata)."""
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, 1,
-             num_seqs * width]
-    offsets = np.cumsum([0] + sizes)
-    part = [packed[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
-    meta = AttentionMetadata(
-        slot_mapping=part[2], kv_lens=part[4], block_tables=part[7].reshape(num_seqs, width),
-        query_start_loc=part[3], num_seqs=part[6][0])
-    return part[0], part[1], part[5], meta
+def resolve_token_ids(token_ids: jax.Array, last_tokens: jax.Array) -> jax.Array:
+    """Replace "-1 - row" entries by the token the previous step sampled for that row."""
+    from_device = token_ids < 0
+    rows = jnp.where(from_device, -1 - token_ids, 0)
+    return jnp.where(from_device, last_tokens[rows], token_ids)
 
 
 def dummy_metadata(num_tokens: int, num_seqs: int, max_blocks: int) -> AttentionMetadata:
@@ -49,56 +109,3 @@ def dummy_metadata(num_tokens: int, num_seqs: int, max_blocks: int) -> Attention
         block_tables=jnp.zeros((num_seqs, max_blocks), jnp.int32),
         query_start_loc=jnp.zeros((num_seqs + 1,), jnp.int32),
         num_seqs=jnp.zeros((), jnp.int32))
-
-
-class InputBuilder:
-    """Fills the packed int32 buffer for one step from the scheduler's decisions.
-
-    Buffers are allocated once per bucket and reused, so a step costs a few
-    numpy slice assignments per sequence and no allocation.
-    """
-
-    def __init__(self, block_size: int, max_blocks_per_seq: int) -> None:
-        self.block_size = block_size
-        self.width = max_blocks_per_seq
-        self._buffers: dict[tuple[int, int], np.ndarray] = {}
-
-    def build(self, seqs_and_counts, num_tokens: int, num_seqs: int) -> np.ndarray:
-        """seqs_and_counts: [(Sequence, num_new_tokens)] → packed i32 buffer for (T, S)."""
-        T, S, W, bs = num_tokens, num_seqs, self.width, self.block_size
-        key = (T, S)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = np.zeros(packed_size(T, S, W), np.int32)
-        tok, pos, slot = buf[0:T], buf[T:2 * T], buf[2 * T:3 * T]
-        o = 3 * T
-        qsl = buf[o:o + S + 1]
-        kvl = buf[o + S + 1:o + 2 * S + 1]
-        lidx = buf[o + 2 * S + 1:o + 3 * S + 1]
-        nseq = buf[o + 3 * S + 1:o + 3 * S + 2]
-        tables = buf[o + 3 * S + 2:].reshape(S, W)
-
-        tok[:] = 0
-        pos[:] = 0
-        slot[:] = -1
-        kvl[:] = 0
-        lidx[:] = 0
-        start = 0
-        for i, (seq, n) in enumerate(seqs_and_counts):
-            first = seq.num_computed_tokens
-            end = start + n
-            tok[start:end] = seq.token_ids[first:first + n]
-            p = np.arange(first, first + n, dtype=np.int32)
-            pos[start:end] = p
-            table = seq.block_table
-            blocks = np.asarray(table, np.int32)
-            slot[start:end] = blocks[p // bs] * bs + p % bs
-            qsl[i] = start
-            kvl[i] = first + n
-            lidx[i] = end - 1
-            tables[i, :len(table)] = blocks
-            start = end
-        count = len(seqs_and_counts)
-        qsl[count:] = start
-        nseq[0] = count
-        return buf

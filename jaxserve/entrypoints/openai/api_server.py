@@ -66,7 +66,7 @@ def served_model_names(config: ServeConfig, engine: AsyncLLMEngine) -> list[str]
         return list(names)
     if config.engine.model_config.model:
         return [config.engine.model_config.model]
-    path = getattr(getattr(engine.engine, "setup", None), "model_path", None)
+    path = engine.engine.model_path
     return [os.path.basename(str(path)).removesuffix(".gguf") if path else "default"]
 
 
@@ -107,8 +107,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names)
     metrics = attach_metrics(engine, names[0])
-    if hasattr(engine.engine, "add_replica_metrics"):   # data parallel: per-replica series
-        engine.engine.add_replica_metrics(metrics.registry, names[0])
+    engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
     created = int(time.time())
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,

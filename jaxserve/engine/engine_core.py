@@ -1,0 +1,63 @@
+"""What drives an engine: the one protocol LLM, AsyncLLMEngine and the server speak.
+
+`LLMEngine` (one replica), `DataParallelEngine` (replicas behind a router) and the
+tests' fake engine all implement `EngineCore`; nothing probes for attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
+    from jaxserve.outputs import RequestOutput
+    from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges and counters at one moment (the server publishes one after each step)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0          # fraction of KV blocks referenced, [0, 1]
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0        # tokens looked up / found in the prefix cache
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0           # totals since start
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+
+
+class EngineCore(Protocol):
+    """A stepped engine: one thread calls every method."""
+
+    config: EngineConfig
+    tokenizer: Any
+    max_model_len: int
+    model_path: str
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None,
+                    sampling_params: SamplingParams | None = None, *,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; ValueError (changing nothing) if it can never run."""
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (unknown ids are ignored); their final outputs come from step()."""
+
+    def step(self) -> list[RequestOutput]:
+        """Advance the engine; outputs of requests that changed or finished."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def add_metrics(self, registry: Any, model_name: str) -> None:
+        """Register engine-specific Prometheus series (per-replica ones under data
+        parallelism) on ``registry``; the common ones come from `snapshot`."""

@@ -1,0 +1,292 @@
+"""The runner's persistent batch: one numpy row per live sequence, updated from diffs.
+
+A row holds what the step needs of a sequence — its known token ids, block table,
+computed count and sampling parameters — and lives as long as the sequence holds
+KV blocks: it is filled once from a `NewSeqData`, grows by the new block ids and
+sampled tokens, and is dropped when the sequence finishes or is preempted. Each
+step then assembles its packed inputs with a handful of vectorised numpy gathers
+over the scheduled rows: host work per step is O(changes) in Python and O(rows)
+in numpy, never a loop over block tables.
+
+Pure numpy, no JAX: the scheduler state-machine tests drive it without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import numpy as np
+
+from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
+from jaxserve.runner.step_inputs import FLOAT_FIELDS, FLOAT_NEUTRAL, StepLayout
+from jaxserve.sampling_params import SamplingParams
+
+
+def seed_to_u32(seed: int) -> int:
+    """Fold a Python int seed (any size or sign) into 32 bits for the in-jit PRNG."""
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+@dataclass
+class StepInputs:
+    """Host inputs of one step: the packed int32 buffer, plus the big per-row sampling
+    tables only when some row needs them (None: the runner's device-resident constants)."""
+    num_tokens: int                       # bucket T
+    num_seqs: int                         # bucket S
+    packed: np.ndarray                    # i32[StepLayout(T, S, W).size]
+    penalty_token_ids: np.ndarray | None  # i32[S, P]: known tokens, -1 padded
+    bias_token_ids: np.ndarray | None     # i32[S, NB]: -1 padded
+    bias_values: np.ndarray | None        # f32[S, NB]: additive, -inf bans
+
+
+class _Bias:
+    """A row's logit bias, with and without the min_tokens bans of EOS / stop tokens."""
+
+    __slots__ = ("plain", "banned", "min_tokens")
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Seq[int], width: int) -> None:
+        bias = dict(params.logit_bias or {})
+        self.min_tokens = params.min_tokens
+        bans = list(params.stop_token_ids or ()) + ([] if params.ignore_eos
+                                                    else list(eos_token_ids))
+        banned = {**bias, **{t: -np.inf for t in bans}} if params.min_tokens > 0 else bias
+        if len(banned) > width:
+            raise ValueError(f"request needs {len(banned)} logit-bias slots (logit_bias plus "
+                             f"min_tokens bans of EOS/stop_token_ids), more than "
+                             f"num_bias_slots={width}")
+        self.plain = _bias_row(bias, width)
+        self.banned = _bias_row(banned, width)
+
+    def at(self, num_output_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.banned if num_output_tokens < self.min_tokens else self.plain
+
+
+def _bias_row(entries: dict[int, float], width: int) -> tuple[np.ndarray, np.ndarray] | None:
+    if not entries:
+        return None
+    ids = np.full(width, -1, np.int32)
+    values = np.zeros(width, np.float32)
+    ids[:len(entries)] = list(entries)
+    values[:len(entries)] = list(entries.values())
+    return ids, values
+
+
+class InputBatch:
+    """Rows ``0 .. max_num_seqs - 1``; row ``max_num_seqs`` is a permanent blank (padding)."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
+                 max_blocks_per_seq: int, *, num_bias_slots: int = 320,
+                 eos_token_ids: Seq[int] = ()) -> None:
+        R, L, W = max_num_seqs, max_model_len, max_blocks_per_seq
+        self.max_num_seqs, self.max_model_len, self.block_size, self.width = R, L, block_size, W
+        self.padding_row = R
+        self.num_bias_slots = num_bias_slots
+        self.eos_token_ids = list(eos_token_ids)
+        self.token_ids = np.full((R + 1, L), -1, np.int32)   # known tokens; -1 beyond
+        self.num_known = np.zeros(R + 1, np.int32)           # tokens the host knows
+        self.num_prompt = np.zeros(R + 1, np.int32)
+        self.num_computed = np.zeros(R + 1, np.int32)
+        self.block_table = np.zeros((R + 1, W), np.int32)
+        self.num_blocks = np.zeros(R + 1, np.int32)
+        self.floats = np.zeros((len(FLOAT_FIELDS), R + 1), np.float32)
+        self.floats[:, R] = FLOAT_NEUTRAL
+        self.top_k = np.zeros(R + 1, np.int32)
+        self.num_logprobs = np.full(R + 1, -1, np.int32)
+        self.seeds = np.zeros(R + 1, np.uint32)
+        self.needs_penalties = np.zeros(R + 1, bool)
+        self.seq_of_row = np.full(R + 1, -1, np.int64)
+        self.row_of: dict[int, int] = {}
+        self._bias: dict[int, _Bias] = {}                    # rows with a bias or min_tokens
+        self._free_rows = list(range(R - 1, -1, -1))         # pop() hands out row 0 first
+        self._buffers: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._next_buffer = 0
+        self._constants: dict[int, dict[str, np.ndarray]] = {}
+
+    # -- validation ------------------------------------------------------------------------
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError now if a request could not be given a row later (bias slots)."""
+        _Bias(params, self.eos_token_ids, self.num_bias_slots)
+
+    # -- diffs -----------------------------------------------------------------------------
+    def apply(self, out: SchedulerOutput) -> np.ndarray:
+        """Bring the rows up to date with ``out``; returns the step's rows in batch order."""
+        for seq_id in out.finished_seq_ids:
+            self.remove(seq_id)
+        for seq_id in out.preempted_seq_ids:
+            self.remove(seq_id)
+        for new in out.new_seqs:
+            self.add(new)
+        for seq_id, block_ids in out.new_block_ids.items():
+            row = self.row_of[seq_id]
+            start = self.num_blocks[row]
+            self.block_table[row, start:start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+        row_of = self.row_of
+        rows = np.fromiter((row_of[seq_id] for seq_id in out.seq_ids), np.int64, out.num_rows)
+        self.num_computed[rows] = out.num_computed_tokens
+        return rows
+
+    def add(self, new: NewSeqData) -> None:
+        if new.seq_id in self.row_of:
+            raise ValueError(f"sequence {new.seq_id} already has a row")
+        row = self._free_rows.pop()
+        self.row_of[new.seq_id] = row
+        self.seq_of_row[row] = new.seq_id
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_known[row] = n
+        self.num_prompt[row] = new.num_prompt_tokens
+        self.num_computed[row] = new.num_computed_tokens
+        self.block_table[row, :len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        p = new.sampling_params
+        self.floats[:, row] = (p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                               p.frequency_penalty, p.repetition_penalty)
+        self.top_k[row] = p.top_k
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.seeds[row] = seed_to_u32(new.seed)
+        self.needs_penalties[row] = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                                     or p.repetition_penalty != 1.0)
+        bias = _Bias(p, self.eos_token_ids, self.num_bias_slots)
+        if bias.plain is not None or bias.banned is not None:
+            self._bias[row] = bias
+
+    def remove(self, seq_id: int) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is None:
+            return
+        self.token_ids[row, :self.num_known[row]] = -1
+        self.num_known[row] = 0
+        self.seq_of_row[row] = -1
+        self._bias.pop(row, None)
+        self._free_rows.append(row)
+
+    def record_sampled(self, seq_ids: Seq[int], rows: np.ndarray, positions: np.ndarray,
+                       is_sampling: Seq[bool], tokens: Seq[int]) -> None:
+        """Write a finished step's sampled tokens into the rows still owned by their seqs.
+
+        positions: where each row's sampled token goes (its kv_len after that step).
+        """
+        mask = np.asarray(is_sampling, bool) & (self.seq_of_row[rows] == np.asarray(seq_ids))
+        if not mask.any():
+            return
+        rows, positions = rows[mask], positions[mask]
+        keep = positions < self.max_model_len
+        rows, positions = rows[keep], positions[keep]
+        self.token_ids[rows, positions] = np.asarray(tokens, np.int32)[mask][keep]
+        self.num_known[rows] = np.maximum(self.num_known[rows], positions + 1)
+
+    # -- one step --------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, rows: np.ndarray, num_tokens: int,
+                num_seqs: int) -> StepInputs:
+        """Pack the step's inputs for bucket (T, S) = (num_tokens, num_seqs)."""
+        T, S, bs = num_tokens, num_seqs, self.block_size
+        n = rows.shape[0]
+        layout, buf = self._buffer(T, S)
+        v = layout.views(buf)
+        counts = np.asarray(out.num_scheduled_tokens, np.int32)
+        ends = np.cumsum(counts, dtype=np.int32)
+        live = int(ends[-1]) if n else 0
+        computed = self.num_computed[rows]
+        # Flat token axis: token t belongs to batch row seq_index[t].
+        if live == n:                                   # pure decode: one token per row
+            seq_index = np.arange(n)
+            positions = computed
+        else:
+            seq_index = np.repeat(np.arange(n), counts)
+            positions = computed[seq_index] + (np.arange(live, dtype=np.int32)
+                                               - (ends - counts)[seq_index])
+        token_rows = rows[seq_index]
+        tokens = self.token_ids[token_rows, positions]
+        # A position the host does not know yet holds last step's sample: the device has it.
+        unknown = positions >= self.num_known[token_rows]
+        tokens[unknown] = -1 - token_rows[unknown]
+        v["token_ids"][:live] = tokens
+        v["token_ids"][live:] = 0
+        v["positions"][:live] = positions
+        v["positions"][live:] = 0
+        blocks = self.block_table[token_rows, positions // bs]
+        v["slot_mapping"][:live] = blocks * bs + positions % bs
+        v["slot_mapping"][live:] = -1
+        kv_lens = computed + counts
+        v["query_start_loc"][0] = 0
+        v["query_start_loc"][1:n + 1] = ends
+        v["query_start_loc"][n + 1:] = live
+        v["kv_lens"][:n] = kv_lens
+        v["kv_lens"][n:] = 0
+        v["logits_indices"][:n] = ends - 1
+        v["logits_indices"][n:] = 0
+        v["batch_rows"][:n] = rows
+        v["batch_rows"][n:] = self.padding_row
+        v["num_seqs"][0] = n
+        padded = np.full(S, self.padding_row, np.int64)
+        padded[:n] = rows
+        v["top_k"][:] = self.top_k[padded]
+        v["seeds"][:] = self.seeds[padded]
+        v["num_logprobs"][:] = self.num_logprobs[padded]
+        v["num_prompt_tokens"][:] = self.num_prompt[padded]
+        floats = self.floats[:, padded]
+        for i, name in enumerate(FLOAT_FIELDS):
+            v[name][:] = floats[i]
+        v["block_tables"][:n] = self.block_table[rows]
+        v["block_tables"][n:] = 0
+
+        penalty_ids = None
+        if self.needs_penalties[rows].any():
+            penalty_ids = self.token_ids[padded]          # [S, P]: known tokens, -1 beyond
+        bias_ids = bias_values = None
+        if self._bias:
+            bias_ids, bias_values = self._bias_tables(rows, kv_lens, S)
+        return StepInputs(T, S, buf, penalty_ids, bias_ids, bias_values)
+
+    def _bias_tables(self, rows: np.ndarray, kv_lens: np.ndarray, num_seqs: int):
+        entries = []
+        for i, row in enumerate(rows.tolist()):
+            bias = self._bias.get(row)
+            if bias is not None:
+                table = bias.at(int(kv_lens[i]) - int(self.num_prompt[row]))
+                if table is not None:
+                    entries.append((i, table))
+        if not entries:
+            return None, None
+        ids = np.full((num_seqs, self.num_bias_slots), -1, np.int32)
+        values = np.zeros((num_seqs, self.num_bias_slots), np.float32)
+        for i, (row_ids, row_values) in entries:
+            ids[i], values[i] = row_ids, row_values
+        return ids, values
+
+    def _buffer(self, T: int, S: int) -> tuple[StepLayout, np.ndarray]:
+        """A packed buffer for (T, S), from a rotation of two: `jax.device_put` of a numpy
+        array may alias it on CPU, so a buffer is not rewritten while its step can run."""
+        entry = self._buffers.get((T, S))
+        if entry is None:
+            layout = StepLayout(T, S, self.width)
+            entry = self._buffers[(T, S)] = [layout, [layout.empty(self.padding_row)
+                                                      for _ in range(3)], 0]
+        layout, bufs, i = entry
+        entry[2] = (i + 1) % len(bufs)
+        return layout, bufs[i]
+
+    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
+                     bias: bool = False) -> StepInputs:
+        """An all-padding step of bucket (T, S), with the optional tables when asked (the
+        shapes a multi-host follower receives into)."""
+        consts = self.constants(num_seqs)
+        return StepInputs(
+            num_tokens, num_seqs, StepLayout(num_tokens, num_seqs, self.width).empty(
+                self.padding_row),
+            consts["penalty_token_ids"].copy() if penalties else None,
+            consts["bias_token_ids"].copy() if bias else None,
+            consts["bias_values"].copy() if bias else None)
+
+    def constants(self, num_seqs: int) -> dict[str, np.ndarray]:
+        """The tables a step uses when no row needs penalties / bias (one set per S)."""
+        consts = self._constants.get(num_seqs)
+        if consts is None:
+            consts = self._constants[num_seqs] = {
+                "penalty_token_ids": np.full((num_seqs, self.max_model_len), -1, np.int32),
+                "bias_token_ids": np.full((num_seqs, self.num_bias_slots), -1, np.int32),
+                "bias_values": np.zeros((num_seqs, self.num_bias_slots), np.float32)}
+        return consts
