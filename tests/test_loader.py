@@ -27,7 +27,7 @@ _HF_LAYER = {
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
     **{f"self_attn.{p}_proj.weight": (f"{p}_proj.kernel", True) for p in "qkvo"},
-    **{f"self_attn.{p}_proj.bias": (f"{p}_proj.bias", False) for p in "qkv"},
+    **{f"self_attn.{p}_proj.bias": (f"{p}_proj.bias", False) for p in "qkvo"},
     **{f"mlp.{p}_proj.weight": (f"{p}_proj.kernel", True) for p in ("gate", "up", "down")},
 }
 
@@ -66,6 +66,7 @@ def torch_state_dict(model_dir: Path) -> tuple[dict, object]:
 @pytest.mark.parametrize("arch, overrides, architecture", [
     ("llama", {}, "LlamaForCausalLM"),
     ("llama", {"tie_word_embeddings": True}, "LlamaForCausalLM"),
+    ("llama", {"attention_bias": True}, "LlamaForCausalLM"),   # q/k/v and o_proj biases
     ("mistral", {}, "MistralForCausalLM"),
     ("qwen2", {}, "Qwen2ForCausalLM"),
     ("qwen2", {"tie_word_embeddings": False}, "Qwen2ForCausalLM"),
@@ -95,6 +96,30 @@ def test_layout_shapes_follow_head_dim_and_bias(make_tiny_model):
     assert qwen2["layers.q_proj.bias"].shape == (2, 64)
     assert qwen2["layers.k_proj.bias"].shape == (2, 32)
     assert "layers.q_norm" not in qwen2 and "layers.o_proj.bias" not in qwen2
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}), ("qwen2", {"tie_word_embeddings": False}), ("qwen3", {}),
+    ("llama", {"attention_bias": True})])
+def test_dummy_load_format_builds_every_tensor_from_the_config_alone(make_tiny_model, tmp_path,
+                                                                     arch, overrides):
+    model_dir = make_tiny_model(arch, **overrides)
+    real = load_model(str(model_dir)).weights
+    config_only = tmp_path / "config-only"      # no safetensors: the config and tokenizer
+    shutil.copytree(model_dir, config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    dummy = load_model(str(config_only), load_format="dummy", dtype="bfloat16")
+    assert {k: v.shape for k, v in dummy.weights.items()} == {k: v.shape for k, v in real.items()}
+    assert all(w.dtype == ml_dtypes.bfloat16 for w in dummy.weights.values())
+    q = dummy.weights["layers.q_proj.kernel"].astype(np.float32)
+    assert np.all(np.isfinite(q)) and 0.005 < q.std() < 0.05          # small, random, non-zero
+    assert not np.array_equal(dummy.weights["layers.gate_proj.kernel"],   # tensors differ
+                              dummy.weights["layers.up_proj.kernel"])
+    again = load_model(str(config_only), load_format="dummy", dtype="bfloat16").weights
+    assert all(np.array_equal(again[k], v) for k, v in dummy.weights.items())  # deterministic
+    with pytest.raises(FileNotFoundError):          # without dummy the weights are required
+        load_model(str(config_only))
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(str(config_only), load_format="pt")
 
 
 def test_sharded_checkpoint_loads_like_single_file(make_tiny_model, tmp_path):

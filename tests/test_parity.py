@@ -39,9 +39,10 @@ def _check_parity(llm: LLM, hf_model, prompts: list[list[int]], logits_tol: floa
     return worst
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch):
-    model_dir = make_tiny_model(arch)
+@pytest.mark.parametrize("arch, overrides", [*((a, {}) for a in TINY_ARCHS),
+                                             ("llama", {"attention_bias": True})])
+def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch, overrides):
+    model_dir = make_tiny_model(arch, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
               kv_cache_memory_bytes=2 << 20)

@@ -106,7 +106,8 @@ def setup_model(config: EngineConfig, mesh: Any = None) -> ModelSetup:
         keep_freed_memory_in_heap()
 
     t0 = time.perf_counter()
-    loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer)
+    loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
+                        load_format=mc.load_format)
     arch = ModelArch.from_hf_config(loaded.hf_config)
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
     if not sc.enable_chunked_prefill:

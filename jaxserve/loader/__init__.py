@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.loader.dummy import dummy_weights
 from jaxserve.loader.resolve import ResolvedModel, default_gguf_path, resolve_model
 from jaxserve.loader.weights import as_numpy_dtype, head_dim
 
@@ -88,12 +89,17 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str]:
 
 
 def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
-               tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+               tokenizer: str | os.PathLike | None = None,
+               load_format: str = "auto") -> LoadedModel:
     """Resolve `model` (see loader/resolve.py) and load its config, weights and tokenizer.
 
     dtype: the numpy dtype of every weight ("float32", "bfloat16" = ml_dtypes.bfloat16,
     "float16"). tokenizer: another tokenizer directory, .gguf or repo id; default: the model's.
+    load_format: "auto" reads the weights; "dummy" makes random ones (loader/dummy.py) and
+    needs only the config (a directory with config.json alone is enough).
     """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     from jaxserve.tokenizer import load_tokenizer
 
     numpy_dtype = as_numpy_dtype(dtype)
@@ -110,7 +116,8 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
         reader = open_gguf(resolved.path)
         hf_config = gguf_config(reader, resolved.path)
         architecture = hf_config.architectures[0]
-        weights = load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path)
+        weights = (dummy_weights(hf_config, numpy_dtype) if load_format == "dummy" else
+                   load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path))
         loaded_tokenizer = (load_tokenizer(tokenizer) if tokenizer is not None
                             else gguf_tokenizer(resolved.path, reader))
         generation_config: dict[str, Any] = {}
@@ -118,7 +125,10 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
         from jaxserve.loader.safetensors_loader import load_safetensors_weights
 
         hf_config, architecture = _load_hf_config(resolved.path)
-        weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype)
+        if load_format == "dummy":
+            weights = dummy_weights(hf_config, numpy_dtype)
+        else:
+            weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype)
         loaded_tokenizer = load_tokenizer(tokenizer if tokenizer is not None else resolved.path)
         generation_config = read_generation_config(resolved.path)
     logger.info("loaded %s (%s, %s, %.1f M parameters) in %.2f s", resolved.path, architecture,

@@ -10,7 +10,7 @@ can run its layers under ``jax.lax.scan``), and every projection is a kernel
     layers.k_proj.kernel          [L, H, Hkv*D]    layers.k_proj.bias  [L, Hkv*D]  (Qwen2)
     layers.v_proj.kernel          [L, H, Hkv*D]    layers.v_proj.bias  [L, Hkv*D]  (Qwen2)
     layers.q_norm, layers.k_norm  [L, D]                                           (Qwen3)
-    layers.o_proj.kernel          [L, Hq*D, H]
+    layers.o_proj.kernel          [L, Hq*D, H]     layers.o_proj.bias  [L, H]     (Llama bias)
     layers.post_attention_layernorm [L, H]
     layers.gate_proj.kernel       [L, H, I]
     layers.up_proj.kernel         [L, H, I]
@@ -43,6 +43,7 @@ LAYER_TENSORS: dict[str, tuple[str, str]] = {
     "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
     "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     "o_proj.kernel": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "o_proj.bias": ("self_attn.o_proj.bias", "attn_output.bias"),
     "post_attention_layernorm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
     "gate_proj.kernel": ("mlp.gate_proj.weight", "ffn_gate.weight"),
     "up_proj.kernel": ("mlp.up_proj.weight", "ffn_up.weight"),
@@ -54,7 +55,8 @@ GLOBAL_TENSORS: dict[str, tuple[str, str]] = {
     "norm": ("model.norm.weight", "output_norm.weight"),
     "lm_head": ("lm_head.weight", "output.weight"),
 }
-OPTIONAL_LAYER_TENSORS = ("q_proj.bias", "k_proj.bias", "v_proj.bias", "q_norm", "k_norm")
+OPTIONAL_LAYER_TENSORS = ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "q_norm",
+                          "k_norm")
 
 _DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32), "float": np.dtype(np.float32),
@@ -109,7 +111,8 @@ def expected_shapes(hf_config: Any, optional: set[str], with_lm_head: bool) -> d
         "norm": (H,),
     }
     optional_shapes = {"q_proj.bias": (L, q_width), "k_proj.bias": (L, kv_width),
-                       "v_proj.bias": (L, kv_width), "q_norm": (L, D), "k_norm": (L, D)}
+                       "v_proj.bias": (L, kv_width), "o_proj.bias": (L, H), "q_norm": (L, D),
+                       "k_norm": (L, D)}
     for name in OPTIONAL_LAYER_TENSORS:
         if name in optional:
             shapes[f"layers.{name}"] = optional_shapes[name]
