@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "jaxserve.entrypoints.llm",
     "SamplingParams": "jaxserve.sampling_params",
+    "RequestOutputKind": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "EngineConfig": "jaxserve.config",
@@ -20,5 +21,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "EngineConfig",
            "__version__"]

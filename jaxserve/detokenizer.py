@@ -24,12 +24,50 @@ tokens) is held back until the next token completes it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # how many prompt tokens of context the first decode window gets
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenTable:
+    """One tokenizer's id -> token string and tokens -> text, without transformers' per-call
+    overhead (its convert_ids_to_tokens rebuilds the special-token set on every call, which
+    was most of the engine's host time per step). Shared by every request: `for_tokenizer`."""
+
+    _cache: "weakref.WeakKeyDictionary[Any, TokenTable]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.vocab_size = len(tokenizer)
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:       # a fast tokenizer (all that transformers 5 loads)
+            self._id_to_token: Callable[[int], str | None] = backend.id_to_token
+            decoder = backend.decoder
+            self.tokens_to_text: Callable[[list[str]], str] = (
+                decoder.decode if decoder is not None else " ".join)
+        else:
+            self._id_to_token = tokenizer.convert_ids_to_tokens
+            self.tokens_to_text = tokenizer.convert_tokens_to_string
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> TokenTable:
+        try:
+            table = cls._cache.get(tokenizer)
+        except TypeError:             # not weak-referenceable: no sharing
+            return cls(tokenizer)
+        if table is None or table.vocab_size != len(tokenizer):   # tokens were added
+            table = cls._cache[tokenizer] = cls(tokenizer)
+        return table
+
+    def tokens(self, token_ids: Sequence[int], skip_special_tokens: bool) -> list[str]:
+        """Token strings of in-range ids (out-of-range ids are dropped, never a crash)."""
+        skip = self.special_ids if skip_special_tokens else ()
+        return [self._id_to_token(t) or "" for t in token_ids
+                if 0 <= t < self.vocab_size and t not in skip]
 
 
 class IncrementalDetokenizer:
@@ -47,7 +85,7 @@ class IncrementalDetokenizer:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.output_text = ""
-        self._vocab_size = len(tokenizer)
+        self._table = TokenTable.for_tokenizer(tokenizer)
         # a few prompt tokens (plus two spare, in case some are special and skipped)
         context = list(prompt_token_ids)[-(INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2):]
         self.tokens: list[str] = self._to_tokens(context)
@@ -55,10 +93,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
-        known = [t for t in token_ids if 0 <= t < self._vocab_size]  # guard against bad ids
-        tokens = self.tokenizer.convert_ids_to_tokens(known,
-                                                      skip_special_tokens=self.skip_special_tokens)
-        return [token or "" for token in tokens]
+        return self._table.tokens(token_ids, self.skip_special_tokens)
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they finalize (possibly "", never a broken char)."""
@@ -72,7 +107,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _finalize(self) -> str:
-        decode = self.tokenizer.convert_tokens_to_string
+        decode = self._table.tokens_to_text
         prefix_text = decode(self.tokens[self.prefix_offset:self.read_offset])
         new_text = decode(self.tokens[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):

@@ -33,6 +33,14 @@ GENERATION_CONFIG_DEFAULTS: dict[str, float | int] = {
 }
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's): everything so far, only what is
+    new since the last one, or one output when the request finishes (LLM.generate's)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -65,6 +73,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     user_set: frozenset[str] = field(default=frozenset(), init=False, repr=False,
                                      compare=False)
 

@@ -159,3 +159,41 @@ def test_logprob_ranks_of_sampled_tokens_are_consistent_with_the_top_candidates(
         higher = sum(1 for lp in entry.values() if lp.logprob > sampled.logprob)
         assert sampled.rank >= 1 + higher
         assert (sampled.rank == 1) == (sampled.logprob >= top1.logprob)
+
+
+def _drive(engine, request_id, prompt, params) -> list:
+    engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+def test_output_kinds_cumulative_delta_and_final_only_carry_the_same_completion(llm):
+    from jaxserve import RequestOutputKind
+
+    engine = llm.llm_engine
+    runs = {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, n=2, logprobs=2,
+                                stop=["ab"], output_kind=kind)
+        runs[kind] = _drive(engine, f"kind-{kind.name}", PROMPT, params)
+    cumulative, delta, final = (runs[k] for k in RequestOutputKind)
+    assert len(final) == 1 and final[0].finished
+    assert len(delta) == len(cumulative) > 2 and delta[-1].finished
+    for index in range(2):
+        last = cumulative[-1].outputs[index]
+        assert final[0].outputs[index].text == last.text
+        assert final[0].outputs[index].token_ids == last.token_ids
+        pieces = [c for out in delta for c in out.outputs if c.index == index]
+        assert "".join(c.text for c in pieces) == last.text
+        assert [t for c in pieces for t in c.token_ids] == last.token_ids
+        # (runs differ by prefix-cache hits, so values agree to float tolerance)
+        entries = [lp for c in pieces for lp in c.logprobs]
+        assert [list(e) for e in entries] == [list(e) for e in last.logprobs]
+        assert all(abs(e[t].logprob - f[t].logprob) < 1e-4
+                   for e, f in zip(entries, last.logprobs) for t in e)
+        assert abs(pieces[-1].cumulative_logprob - last.cumulative_logprob) < 1e-3
+        # every cumulative output extends the previous one
+        texts = [c.text for out in cumulative for c in out.outputs if c.index == index]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))

@@ -17,7 +17,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.step_contract import RunnerOutput, SampledLogprobs
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -25,6 +25,8 @@ class _SeqText:
     detok: IncrementalDetokenizer | None
     text: str = ""                 # full detokenized output (truncated at a matched stop string)
     finish_reason: str | None = None
+    sent_tokens: int = 0           # DELTA outputs: what earlier outputs already carried
+    sent_chars: int = 0
 
 
 @dataclass
@@ -205,21 +207,29 @@ class OutputProcessor:
         for request_id in [r for r, s in self.requests.items() if s.changed]:
             state = self.requests[request_id]
             state.changed = False
-            outputs.append(self._make_output(state))
+            if state.finished or state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(state))
             if state.finished:
                 del self.requests[request_id]
         return outputs
 
     def _make_output(self, state: RequestState) -> RequestOutput:
+        delta = state.params.output_kind == RequestOutputKind.DELTA
         completions = []
         for seq, text in zip(state.seqs, state.texts):
             visible = text.text
             if text.finish_reason is None and state.stops.holdback:
                 visible = visible[:max(0, len(visible) - state.stops.holdback)]
+            first, logprobs = 0, seq.logprobs
+            if delta:   # only what earlier outputs did not carry
+                visible, text.sent_chars = visible[text.sent_chars:], len(visible)
+                first, text.sent_tokens = text.sent_tokens, seq.num_output_tokens
+                logprobs = logprobs[first:] if logprobs is not None else None
             completions.append(CompletionOutput(
-                index=seq.index, text=visible, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=visible,
+                token_ids=seq.token_ids[seq.num_prompt_tokens + first:],
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs=list(logprobs) if logprobs is not None else None,
                 finish_reason=text.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,

@@ -16,7 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.launch import create_engine
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -52,6 +52,9 @@ class LLM:
         staged = [_split_prompt(p) for p in prompts]
         try:   # a prompt that can never run fails the call, and nothing stays queued
             for (text, token_ids), sp in zip(staged, params):
+                if sp.output_kind != RequestOutputKind.FINAL_ONLY:   # only the final is read
+                    sp = sp.clone()
+                    sp.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))
                 engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
                 ids.append(request_id)

@@ -1,0 +1,171 @@
+"""Host time per engine step, with the device step replaced by a no-op that returns tokens.
+
+What a fast accelerator would expose: with the model's executables swapped for a function
+that hands back ready-made sampled tokens, the engine loop's own cost per step is all that
+is left — scheduling, the persistent batch's input packing and host->device puts, and
+output processing (token append, detokenization, stop strings, RequestOutputs). Printed
+per component (p50 and mean over the measured steps) at several batch sizes, in steady
+decode, and written to benchmarks/results/host-<tag>.json.
+
+    python benchmarks/bench_host.py                       # 1, 64 and 256 running sequences
+    python benchmarks/bench_host.py --sizes 64 --steps 400 --sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Timed:
+    """Wraps a bound method and accumulates the time of each call in the current step."""
+
+    def __init__(self, obj, name: str) -> None:
+        self.fn = getattr(obj, name)
+        self.total = 0.0
+        setattr(obj, name, self)
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total += time.perf_counter() - start
+
+
+def no_op_device(runner, vocab: int, rng: np.random.Generator) -> None:
+    """Replace every bucket's executable by a function returning random tokens (device
+    arrays made ahead of time, so the fake costs nothing itself)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.runner.sampler import SamplerOutput
+
+    k = runner.num_top_logprobs
+    outs: dict[int, list] = {}
+
+    def fake(params, k_cache, v_cache, last_tokens, packed, *tables):
+        s = runner._fake_s
+        pool = outs[s]
+        out = pool[runner._fake_i % len(pool)]
+        runner._fake_i += 1
+        return k_cache, v_cache, last_tokens, out
+
+    for t, s in runner.buckets.all_shapes():
+        outs[s] = [jax.device_put(SamplerOutput(
+            jnp.asarray(rng.integers(100, vocab - 100, s), jnp.int32),
+            jnp.zeros(s, jnp.float32), jnp.ones(s, jnp.int32), jnp.zeros((s, k), jnp.int32),
+            jnp.zeros((s, k), jnp.float32))) for _ in range(16)]
+        runner._steps[(t, s)] = fake
+    runner._fake_i = 0
+    original = runner.run_step
+
+    def run_step(inputs):
+        runner._fake_s = inputs.num_seqs
+        return original(inputs)
+
+    runner.run_step = run_step
+
+
+def measure(engine, num_seqs: int, steps: int, prompt_len: int, output_kind: str,
+            profile: bool = False) -> dict:
+    from jaxserve import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True,
+                            stop=["\n\nUser:", "<|im_end|>"],
+                            output_kind=RequestOutputKind[output_kind.upper()])
+    rng = np.random.default_rng(num_seqs)
+    for i in range(num_seqs):
+        engine.add_request(f"host-{num_seqs}-{i}", None, params,
+                           prompt_token_ids=rng.integers(100, 20000, prompt_len).tolist())
+    while engine.scheduler.num_waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()                          # admit and prefill everything first
+    for _ in range(4):
+        engine.step()
+    timers = {"schedule": Timed(engine.scheduler, "schedule"),
+              "execute (apply diffs, pack, put, dispatch)": Timed(engine.runner, "execute"),
+              "collect (tokens, stops, detokenize)": Timed(engine, "_collect"),
+              "drain (RequestOutputs)": Timed(engine.outputs, "drain")}
+    per_step = {name: [] for name in [*timers, "total"]}
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    for _ in range(steps):
+        before = {name: t.total for name, t in timers.items()}
+        start = time.perf_counter()
+        engine.step()
+        per_step["total"].append(time.perf_counter() - start)
+        for name, t in timers.items():
+            per_step[name].append(t.total - before[name])
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    for name, t in timers.items():                # unwrap
+        setattr(t.fn.__self__, t.fn.__name__, t.fn)
+    engine.abort_request([f"host-{num_seqs}-{i}" for i in range(num_seqs)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {name: {"p50_ms": 1000 * float(np.median(v)), "mean_ms": 1000 * float(np.mean(v))}
+            for name, v in per_step.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--sync", action="store_true", help="async scheduling off")
+    parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--output-kind", default="final_only",
+                        choices=["final_only", "delta", "cumulative"],
+                        help="final_only is LLM.generate's; the server streams")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a cProfile of the measured steps (timings then include it)")
+    args = parser.parse_args()
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.runner.model_runner import ModelRunner
+
+    ModelRunner.warmup = lambda self, *a, **k: 0.0   # the executables are replaced anyway
+    max_seqs = max(args.sizes)
+    config = EngineConfig.from_kwargs(
+        max_num_seqs=max_seqs, max_num_batched_tokens=max(512, max_seqs),
+        max_model_len=args.prompt_len + args.steps + 128, disable_log_stats=True,
+        kv_cache_memory_bytes=(max_seqs * (args.prompt_len + args.steps + 96)) * 30 * 1536,
+        async_scheduling=not args.sync)
+    engine = LLMEngine(config)
+    no_op_device(engine.runner, len(engine.tokenizer), np.random.default_rng(0))
+    results = {"machine": {"platform": platform.platform(), "python": platform.python_version()},
+               "async_scheduling": not args.sync, "steps": args.steps,
+               "output_kind": args.output_kind, "sizes": {}}
+    for size in args.sizes:
+        stats = measure(engine, size, args.steps, args.prompt_len, args.output_kind, args.profile)
+        results["sizes"][str(size)] = stats
+        print(f"\n{size} running sequences ({'sync' if args.sync else 'async'}, "
+              f"{args.output_kind} outputs), ms per step:")
+        for name, value in stats.items():
+            print(f"  {name:44s} p50 {value['p50_ms']:7.3f}   mean {value['mean_ms']:7.3f}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"host-{args.tag}-{args.output_kind}{'-sync' if args.sync else ''}.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
