@@ -96,8 +96,10 @@ class ParallelConfig:
 @dataclass
 class RunnerConfig:
     attention_backend: str = opt(
-        "auto", "auto (pallas on GPU, reference on CPU), reference, or pallas "
-        "(interpret mode on CPU).", choices=["auto", "reference", "pallas"])
+        "auto", "auto (pallas on GPU, reference elsewhere), reference (pure JAX), pallas "
+        "(Pallas/Triton kernels, GPU only), or pallas-interpret (the kernels in interpret "
+        "mode on any platform: slow, for tests).",
+        choices=["auto", "reference", "pallas", "pallas-interpret"])
     compilation_cache_dir: str | None = opt(
         None, "JAX persistent compilation cache. Default: ~/.cache/jaxserve/jax. 'off' disables.")
     disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
@@ -132,7 +134,8 @@ class EngineConfig(FlatOptions):
         if s.max_num_batched_tokens is None:
             s.max_num_batched_tokens = 512 if on_cpu else 2048
         if self.runner_config.attention_backend == "auto":
-            self.runner_config.attention_backend = "reference" if on_cpu else "pallas"
+            self.runner_config.attention_backend = (
+                "pallas" if platform in ("gpu", "cuda", "rocm") else "reference")
         _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
         _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)

@@ -224,7 +224,7 @@ def _pallas_under_shard_map() -> dict:
 
     mesh = make_mesh(2, 1)
     heads_on, cache_on = NamedSharding(mesh, HEADS_SPEC), NamedSharding(mesh, KV_CACHE_SPEC)
-    sharded = shard_backend(get_attention_backend("pallas", "cpu"), mesh)
+    sharded = shard_backend(get_attention_backend("pallas-interpret", "cpu"), mesh)
     out, cache = jax.jit(functools.partial(step, sharded))(
         jax.device_put(q, heads_on), jax.device_put(k_cache, cache_on),
         jax.device_put(v_cache, cache_on), jax.device_put(k_new, heads_on),
@@ -234,6 +234,23 @@ def _pallas_under_shard_map() -> dict:
     return {"max_abs_diff": float(jnp.max(jnp.abs(out - ref_out))),
             "cache_equal": bool(jnp.array_equal(cache, ref_cache)),
             "out_spec": str(out.sharding.spec), "backend": sharded.name}
+
+
+def _export_for_cuda(model_dir: str, tp: int) -> dict:
+    """The whole sharded step (tp devices here, simulated) exported for cuda with Pallas."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.model_setup import setup_model
+
+    config = EngineConfig.from_kwargs(model=model_dir, tensor_parallel_size=tp,
+                                      load_format="dummy", kv_cache_memory_bytes=TINY_KV_BYTES,
+                                      **ENGINE_KWARGS)
+    runner = setup_model(config, target_platform="cuda").runner
+    t, s = runner.buckets.all_shapes()[-1]
+    exported = runner.export_step(t, s, "cuda")
+    mlir = exported.mlir_module()
+    return {"backend": runner.model.backend.name, "nr_devices": exported.nr_devices,
+            "triton_calls": mlir.count("__gpu$xla.gpu.triton"),
+            "sharded": "mhlo.sharding" in mlir or "sdy.sharding" in mlir}
 
 
 def worker(spec: dict) -> None:
@@ -249,6 +266,7 @@ def worker(spec: dict) -> None:
         Path(spec["out"]).write_text(json.dumps(results))
 
     section("pallas_shard_map", _pallas_under_shard_map)
+    section("export_cuda_tp2", _export_for_cuda, spec["tiny"], 2)
     tiny = spec["tiny"]
     for tp in (1, 2, 4):
         section(f"tiny_tp{tp}", _run_tp, tiny, tp, TINY_PROMPTS, TINY_MAX_TOKENS, TINY_KV_BYTES)
@@ -359,6 +377,13 @@ def test_compiled_step_all_reduces_per_layer_and_never_gathers_weights(worker_re
             assert tuple(shape) not in weights, f"a weight matrix is gathered: {op}"
             assert shape == [s, vocab], f"only the logits should be gathered: {op}"
     assert not [op for op in ops if op["op"] in ("all-to-all", "collective-permute")], ops
+
+
+def test_tp2_step_with_pallas_exports_for_cuda(worker_results):
+    result = _section(worker_results, "export_cuda_tp2")
+    assert result["backend"].startswith("pallas (shard_map")
+    assert result["nr_devices"] == 2 and result["sharded"]
+    assert result["triton_calls"] >= 1
 
 
 def test_pallas_attention_runs_per_shard_under_shard_map(worker_results):

@@ -3,8 +3,12 @@
 A backend is two pure functions with the `pallas_kernels` signatures:
 ``write_kv(k_cache, v_cache, k, v, slot_mapping)`` and
 ``attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)``.
-`reference` is the pure-jnp implementation (the CPU path and the test oracle);
-`pallas` runs our Pallas kernels (interpret mode off-GPU, for tests).
+`reference` is the pure-jnp implementation (lowers on every platform; the test oracle);
+`pallas` runs our Pallas/Triton kernels and needs a GPU; `pallas-interpret` runs the same
+kernels in Pallas interpret mode on any platform (slow: tests only, and only when asked).
+`auto` (EngineConfig.finalize) picks by platform: GPU -> pallas, everything else ->
+reference. TPU runs the reference: JAX's TPU ragged paged attention wants another KV layout
+(combined K/V pages), not adapted yet.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import Callable
 
 import jax
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("reference", "pallas", "pallas-interpret")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 @dataclass(frozen=True)
@@ -26,18 +31,21 @@ class AttentionBackend:
 
 
 def get_attention_backend(name: str, platform: str | None = None) -> AttentionBackend:
-    """Resolve a backend by name; `pallas` off-GPU runs the kernels in interpret mode."""
+    """Resolve a backend by name for `platform` (default: this process's devices)."""
     platform = platform or jax.default_backend()
     if name == "reference":
         from pallas_kernels import write_kv
         from pallas_kernels.reference import ragged_paged_attention_reference
 
         return AttentionBackend("reference", write_kv, ragged_paged_attention_reference)
-    if name == "pallas":
+    if name in ("pallas", "pallas-interpret"):
         from pallas_kernels import ragged_paged_attention, write_kv
 
-        interpret = platform not in ("gpu", "cuda", "rocm")
+        interpret = name == "pallas-interpret"
+        if not interpret and platform not in GPU_PLATFORMS:
+            raise ValueError(f"attention backend 'pallas' compiles Triton kernels for a GPU; "
+                             f"on {platform} use 'auto' or 'reference' ('pallas-interpret' runs "
+                             "the kernels in slow interpret mode, for tests)")
         attention = functools.partial(ragged_paged_attention, interpret=interpret)
-        return AttentionBackend("pallas-interpret" if interpret else "pallas", write_kv,
-                                attention)
+        return AttentionBackend(name, write_kv, attention)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")

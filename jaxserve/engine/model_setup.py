@@ -91,18 +91,24 @@ def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def setup_model(config: EngineConfig, mesh: Any = None) -> ModelSetup:
+def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str | None = None,
+                warmup: bool = True) -> ModelSetup:
     """mesh: a data-parallel replica's (1, tp) sub-mesh (jaxserve/parallel); default: one
-    device, or a (1, tp) mesh when tensor_parallel_size > 1."""
+    device, or a (1, tp) mesh when tensor_parallel_size > 1.
+
+    target_platform: build the step for another platform than the devices here (dtype and
+    attention backend follow it), to export it (runner.export_step) rather than run it;
+    implies warmup=False."""
     from jaxserve.loader import load_model
     from jaxserve.parallel.placement import ModelPlacement
 
-    platform = jax.default_backend()
+    platform = target_platform or jax.default_backend()
+    warmup = warmup and target_platform is None
     config.finalize(platform)
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
     dtype = resolve_dtype(mc.dtype, platform)
-    if platform == "cpu":
+    if jax.default_backend() == "cpu":
         keep_freed_memory_in_heap()
 
     t0 = time.perf_counter()
@@ -152,7 +158,7 @@ def setup_model(config: EngineConfig, mesh: Any = None) -> ModelSetup:
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
-    warmup_seconds = runner.warmup(progress=True)
+    warmup_seconds = runner.warmup(progress=True) if warmup else 0.0
 
     overrides = {}
     if mc.generation_config != "vllm":

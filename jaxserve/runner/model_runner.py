@@ -162,6 +162,22 @@ class ModelRunner:
         logger.info("warm-up compiled %d step shapes in %.1f s", len(shapes), elapsed)
         return elapsed
 
+    def export_step(self, num_tokens: int, num_seqs: int, platform: str) -> Any:
+        """`jax.export` bucket (T, S) of the whole step (forward + sampler, donated caches,
+        shardings included) for `platform`, without a device of that kind: proves the step
+        lowers there (a CPU test exports it for cuda, so GPU lowering breakage fails CI)."""
+        from jax import export
+
+        layout = StepLayout(num_tokens, num_seqs, self.width)
+        consts = self._constants(num_seqs)
+        args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
+                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+                consts["bias_token_ids"], consts["bias_values"])
+        # Triton kernels are custom calls that jax.export does not vouch for by default.
+        checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        return export.export(self._jitted(layout), platforms=[platform],
+                             disabled_checks=checks)(*args)
+
     @property
     def compiled_shapes(self) -> list[tuple[int, int]]:
         return sorted(self._steps)

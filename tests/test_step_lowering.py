@@ -1,0 +1,57 @@
+"""The whole jitted step lowers for platforms this machine does not have.
+
+No GPU in CI: `ModelRunner.export_step` runs jax.export of a real engine's step (forward +
+sampler, the Pallas/Triton attention kernels, donated caches) for `cuda`, so a change that
+breaks GPU lowering fails here. tp = 2 is exported by the parallel worker
+(tests/test_parallel.py), which has simulated devices.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.attention.backend import get_attention_backend
+from jaxserve.config import EngineConfig
+from jaxserve.engine.model_setup import setup_model
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def cuda_runner(model_dir, **overrides):
+    config = EngineConfig.from_kwargs(model=str(model_dir), max_model_len=256, max_num_seqs=8,
+                                      max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20,
+                                      load_format="dummy", **overrides)
+    setup = setup_model(config, target_platform="cuda")
+    return config, setup.runner
+
+
+def test_auto_picks_pallas_and_bfloat16_for_cuda_and_exports_every_bucket(make_tiny_model):
+    config, runner = cuda_runner(make_tiny_model("qwen3"))
+    assert config.runner_config.attention_backend == "pallas"
+    assert runner.model.backend.name == "pallas" and runner.compiled_shapes == []
+    assert runner.params["params"]["embed_tokens"]["embedding"].dtype.name == "bfloat16"
+    for num_tokens, num_seqs in runner.buckets.all_shapes():     # decode and prefill buckets
+        exported = runner.export_step(num_tokens, num_seqs, "cuda")
+        assert exported.platforms == ("cuda",)
+        mlir = exported.mlir_module()
+        assert mlir.count(TRITON) >= 1          # the attention kernel, compiled by Triton
+        assert "jax.buffer_donor" in mlir or "tf.aliasing_output" in mlir   # caches donated
+
+
+def test_reference_backend_step_exports_for_cuda_and_tpu(make_tiny_model):
+    _, runner = cuda_runner(make_tiny_model("llama"), attention_backend="reference")
+    t, s = runner.buckets.all_shapes()[-1]
+    for platform in ("cuda", "tpu"):
+        assert TRITON not in runner.export_step(t, s, platform).mlir_module()
+
+
+def test_pallas_needs_a_gpu_and_interpret_mode_is_only_on_request():
+    with pytest.raises(ValueError, match="pallas-interpret"):
+        get_attention_backend("pallas", "cpu")
+    with pytest.raises(ValueError, match="GPU"):
+        get_attention_backend("pallas", "tpu")
+    assert get_attention_backend("pallas-interpret", "cpu").name == "pallas-interpret"
+    for platform, expected in (("cpu", "reference"), ("tpu", "reference"),
+                               ("cuda", "pallas"), ("gpu", "pallas")):
+        config = EngineConfig().finalize(platform)
+        assert config.runner_config.attention_backend == expected, platform
