@@ -197,3 +197,76 @@ def test_output_kinds_cumulative_delta_and_final_only_carry_the_same_completion(
         # every cumulative output extends the previous one
         texts = [c.text for out in cumulative for c in out.outputs if c.index == index]
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
+def _mixed_workload(engine) -> dict:
+    """Greedy and seeded requests, n > 1, stop strings, repeated prompts (prefix hits), two
+    aborts, on a cache small enough to preempt; returns the finished outputs and compiles."""
+    tok = engine.tokenizer
+    prompts = _others(10, seed=11) + [PROMPT, PROMPT + [7, 8], PROMPT]
+    requests = {}
+    for i, prompt in enumerate(prompts):
+        if i % 3 == 0:
+            params = _greedy(30)
+        elif i % 3 == 1:
+            params = SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=30,
+                                    n=2, logprobs=1, ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.7, seed=200 + i, max_tokens=30,
+                                    ignore_eos=True, stop=[tok.decode([prompt[0]]), "ab"],
+                                    repetition_penalty=1.1)
+        requests[f"r{i}"] = (prompt, params)
+    requests["victim-early"] = (_others(1, seed=99)[0], _greedy(30))
+    requests["victim-late"] = (PROMPT[:9], _greedy(30))
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event or "trace" in event:
+            compiles.append(event)
+
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+    finished, steps = {}, 0
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                elif out.request_id == "victim-late" and len(out.outputs[0].token_ids) >= 3:
+                    engine.abort_request("victim-late")
+            steps += 1
+            if steps == 2:
+                engine.abort_request("victim-early")
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return {"finished": finished, "compiles": compiles,
+            "preemptions": engine.scheduler.num_preemptions,
+            "free": (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks)}
+
+
+def test_async_and_sync_scheduling_give_identical_tokens_on_a_mixed_workload(make_tiny_model):
+    runs = {}
+    for mode in (True, False):
+        llm = LLM(str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=8,
+                  max_num_batched_tokens=64, num_gpu_blocks_override=14, async_scheduling=mode)
+        assert llm.llm_engine.max_steps_in_flight == (2 if mode else 1)
+        runs[mode] = _mixed_workload(llm.llm_engine)
+    on, off = runs[True], runs[False]
+    for run in (on, off):
+        assert run["compiles"] == []
+        assert run["preemptions"] > 0
+        assert run["free"][0] == run["free"][1]          # every block came back
+        assert run["finished"]["victim-early"].outputs[0].finish_reason == "abort"
+        assert run["finished"]["victim-late"].outputs[0].finish_reason == "abort"
+    assert sorted(on["finished"]) == sorted(off["finished"])
+    stopped = 0
+    for request_id, out in on["finished"].items():
+        if request_id.startswith("victim"):
+            continue
+        other = off["finished"][request_id]
+        for a, b in zip(out.outputs, other.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+                (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
+            stopped += a.stop_reason is not None
+    assert stopped > 0, "the workload should end some requests on a stop string"
