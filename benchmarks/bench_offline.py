@@ -100,7 +100,16 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--no-async-scheduling", action="store_true")
     args = parser.parse_args()
+    if args.load_format == "dummy" and not args.skip_hf:
+        parser.error("--load-format dummy has no weights for HF to load: add --skip-hf")
 
     from jaxserve import LLM
 
@@ -114,8 +123,15 @@ def main() -> None:
         print(f"LLM() startup: cold {results['startup_cold_s']:.1f} s, "
               f"warm {results['startup_warm_s']:.1f} s")
 
-    llm = LLM(max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, tokenizer=args.tokenizer, load_format=args.load_format,
+              dtype=args.dtype, max_model_len=args.max_model_len,
+              attention_backend=args.attention_backend,
+              async_scheduling=not args.no_async_scheduling, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
+    results["engine"] = {"model": args.model or "SmolLM2-135M-Instruct (embedded)",
+                         "load_format": args.load_format,
+                         "attention_backend": llm.llm_engine.runner.model.backend.name,
+                         "async_scheduling": not args.no_async_scheduling}
     prompts = make_prompts(llm.get_tokenizer(), max(args.batch_sizes))
     results["mean_prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
     for batch in args.batch_sizes:
@@ -131,7 +147,7 @@ def main() -> None:
         from tests.hf_reference import torch_model_from_weights
 
         torch.set_num_threads(os.cpu_count() or 1)
-        loaded = load_model(None)
+        loaded = load_model(args.model)
         model = torch_model_from_weights(loaded.hf_config, loaded.weights)
         pad = loaded.tokenizer.pad_token_id or 0
         for batch in args.batch_sizes:
