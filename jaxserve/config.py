@@ -96,10 +96,12 @@ class ParallelConfig:
 @dataclass
 class RunnerConfig:
     attention_backend: str = opt(
-        "auto", "auto (pallas on GPU, reference elsewhere), reference (pure JAX), pallas "
-        "(Pallas/Triton kernels, GPU only), or pallas-interpret (the kernels in interpret "
-        "mode on any platform: slow, for tests).",
-        choices=["auto", "reference", "pallas", "pallas-interpret"])
+        "auto", "auto (pallas on GPU; on CPU: cpu if its C++ kernel compiles, else reference; "
+        "reference elsewhere), cpu (C++ kernel through the XLA FFI, compiled on first use with "
+        "g++; CPU only), reference (pure JAX, needs no compiler), pallas (Pallas/Triton "
+        "kernels, GPU only), or pallas-interpret (the kernels in interpret mode on any "
+        "platform: slow, for tests).",
+        choices=["auto", "reference", "cpu", "pallas", "pallas-interpret"])
     compilation_cache_dir: str | None = opt(
         None, "JAX persistent compilation cache. Default: ~/.cache/jaxserve/jax. 'off' disables.")
     disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
@@ -134,8 +136,14 @@ class EngineConfig(FlatOptions):
         if s.max_num_batched_tokens is None:
             s.max_num_batched_tokens = 512 if on_cpu else 2048
         if self.runner_config.attention_backend == "auto":
-            self.runner_config.attention_backend = (
-                "pallas" if platform in ("gpu", "cuda", "rocm") else "reference")
+            if on_cpu:
+                from jaxserve.attention.cpu import available  # warns once if it cannot build
+
+                self.runner_config.attention_backend = "cpu" if available() else "reference"
+            elif platform in ("gpu", "cuda", "rocm"):
+                self.runner_config.attention_backend = "pallas"
+            else:
+                self.runner_config.attention_backend = "reference"
         _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
         _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)

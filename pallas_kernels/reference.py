@@ -125,6 +125,8 @@ def ragged_paged_attention_reference(
     block_q: int | None = None,
     kv_chunk_blocks: int | None = None,
     interpret: bool = False,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> jax.Array:
     """Causal attention of ragged query tokens over a paged KV cache.
 
@@ -136,8 +138,15 @@ def ragged_paged_attention_reference(
     block_q (query tokens per block) and kv_chunk_blocks (pages per loop step)
     only trade gather volume against wasted rows; both default from the static
     shapes. `interpret` is accepted for signature parity with the kernel.
+
+    Optional, off by default (0), as in the CPU kernel (jaxserve.attention.cpu):
+    sliding_window > 0: a query at position p sees only keys at positions
+      k with p - k < sliding_window (and k <= p);
+    logits_soft_cap > 0: logits = cap * tanh(logits / cap), after sm_scale.
     """
     del interpret
+    if sliding_window < 0 or logits_soft_cap < 0:
+        raise ValueError("sliding_window and logits_soft_cap must be >= 0 (0 = off)")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_padded_seqs, max_blocks = block_tables.shape
@@ -194,9 +203,13 @@ def ragged_paged_attention_reference(
         k = k_cache[pages].reshape(kv_shape).astype(jnp.float32)
         v = v_cache[pages].reshape(kv_shape).astype(jnp.float32)
         logits = jnp.einsum("pqhgd,pchd->pqhgc", qf, k, preferred_element_type=jnp.float32)
+        if logits_soft_cap:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
         key_pos = first_page * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
         # key_pos <= position implies key_pos < kv_len; padding rows see nothing.
         visible = key_pos <= positions[..., None]  # [P, bq, C]
+        if sliding_window:
+            visible &= positions[..., None] - key_pos < sliding_window
         logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         # Rows that have seen no visible key keep m = -inf; shift by 0 instead.

@@ -51,7 +51,7 @@ def test_pallas_needs_a_gpu_and_interpret_mode_is_only_on_request():
     with pytest.raises(ValueError, match="GPU"):
         get_attention_backend("pallas", "tpu")
     assert get_attention_backend("pallas-interpret", "cpu").name == "pallas-interpret"
-    for platform, expected in (("cpu", "reference"), ("tpu", "reference"),
+    for platform, expected in (("cpu", "cpu"), ("tpu", "reference"),
                                ("cuda", "pallas"), ("gpu", "pallas")):
         config = EngineConfig().finalize(platform)
         assert config.runner_config.attention_backend == expected, platform

@@ -4,11 +4,12 @@ A backend is two pure functions with the `pallas_kernels` signatures:
 ``write_kv(k_cache, v_cache, k, v, slot_mapping)`` and
 ``attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)``.
 `reference` is the pure-jnp implementation (lowers on every platform; the test oracle);
-`pallas` runs our Pallas/Triton kernels and needs a GPU; `pallas-interpret` runs the same
-kernels in Pallas interpret mode on any platform (slow: tests only, and only when asked).
-`auto` (EngineConfig.finalize) picks by platform: GPU -> pallas, everything else ->
-reference. TPU runs the reference: JAX's TPU ragged paged attention wants another KV layout
-(combined K/V pages), not adapted yet.
+`cpu` is the C++ kernel of `jaxserve.attention.cpu` through the XLA FFI (compiled on first
+use; CPU only); `pallas` runs our Pallas/Triton kernels and needs a GPU; `pallas-interpret`
+runs the same kernels in Pallas interpret mode on any platform (slow: tests only, and only
+when asked). `auto` (EngineConfig.finalize) picks by platform: GPU -> pallas, CPU -> cpu
+(reference if it cannot be built), TPU -> reference: JAX's TPU ragged paged attention wants
+another KV layout (combined K/V pages), not adapted yet.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 
 import jax
 
-BACKENDS = ("reference", "pallas", "pallas-interpret")
+BACKENDS = ("reference", "cpu", "pallas", "pallas-interpret")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -38,6 +39,15 @@ def get_attention_backend(name: str, platform: str | None = None) -> AttentionBa
         from pallas_kernels.reference import ragged_paged_attention_reference
 
         return AttentionBackend("reference", write_kv, ragged_paged_attention_reference)
+    if name == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU platform only, not "
+                             f"{platform!r}; use 'auto', 'pallas' or 'reference'")
+        from jaxserve.attention.cpu import paged_attention, register
+        from pallas_kernels import write_kv
+
+        register()  # build now: a missing compiler fails here, with advice, not mid-trace
+        return AttentionBackend("cpu", write_kv, paged_attention)
     if name in ("pallas", "pallas-interpret"):
         from pallas_kernels import ragged_paged_attention, write_kv
 

@@ -1,0 +1,77 @@
+"""C++ ragged paged attention for the XLA CPU backend (through the XLA FFI).
+
+`paged_attention` has the signature and semantics of
+`pallas_kernels.reference.ragged_paged_attention_reference` (plus its optional
+`sliding_window` and `logits_soft_cap`), and reads only the pages the block
+tables name, so it can take a whole multi-layer cache. The kernel is compiled on
+first use (see `loader`); `available()` says whether that works here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention.cpu.loader import (
+    TARGET_NAME,
+    CpuAttentionBuildError,
+    available,
+    build,
+    register,
+)
+
+__all__ = ["paged_attention", "available", "build", "register", "CpuAttentionBuildError"]
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    max_threads: int = 0,
+) -> jax.Array:
+    """Causal attention of ragged query tokens over a paged KV cache, on CPU.
+
+    q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (one dtype);
+    kv_lens: int32[S]; block_tables: int32[S, max_blocks]; query_start_loc:
+    int32[S + 1]; num_seqs: int32 scalar (may be traced). Returns [T, Hq, D] in
+    q's dtype; rows of tokens outside the first num_seqs sequences are 0.
+    Dtypes: float32, bfloat16, float16; accumulation is float32.
+    sliding_window > 0: a query at position p sees keys at p - sliding_window < pos <= p.
+    logits_soft_cap > 0: logits = cap * tanh(logits / cap) after scaling.
+    max_threads > 0 caps the threads of XLA's intra-op pool this call uses (0: all of them).
+    """
+    register()
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"want q [T, Hq, D] and caches [blocks, block_size, Hkv, D] of one "
+                         f"shape; got {q.shape}, {k_cache.shape}, {v_cache.shape}")
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} must be a multiple of Hkv={num_kv_heads} and head "
+                         f"dims must match: q {q.shape}, cache {k_cache.shape}")
+    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"dtypes q={q.dtype}, k={k_cache.dtype}, v={v_cache.dtype}: the CPU "
+                         f"kernel takes float32/bfloat16/float16 with k and v alike")
+    if sliding_window < 0 or logits_soft_cap < 0:
+        raise ValueError("sliding_window and logits_soft_cap must be >= 0 (0 = off)")
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    num_seqs_arr = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q, k_cache, v_cache,
+        kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32), num_seqs_arr,
+        sm_scale=np.float32(scale), sliding_window=np.int64(sliding_window),
+        logits_soft_cap=np.float32(logits_soft_cap), max_threads=np.int64(max_threads),
+    )
