@@ -41,7 +41,10 @@ class ModelConfig:
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")
     served_model_name: list[str] | None = opt(
-        None, "Model name(s) served by the API; the first is reported. Default: the model path.",
+        None, "Model name(s) the API answers to; the first is reported in responses. Default: "
+        "--model exactly as given (e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct' or a path), or, "
+        "for the embedded default model, its file name without .gguf "
+        "('smollm2-135m-instruct-q4_1' or similar; GET /v1/models shows it).",
         nargs="+")
     chat_template: str | None = opt(None, "A Jinja chat template, or a path to one.")
     generation_config: str = opt(
@@ -171,6 +174,15 @@ class ServerConfig:
     uvicorn_log_level: str = opt("info", "uvicorn's log level.",
                                  choices=["critical", "error", "warning", "info", "debug",
                                           "trace"])
+    disable_uvicorn_access_log: bool = opt(
+        False, "Do not write uvicorn's one access-log line per HTTP request.")
+    disable_log_requests: bool = opt(
+        False, "Do not log one line per generation request (id, prompt tokens, sampling "
+        "params) when it is admitted.")
+    allowed_origins: list[str] = opt(["*"], "CORS: allowed origins.", nargs="+")
+    allowed_methods: list[str] = opt(["*"], "CORS: allowed methods.", nargs="+")
+    allowed_headers: list[str] = opt(["*"], "CORS: allowed headers.", nargs="+")
+    allow_credentials: bool = opt(False, "CORS: allow credentials.")
 
 
 @dataclass

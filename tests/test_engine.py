@@ -270,3 +270,29 @@ def test_async_and_sync_scheduling_give_identical_tokens_on_a_mixed_workload(mak
                 (b.token_ids, b.text, b.finish_reason, b.stop_reason), request_id
             stopped += a.stop_reason is not None
     assert stopped > 0, "the workload should end some requests on a stop string"
+
+
+def test_stats_line_averages_over_busy_time_not_idle_time(caplog):
+    """Two overlapping steps (async) then a long idle gap: throughput divides by the union of
+    the steps' [dispatch, collect] intervals, not by the wall time of the log window."""
+    import logging
+
+    from jaxserve.engine.stats import EngineStats
+
+    stats = EngineStats(log_interval=0.0)
+    stats.record_step(num_prompt_tokens=0, num_generation_tokens=10, num_preempted=0,
+                      dispatch_time=100.0, collect_time=100.5)
+    stats.record_step(num_prompt_tokens=0, num_generation_tokens=10, num_preempted=0,
+                      dispatch_time=100.25, collect_time=101.0)   # overlaps the first
+    assert stats.busy_time_total == pytest.approx(1.0)
+    assert stats.step_time_total == pytest.approx(1.25)
+
+    class Snapshot:
+        num_running = num_waiting = num_preemptions = 0
+        kv_cache_usage = 0.0
+        prefix_cache_queries = prefix_cache_hits = 0
+
+    with caplog.at_level(logging.INFO, logger="jaxserve.stats"):
+        stats.maybe_log(Snapshot())
+    [line] = [r.getMessage() for r in caplog.records if r.name == "jaxserve.stats"]
+    assert "Avg generation throughput: 20.0 tokens/s" in line, line

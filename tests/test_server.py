@@ -286,8 +286,8 @@ def test_context_length_error_has_vllm_wording(http):
     n = len(ids)
     assert r.json()["error"]["message"] == (
         f"This model's maximum context length is 256 tokens. However, you requested "
-        f"{n + 300} tokens ({n} in the messages, 300 in the completion). Please reduce the "
-        "length of the messages or completion.")
+        f"{n + 300} tokens ({n} in the prompt, 300 in the completion). Please reduce the "
+        "length of the prompt or completion.")
 
 
 def test_openai_client_raises_bad_request_and_not_found(client):

@@ -131,7 +131,8 @@ def test_streamed_completion_deltas_join_to_the_full_text(server):
     chunks = [e["choices"][0] for e in events[:-2]]
     assert chunks[-1]["finish_reason"] == "length"
     text = "".join(c["text"] for c in chunks)
-    full = post(server, "/v1/completions", {**body, "stream": False}).json()["choices"][0]
+    full = post(server, "/v1/completions", {**body, "stream": False, "stream_options": None}
+                ).json()["choices"][0]
     assert text == full["text"]
     tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
     assert tokens == full["logprobs"]["tokens"]
@@ -212,8 +213,13 @@ def test_context_length_error_uses_vllm_wording(server):
         post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 200}), 400)
     assert error["message"] == (
         "This model's maximum context length is 128 tokens. However, you requested 203 tokens "
-        "(3 in the messages, 200 in the completion). Please reduce the length of the messages "
+        "(3 in the prompt, 200 in the completion). Please reduce the length of the prompt "
         "or completion.")
+    error = assert_openai_error(post(server, "/v1/completions", {"prompt": "a" * 200}), 400)
+    assert error["param"] == "prompt" and "input prompt" in error["message"]
+    error = assert_openai_error(post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "a" * 200}]}), 400)
+    assert error["param"] == "messages"
 
 
 def test_escaped_surrogate_pair_is_fine(server):
@@ -226,8 +232,135 @@ def test_unknown_fields_are_accepted(server):
     assert r.status_code == 200
 
 
-def test_unknown_route_is_an_openai_shaped_404(server):
-    assert_openai_error(httpx.get(server.url + "/v1/nothing"), 404)
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
+    ("/v1/completions", {"priority": 3}, "priority"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}},
+     "prediction"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+])
+def test_recognised_but_unimplemented_fields_are_a_400_naming_them(server, path, body, field):
+    base = ({"prompt": "a", "max_tokens": 2} if path == "/v1/completions" else
+            {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2})
+    error = assert_openai_error(post(server, path, {**base, **body}), 400)
+    assert field in error["message"], error
+    # Their "off" values are what many clients send by default: those stay a 200.
+    off = {"use_beam_search": False, "bad_words": [], "priority": 0, "audio": None,
+           "prediction": None, "modalities": ["text"]}[field]
+    assert post(server, path, {**base, field: off}).status_code == 200
+
+
+@pytest.mark.parametrize("path, base", [
+    ("/v1/completions", {"prompt": "ab"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}]}),
+])
+def test_continuous_usage_stats_put_usage_so_far_on_every_chunk(server, path, base):
+    body = {**base, "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(post(server, path, body))[:-1]
+    assert all(e["usage"] is not None for e in events), events
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 6
+    if path == "/v1/chat/completions":
+        assert counts[0] == 0       # the role chunk comes before any token
+    assert len({e["usage"]["prompt_tokens"] for e in events}) == 1
+    plain = sse_events(post(server, path, {**body, "stream_options": {"include_usage": True}}))
+    assert all(e.get("usage") is None for e in plain[:-2])
+
+
+def test_stream_options_need_stream_true(server):
+    error = assert_openai_error(post(server, "/v1/completions", {
+        "prompt": "a", "max_tokens": 2, "stream_options": {"include_usage": True}}), 400)
+    assert "stream=True" in error["message"]
+
+
+def test_unknown_route_is_an_openai_shaped_404_that_says_it_is_not_supported(server):
+    error = assert_openai_error(httpx.get(server.url + "/v1/nothing"), 404)
+    assert "not supported by this server" in error["message"]
+    for path in ("/v1/embeddings", "/v1/responses", "/v1/audio/speech"):
+        error = assert_openai_error(post(server, path, {"input": "a", "model": "fake-model"}),
+                                    404)
+        assert path in error["message"] and "not supported" in error["message"]
+    assert_openai_error(httpx.delete(server.url + "/v1/completions"), 405)
+
+
+def test_retrieve_model_by_id(server):
+    r = httpx.get(server.url + "/v1/models/fake-model")
+    assert r.status_code == 200 and r.json()["id"] == "fake-model"
+    assert r.json()["object"] == "model"
+    error = assert_openai_error(httpx.get(server.url + "/v1/models/other"), 404)
+    assert error["code"] == "model_not_found"
+
+
+def test_request_id_header_is_echoed_or_generated(server):
+    r = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2},
+             headers={"x-request-id": "trace-123"})
+    assert r.headers["x-request-id"] == "trace-123"
+    generated = [post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+                 .headers["x-request-id"] for _ in range(2)]
+    assert generated[0] and generated[0] != generated[1]
+    assert httpx.get(server.url + "/v1/nothing").headers["x-request-id"]
+
+
+def test_cors_preflight_and_simple_requests(server):
+    r = httpx.options(server.url + "/v1/chat/completions", headers={
+        "origin": "https://app.example", "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization,content-type"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] in ("*", "https://app.example")
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2},
+             headers={"origin": "https://app.example"})
+    assert r.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_flags_restrict_origins():
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    config = ServeConfig()
+    config.server.allowed_origins = ['["https://good.example"]']    # vLLM's JSON form
+    config.server.allow_credentials = True
+    engine = AsyncLLMEngine(FakeEngine())
+    try:
+        from starlette.testclient import TestClient
+
+        with TestClient(build_app(engine, config)) as client:
+            good = client.options("/v1/models", headers={
+                "origin": "https://good.example", "access-control-request-method": "GET"})
+            assert good.headers["access-control-allow-origin"] == "https://good.example"
+            assert good.headers["access-control-allow-credentials"] == "true"
+            bad = client.options("/v1/models", headers={
+                "origin": "https://evil.example", "access-control-request-method": "GET"})
+            assert "access-control-allow-origin" not in bad.headers
+    finally:
+        engine.shutdown()
+
+
+def test_request_log_line_per_request_unless_disabled(caplog):
+    import logging
+
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    for disabled in (False, True):
+        config = ServeConfig()
+        config.server.disable_log_requests = disabled
+        engine = AsyncLLMEngine(FakeEngine())
+        try:
+            from starlette.testclient import TestClient
+
+            with TestClient(build_app(engine, config)) as client, \
+                    caplog.at_level(logging.INFO, logger="jaxserve.requests"):
+                caplog.clear()
+                r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+                assert r.status_code == 200
+                lines = [rec for rec in caplog.records if rec.name == "jaxserve.requests"]
+                assert len(lines) == (0 if disabled else 1)
+                if lines:
+                    assert "Received request cmpl-" in lines[0].getMessage()
+        finally:
+            engine.shutdown()
 
 
 # -- disconnects, metrics, engine death, auth, shutdown ------------------------------------------------

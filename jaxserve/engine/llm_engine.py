@@ -124,7 +124,7 @@ class LLMEngine:
         self.stats.record_step(
             num_prompt_tokens=out.total_num_scheduled_tokens - out.num_decode_tokens,
             num_generation_tokens=len(received), num_preempted=len(out.preempted_seq_ids),
-            step_time=time.perf_counter() - dispatch_time)
+            dispatch_time=dispatch_time, collect_time=time.perf_counter())
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, blocks, stats = self.scheduler, self.block_manager, self.stats

@@ -17,33 +17,46 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     step_time_total: float = 0.0
+    # Wall time with at least one step in flight: the union of [dispatch, collect] over
+    # steps (two may overlap under async scheduling). Throughputs divide by this, so an
+    # idle stretch in the window does not dilute them.
+    busy_time_total: float = 0.0
+    _busy_until: float = 0.0
     _last_log: float = field(default_factory=time.monotonic)
     _last_prompt: int = 0
     _last_generation: int = 0
+    _last_busy: float = 0.0
 
     def record_step(self, *, num_prompt_tokens: int, num_generation_tokens: int,
-                    num_preempted: int, step_time: float) -> None:
+                    num_preempted: int, dispatch_time: float, collect_time: float) -> None:
+        """Times are time.perf_counter() values of the step's dispatch and collection."""
         self.num_prompt_tokens += num_prompt_tokens
         self.num_generation_tokens += num_generation_tokens
         self.num_preemptions += num_preempted
         self.num_steps += 1
-        self.step_time_total += step_time
+        self.step_time_total += collect_time - dispatch_time
+        self.busy_time_total += max(0.0, collect_time - max(dispatch_time, self._busy_until))
+        self._busy_until = max(self._busy_until, collect_time)
 
     def maybe_log(self, snapshot) -> None:
-        """Log the stats line every ``log_interval`` s."""
+        """Log the stats line every ``log_interval`` s (throughputs over busy time)."""
         now = time.monotonic()
-        elapsed = now - self._last_log
-        if elapsed < self.log_interval:
+        if now - self._last_log < self.log_interval:
             return
-        prompt_tps = (self.num_prompt_tokens - self._last_prompt) / elapsed
-        gen_tps = (self.num_generation_tokens - self._last_generation) / elapsed
+        busy = self.busy_time_total - self._last_busy
+        prompt_tps = (self.num_prompt_tokens - self._last_prompt) / busy if busy > 0 else 0.0
+        gen_tps = (self.num_generation_tokens - self._last_generation) / busy if busy > 0 \
+            else 0.0
         queries = snapshot.prefix_cache_queries
         hit_rate = snapshot.prefix_cache_hits / queries if queries else 0.0
         logger.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                     "Prefix cache hit rate: %.1f%%, Avg prompt throughput: %.1f tokens/s, "
-                    "Avg generation throughput: %.1f tokens/s, Preemptions: %d",
+                    "Avg generation throughput: %.1f tokens/s (while busy: %.1f of the last "
+                    "%.1f s), Preemptions: %d",
                     snapshot.num_running, snapshot.num_waiting, 100 * snapshot.kv_cache_usage,
-                    100 * hit_rate, prompt_tps, gen_tps, snapshot.num_preemptions)
+                    100 * hit_rate, prompt_tps, gen_tps, busy, now - self._last_log,
+                    snapshot.num_preemptions)
         self._last_log = now
         self._last_prompt = self.num_prompt_tokens
         self._last_generation = self.num_generation_tokens
+        self._last_busy = self.busy_time_total

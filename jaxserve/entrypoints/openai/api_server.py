@@ -5,11 +5,12 @@
     run_server(config)                        # all of it, plus uvicorn and clean shutdown
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
-Every error is `{"error": {"message", "type", "param", "code"}}` with 400 for
-any invalid request (never FastAPI's 422), 401 for a missing or wrong API key,
-404 for an unknown model. `--api-key` guards every route but /health and
-/metrics.
+GET /v1/models/{id}, GET /health, GET /version, POST /tokenize, POST /detokenize,
+GET /metrics. Every error is `{"error": {"message", "type", "param", "code"}}` with 400
+for any invalid request (never FastAPI's 422), 401 for a missing or wrong API key,
+404 for an unknown model or a route this server does not serve (e.g. /v1/embeddings).
+`--api-key` guards every route but /health and /metrics. Every response carries an
+`x-request-id` header (the client's, if it sent one); CORS follows --allowed-origins etc.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import json
+import uuid
+
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -99,6 +104,38 @@ class APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Pure ASGI middleware: every response carries `x-request-id`, the client's if it sent
+    one (so a proxy's or client's id can be traced through our logs), else a fresh one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
+def _cors_list(values: list[str]) -> list[str]:
+    """vLLM takes these flags as one JSON list ('["https://a"]'); we also take plain words."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        parsed = json.loads(values[0])
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"expected a JSON list of strings, got {values[0]!r}")
+        return parsed
+    return list(values)
+
+
 def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
               api_key: str | None = None) -> FastAPI:
     """A FastAPI app serving `engine`. The caller starts and shuts down the engine."""
@@ -106,6 +143,8 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names)
+    for serving in (completions, chat):
+        serving.log_requests = not config.server.disable_log_requests
     metrics = attach_metrics(engine, names[0])
     engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
     created = int(time.time())
@@ -117,6 +156,13 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     key = api_key if api_key is not None else api_key_from(config)
     if key:
         app.add_middleware(APIKeyMiddleware, api_key=key)
+    server = config.server
+    # Added last = outermost: preflight and error responses get CORS headers and an id too.
+    app.add_middleware(CORSMiddleware, allow_origins=_cors_list(server.allowed_origins),
+                       allow_methods=_cors_list(server.allowed_methods),
+                       allow_headers=_cors_list(server.allowed_headers),
+                       allow_credentials=server.allow_credentials)
+    app.add_middleware(RequestIdMiddleware)
 
     def handle(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
         async def endpoint(raw_request: Request) -> Response:
@@ -144,13 +190,25 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         request = await parse_body(raw_request, ChatCompletionRequest)
         return await chat.create_chat_completion(request, raw_request)
 
+    root = config.engine.model_config.model or names[0]
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+                "root": root, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        root = config.engine.model_config.model or names[0]
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
-             "root": root, "parent": None, "max_model_len": engine.max_model_len}
-            for name in names]}
+        return {"object": "list", "data": [model_card(name) for name in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    @handle
+    async def retrieve_model(raw_request: Request) -> Response:
+        """One model card (OpenAI's `client.models.retrieve`); 404 for a model not served."""
+        model_id = raw_request.path_params["model_id"]
+        if model_id not in names:
+            raise APIError(f"The model `{model_id}` does not exist.", 404, param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card(model_id))
 
     @app.get("/health")
     async def health() -> Response:
@@ -205,10 +263,17 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         return JSONResponse(error.body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         status = exc.status_code
+        message = str(exc.detail)
+        if status == 404 and message == "Not Found":
+            message = (f"The route {request.method} {request.url.path} is not supported by "
+                       f"this server (jaxserve serves /v1/completions, /v1/chat/completions, "
+                       f"/v1/models, /tokenize, /detokenize, /health, /metrics, /version).")
+        elif status == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
         kind = "not_found_error" if status == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, code=status), status_code=status,
+        return JSONResponse(error_body(message, kind, code=status), status_code=status,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -238,7 +303,7 @@ def run_server(config: ServeConfig, drain_timeout: float = 5.0) -> int:
             app, host=server_config.host or "0.0.0.0", port=server_config.port,
             log_level=server_config.uvicorn_log_level,
             timeout_graceful_shutdown=drain_timeout + 10.0,
-            access_log=server_config.uvicorn_log_level in ("debug", "trace"))
+            access_log=not server_config.disable_uvicorn_access_log)
         server = _Server(uv_config, names=served_model_names(config, engine),
                          drain_timeout=drain_timeout, abort_in_flight=engine.abort_all)
         server.run()

@@ -1,7 +1,10 @@
 """OpenAI API request models (pydantic) and response shapes, with vLLM's extra fields.
 
-Requests are validated models; unknown fields are accepted (clients such as
-LangChain send vendor fields) and logged once per endpoint and name.
+Requests are validated models. Unknown fields are accepted (clients such as LangChain
+send vendor fields) and logged per request at debug level, as vLLM does. Fields we
+*recognise* (OpenAI's or vLLM's) but do not implement are a 400 naming the field when
+they are set to anything but their "off" value: a client that asks for beam search or
+audio must not get a 200 that silently lacks it.
 Responses are plain dicts built by the functions at the bottom, in OpenAI's
 field names: streaming sends one per token, and a dict with `json.dumps` is
 the cheapest correct thing to send.
@@ -10,9 +13,8 @@ the cheapest correct thing to send.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,26 +22,77 @@ logger = logging.getLogger(__name__)
 
 MAX_N = 128                  # OpenAI's own limit on `n`
 
-_warned_lock = threading.Lock()
-_warned_fields: set[tuple[str, str]] = set()
+# Recognised request fields (OpenAI's or vLLM's) that jaxserve does not implement, with
+# what to say about each. Sending one with a value other than its "off" value (null,
+# false, 0, "", [] or {}) is a 400 that names it.
+_NOT_IMPLEMENTED_COMMON = {
+    "use_beam_search": "beam search is not implemented",
+    "length_penalty": "length_penalty applies to beam search, which is not implemented",
+    "allowed_token_ids": "allowed_token_ids is not implemented; use logit_bias",
+    "bad_words": "bad_words is not implemented; use logit_bias",
+    "logits_processors": "custom logits processors are not supported",
+    "priority": "priority scheduling is not implemented (the scheduler is FCFS)",
+    "cache_salt": "cache_salt is not implemented",
+    "prompt_embeds": "prompt embeddings are not supported",
+    "kv_transfer_params": "disaggregated prefill (KV transfer) is not supported",
+    "vllm_xargs": "vllm_xargs is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not implemented",
+    "return_token_ids": "return_token_ids is not implemented",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not implemented",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "guided_decoding_backend": "choosing a guided decoding backend is not supported",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
+    "structural_tag": "structural_tag is not supported",
+    # Issue 10 builds these; until they land they must not be dropped silently.
+    "response_format": "structured outputs are not implemented yet",
+    "structured_outputs": "structured outputs are not implemented yet",
+    "guided_json": "structured outputs are not implemented yet",
+    "guided_regex": "structured outputs are not implemented yet",
+    "guided_choice": "structured outputs are not implemented yet",
+    "guided_grammar": "structured outputs are not implemented yet",
+    "prompt_logprobs": "prompt logprobs are not implemented yet",
+}
+_NOT_IMPLEMENTED_CHAT = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "documents": "documents (RAG chat templates) are not supported",
+    "media_io_kwargs": "multimodal inputs are not supported",
+    "echo": "echo on chat completions is not implemented",
+    "tools": "tool calling is not implemented yet",
+    "tool_choice": "tool calling is not implemented yet",
+    "functions": "function calling is not implemented yet",
+    "function_call": "function calling is not implemented yet",
+}
+
+
+def _is_off(value: Any) -> bool:
+    return value is None or value is False or (
+        not isinstance(value, bool) and value in (0, "", [], {}))
 
 
 class OpenAIBaseModel(BaseModel):
-    """Accepts unknown fields and logs each unknown name once per request type."""
+    """Accepts unknown fields (debug-logged per request); refuses recognised ones we don't
+    implement (`not_implemented`, name -> reason) unless they are off."""
 
     model_config = ConfigDict(extra="allow")
+    not_implemented: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="after")
-    def _log_extra_fields(self) -> OpenAIBaseModel:
+    def _check_extra_fields(self) -> OpenAIBaseModel:
         extra = self.model_extra or {}
-        if extra:
-            kind = type(self).__name__
-            with _warned_lock:
-                new = [name for name in extra if (kind, name) not in _warned_fields]
-                _warned_fields.update((kind, name) for name in new)
-            if new:
-                logger.warning("%s: ignoring unsupported field(s) %s (logged once)", kind,
-                               ", ".join(sorted(new)))
+        if not extra:
+            return self
+        refused = [name for name in extra
+                   if name in self.not_implemented and not _is_off(extra[name])]
+        if refused:
+            raise ValueError("; ".join(
+                f"`{name}` is not supported by this server: {self.not_implemented[name]}"
+                for name in refused))
+        unknown = [name for name in extra if name not in self.not_implemented]
+        if unknown:
+            logger.debug("%s: ignoring unknown field(s) %s", type(self).__name__,
+                         ", ".join(sorted(unknown)))
         return self
 
 
@@ -50,6 +103,8 @@ class StreamOptions(OpenAIBaseModel):
 
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    not_implemented: ClassVar[dict[str, str]] = _NOT_IMPLEMENTED_COMMON
 
     model: str | None = None
     max_tokens: int | None = None
@@ -76,6 +131,12 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams kwargs for the fields every endpoint shares (unset ones omitted)."""
         kwargs: dict[str, Any] = {
@@ -96,6 +157,12 @@ class SamplingFields(OpenAIBaseModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage so far on every chunk."""
+        return bool(self.include_usage_in_stream and
+                    self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
@@ -132,6 +199,13 @@ class TextPart(OpenAIBaseModel):
     type: str = "text"
     text: str | None = None
 
+    @model_validator(mode="after")
+    def _text_only(self) -> TextPart:
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported: this "
+                             f"server serves text-only models")
+        return self
+
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -141,6 +215,9 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
+
+    not_implemented: ClassVar[dict[str, str]] = {**_NOT_IMPLEMENTED_COMMON,
+                                                 **_NOT_IMPLEMENTED_CHAT}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -152,8 +229,12 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    modalities: list[str] | None = None
+
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.modalities and set(self.modalities) - {"text"}:
+            raise ValueError(f"modalities {self.modalities} are not supported (text only)")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
         if self.continue_final_message and self.add_generation_prompt:

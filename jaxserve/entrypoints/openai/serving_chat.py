@@ -115,6 +115,10 @@ class OpenAIServingChat(OpenAIServing):
         last: RequestOutput | None = None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            if usage is None and request.continuous_usage_in_stream:
+                usage = usage_dict(num_prompt_tokens,
+                                   sum(len(c.token_ids) for c in last.outputs) if last else 0,
+                                   last.num_cached_tokens if last else 0)
             return sse(chat_response(request_id, model, choices, usage, created, chunk=True))
 
         def logprobs_since(c: Any) -> dict | None:

@@ -55,7 +55,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise APIError("the prompt is empty (0 tokens)", param="prompt")
             prompt_ids.append(ids)
         params = [self.sampling_params(request, self.resolve_max_tokens(len(ids),
-                                                                        request.max_tokens),
+                                                                        request.max_tokens,
+                                                                        "prompt"),
                                        request.logprobs)
                   for ids in prompt_ids]
         prompt_texts = [p if isinstance(p, str) else None for p in prompts]
@@ -114,7 +115,12 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = [0] * num_choices
         cached = [0] * len(prompt_ids)
 
+        generated = [0] * num_choices        # tokens so far, for continuous usage stats
+        continuous_usage = request.continuous_usage_in_stream
+
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            if usage is None and continuous_usage:
+                usage = usage_dict(sum(map(len, prompt_ids)), sum(generated), sum(cached))
             return sse(completion_response(request_id, model, choices, usage, created,
                                            chunk=True))
         try:
@@ -124,6 +130,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     idx = i * n + c.index
                     if finished[idx]:
                         continue
+                    generated[idx] = len(c.token_ids)
                     text = c.text[sent_chars[idx]:]
                     logprobs = None
                     if not echoed[idx]:

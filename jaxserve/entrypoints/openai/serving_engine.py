@@ -20,6 +20,7 @@ from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+request_logger = logging.getLogger("jaxserve.requests")
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
@@ -105,6 +106,8 @@ def validation_error(exc: ValidationError | Any) -> APIError:
 class OpenAIServing:
     """Model names, limits and helpers every OpenAI endpoint uses."""
 
+    log_requests = True     # one INFO line per admitted request (--disable-log-requests)
+
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
@@ -141,14 +144,16 @@ class OpenAIServing:
             raise APIError(f"token id(s) {bad[:5]} out of range [0, {self.vocab_size})",
                            param=param)
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """Check prompt + max_tokens against max_model_len (vLLM's wording); return max_tokens."""
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
+                           input_name: str = "messages") -> int:
+        """Check prompt + max_tokens against max_model_len (vLLM's wording); return max_tokens.
+        `input_name` is what the client sent the input as: "messages" (chat) or "prompt"."""
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your request "
                 f"has {num_prompt_tokens} input tokens. Please reduce the length of the input "
-                "messages.", param="messages", code="context_length_exceeded")
+                f"{input_name}.", param=input_name, code="context_length_exceeded")
         if max_tokens is None:
             return limit - num_prompt_tokens
         if max_tokens < 1:
@@ -158,8 +163,9 @@ class OpenAIServing:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                f"messages, {max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion.", param="max_tokens", code="context_length_exceeded")
+                f"{input_name}, {max_tokens} in the completion). Please reduce the length of "
+                f"the {input_name} or completion.", param="max_tokens",
+                code="context_length_exceeded")
         return max_tokens
 
     def sampling_params(self, request: SamplingFields, max_tokens: int,
@@ -181,6 +187,9 @@ class OpenAIServing:
         try:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
                 request_id = f"{prefix}-{i}"
+                if self.log_requests:
+                    request_logger.info("Received request %s: %d prompt tokens, %r",
+                                        request_id, len(token_ids), sampling_params)
                 stream = await self.engine.add_request(request_id, None, sampling_params,
                                                        prompt_token_ids=token_ids)
                 ids.append(request_id)
