@@ -5,7 +5,9 @@ that hands back ready-made sampled tokens, the engine loop's own cost per step i
 is left — scheduling, the persistent batch's input packing and host->device puts, and
 output processing (token append, detokenization, stop strings, RequestOutputs). Printed
 per component (p50 and mean over the measured steps) at several batch sizes, in steady
-decode, and written to benchmarks/results/host-<tag>.json.
+decode, and written to benchmarks/results/host-<tag>.json. The last line is the engine
+thread's CPU time per step: on a quiet box it equals the wall time; on a busy one (other
+processes on the cores) it is the figure that still means something.
 
     python benchmarks/bench_host.py                       # 1, 64 and 256 running sequences
     python benchmarks/bench_host.py --sizes 64 --steps 400 --sync
@@ -96,7 +98,7 @@ def measure(engine, num_seqs: int, steps: int, prompt_len: int, output_kind: str
               "execute (apply diffs, pack, put, dispatch)": Timed(engine.runner, "execute"),
               "collect (tokens, stops, detokenize)": Timed(engine, "_collect"),
               "drain (RequestOutputs)": Timed(engine.outputs, "drain")}
-    per_step = {name: [] for name in [*timers, "total"]}
+    per_step = {name: [] for name in [*timers, "total", "total (engine thread CPU time)"]}
     profiler = None
     if profile:
         import cProfile
@@ -105,9 +107,10 @@ def measure(engine, num_seqs: int, steps: int, prompt_len: int, output_kind: str
         profiler.enable()
     for _ in range(steps):
         before = {name: t.total for name, t in timers.items()}
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         engine.step()
         per_step["total"].append(time.perf_counter() - start)
+        per_step["total (engine thread CPU time)"].append(time.thread_time() - start_cpu)
         for name, t in timers.items():
             per_step[name].append(t.total - before[name])
     if profiler is not None:

@@ -14,7 +14,13 @@ One request's loop (what the engine does after each step)::
         text = detokenizer.output_text
     stream_this = stops.stream(text, finished)   # never shows part of a stop string early
 
-Detokenization follows vLLM's prefix/read-offset algorithm: each step decodes a
+Byte-level BPE tokenizers (GPT-2 style: SmolLM, Llama 3, Qwen) take a fast path: each
+token is a fixed byte string, so a step is one table lookup and one call of an
+incremental UTF-8 decoder, which holds back an unfinished character by itself. The
+table is built once per tokenizer and checked against the tokenizer's own decoder;
+if they ever disagree, the general path below is used.
+
+The general path follows vLLM's prefix/read-offset algorithm: each step decodes a
 short window of tokens twice -- up to the last emitted token, and through the
 new one -- and emits the difference. Decoding with a little context keeps the
 leading space of a word that sentencepiece-style decoders strip at the start of
@@ -24,6 +30,9 @@ tokens) is held back until the next token completes it.
 
 from __future__ import annotations
 
+import codecs
+import random
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +62,35 @@ class TokenTable:
             self._id_to_token = tokenizer.convert_ids_to_tokens
             self.tokens_to_text = tokenizer.convert_tokens_to_string
 
+        self._decoder = backend.decoder if backend is not None else None
+        self._byte_pieces: list[bytes] | None | bool = False     # False: not built yet
+
+    @property
+    def byte_pieces(self) -> list[bytes] | None:
+        """id -> the bytes that token decodes to, for byte-level BPE decoders; else None."""
+        if self._byte_pieces is False:
+            self._byte_pieces = self._build_byte_pieces()
+        return self._byte_pieces  # type: ignore[return-value]
+
+    def _build_byte_pieces(self) -> list[bytes] | None:
+        if self._decoder is None or type(self._decoder).__name__ != "ByteLevel":
+            return None
+        byte_of = _gpt2_byte_decoder()
+        pieces = []
+        for token_id in range(self.vocab_size):
+            token = self._id_to_token(token_id) or ""
+            pieces.append(b"".join(bytes((byte_of[c],)) if c in byte_of else c.encode()
+                                   for c in token))
+        # Trust it only where it reproduces the tokenizer's own decoder.
+        rng = random.Random(0)
+        for _ in range(64):
+            ids = [rng.randrange(self.vocab_size) for _ in range(rng.randrange(1, 24))]
+            tokens = [self._id_to_token(t) or "" for t in ids]
+            if self.tokens_to_text(tokens) != b"".join(pieces[t] for t in ids).decode(
+                    "utf-8", "replace"):
+                return None
+        return pieces
+
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenTable:
         try:
@@ -79,13 +117,19 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 *, byte_fast_path: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.output_text = ""
         self._table = TokenTable.for_tokenizer(tokenizer)
+        self._pieces = self._table.byte_pieces if byte_fast_path else None
+        if self._pieces is not None:        # the byte-level fast path (module docstring)
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._skip = self._table.special_ids if skip_special_tokens else frozenset()
+            return
         # a few prompt tokens (plus two spare, in case some are special and skipped)
         context = list(prompt_token_ids)[-(INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2):]
         self.tokens: list[str] = self._to_tokens(context)
@@ -97,6 +141,18 @@ class IncrementalDetokenizer:
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they finalize (possibly "", never a broken char)."""
+        if self._pieces is not None:
+            pieces, skip, vocab = self._pieces, self._skip, len(self._pieces)
+            if len(new_token_ids) == 1:         # the decode step's case, without a generator
+                t = new_token_ids[0]
+                data = pieces[t] if 0 <= t < vocab and t not in skip else b""
+            else:
+                data = b"".join(pieces[t] for t in new_token_ids
+                                if 0 <= t < vocab and t not in skip)
+            self.token_ids.extend(new_token_ids)
+            delta = self._utf8.decode(data)
+            self.output_text += delta
+            return delta
         deltas = []
         for token_id in new_token_ids:
             self.token_ids.append(int(token_id))
@@ -115,6 +171,20 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return new_text[len(prefix_text):]
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character map, inverted (what ByteLevel decoders undo)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def find_stop_string(output_text: str, new_char_count: int, stop: Sequence[str],
@@ -159,14 +229,29 @@ class StopChecker:
             stop = [stop]
         self.stop = [s for s in (stop or ()) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.holdback = (max((len(s) for s in self.stop), default=1) - 1
+        self.max_len = max((len(s) for s in self.stop), default=0)
+        self.holdback = (self.max_len - 1
                          if self.stop and not include_stop_str_in_output else 0)
         self.streamed_chars = 0
+        # One C-level scan for all stop strings; longest first, so that at the earliest
+        # position the longest string wins (find_stop_string's rule).
+        self._pattern = re.compile("|".join(
+            re.escape(s) for s in sorted(set(self.stop), key=len, reverse=True))) \
+            if self.stop else None
 
     def check(self, output_text: str, new_char_count: int) -> tuple[str, str] | None:
         """(stop string, truncated text) if the newest text completes a stop string."""
-        return find_stop_string(output_text, new_char_count, self.stop,
-                                self.include_stop_str_in_output)
+        if new_char_count <= 0 or self._pattern is None:
+            return None
+        start = max(0, len(output_text) - new_char_count - self.max_len + 1)
+        old_end = len(output_text) - new_char_count     # a match must end past this
+        match = self._pattern.search(output_text, start)
+        while match is not None and match.end() <= old_end:
+            match = self._pattern.search(output_text, match.start() + 1)
+        if match is None:
+            return None
+        end = match.end() if self.include_stop_str_in_output else match.start()
+        return match.group(), output_text[:end]
 
     def stream(self, output_text: str, finished: bool) -> str:
         """The next piece of `output_text` to send: all of it once finished, else all but the

@@ -204,3 +204,58 @@ def test_find_stop_string_prefers_the_earliest_match_and_searches_only_new_text(
     assert find_stop_string(text, 0, ["four"]) is None
     assert find_stop_string("ab", 2, ["a", "ab"]) == ("ab", "")  # same start: the longer one
     assert find_stop_string("你好世界", 1, ["好世界"], True) == ("好世界", "你好世界")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_level_fast_path_equals_the_general_path(tokenizer, skip):
+    """The byte table + incremental UTF-8 decoder emits the same text as the prefix/read-offset
+    path for real text (multi-byte characters split across tokens), never later (it can
+    release a space before an unfinished emoji the general path holds back). On random ids,
+    which break UTF-8 anywhere, it may show a U+FFFD earlier (as soon as a byte cannot be
+    part of a character; the general path waits for the next good text), but once a plain
+    ASCII token follows, both have emitted the same text."""
+    import random
+
+    from jaxserve.detokenizer import TokenTable
+
+    table = TokenTable.for_tokenizer(tokenizer)
+    if type(tokenizer.backend_tokenizer.decoder).__name__ != "ByteLevel":
+        assert table.byte_pieces is None        # e.g. sentencepiece-style: general path
+        return
+    assert table.byte_pieces is not None
+    rng = random.Random(7)
+    prompt = tokenizer.encode("Hi", add_special_tokens=False)
+    for line in LONG_TEXT.splitlines():
+        ids = tokenizer.encode(line, add_special_tokens=False)
+        _, fast = stream(tokenizer, prompt, ids, skip_special_tokens=skip)
+        _, general = stream(tokenizer, prompt, ids, skip_special_tokens=skip,
+                            byte_fast_path=False)
+        assert "".join(fast) == "".join(general) == continuation(tokenizer, prompt, ids)
+        for i in range(len(ids)):
+            assert "".join(fast[:i + 1]).startswith("".join(general[:i + 1])), (line, i)
+    special = sorted(table.special_ids)
+    period = tokenizer.encode(".", add_special_tokens=False)
+    for trial in range(40):
+        ids = [rng.choice(special) if special and rng.random() < 0.05
+               else rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        _, fast = stream(tokenizer, prompt, ids + period, chunk=1 + trial % 3,
+                         skip_special_tokens=skip)
+        _, general = stream(tokenizer, prompt, ids + period, chunk=1 + trial % 3,
+                            skip_special_tokens=skip, byte_fast_path=False)
+        assert "".join(fast) == "".join(general), ids
+
+
+def test_stop_checker_scan_equals_find_stop_string_on_random_texts():
+    """StopChecker scans all stop strings with one regex; it must pick what the reference
+    find_stop_string picks: the earliest match ending in the new text, longest on ties."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 4)))
+                 for _ in range(rng.randrange(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 12)))
+        new = rng.randrange(0, len(text) + 1)
+        for include in (False, True):
+            assert StopChecker(stops, include).check(text, new) == \
+                find_stop_string(text, new, stops, include), (stops, text, new, include)

@@ -96,6 +96,9 @@ class BlockManager:
         blocks count as free. Returns False, changing nothing, when there are not enough.
         """
         first_allocation = computed_blocks is not None  # a waiting seq being admitted
+        if not first_allocation and (seq.num_computed_tokens + num_new_tokens
+                                     <= len(seq.block_table) * self.block_size):
+            return True     # fits in the blocks it has: most decode steps end here
         computed_blocks = computed_blocks or []
         if first_allocation:
             assert seq.num_computed_tokens == 0 and not seq.block_table, seq

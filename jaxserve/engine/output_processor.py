@@ -127,49 +127,54 @@ class OutputProcessor:
     def process_token(self, seq: Sequence, result: RunnerOutput, row: int, now: float
                       ) -> SequenceStatus | None:
         """seq just received the token of batch row ``row`` (already appended to it): text,
-        logprobs and stop checks. Returns a finish status, or None."""
+        logprobs and stop checks. Returns a finish status, or None.
+
+        This runs once per sequence per step on the engine's critical path: keep it lean."""
         state = self.requests[seq.request_id]
-        params = state.params
         token = seq.token_ids[-1]
         state.changed = True
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.metrics.last_token_time = now
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         if seq.logprobs is not None:
             logprobs = result.logprobs
             seq.cumulative_logprob += float(logprobs.sampled_logprobs[row])
-            seq.logprobs.append(self._logprob_entry(token, logprobs, row, params.logprobs))
+            seq.logprobs.append(self._logprob_entry(token, logprobs, row, state.params.logprobs))
 
         text = state.texts[seq.index]
-        delta = ""
-        if text.detok is not None:
-            delta = text.detok.step([token])
-            text.text += delta
-        status = self._check_stop(seq, state, text, token, len(delta))
+        detok = text.detok
+        num_new_chars = 0
+        if detok is not None:
+            delta = detok.step((token,))
+            if delta:
+                text.text += delta
+                num_new_chars = len(delta)
+        status = self._check_stop(seq, state, text, token, num_new_chars)
         if status is not None:
             text.finish_reason = status.value      # the scheduler sets seq.status as it frees
             if all(t.finish_reason is not None for t in state.texts):
                 state.finished = True
-                state.metrics.finished_time = now
+                metrics.finished_time = now
         return status
 
     def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int,
                     num_new_chars: int) -> SequenceStatus | None:
         params = state.params
-        past_min = seq.num_output_tokens > params.min_tokens
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if past_min and token in state.stop_token_ids:
-            seq.stop_reason = token
-            return SequenceStatus.FINISHED_STOPPED
-        if params.stop and past_min and text.detok is not None:
-            match = state.stops.check(text.text, num_new_chars)
-            if match is not None:
-                seq.stop_reason, text.text = match
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output > params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
                 return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
+            if token in state.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+            if num_new_chars and params.stop and text.detok is not None:
+                match = state.stops.check(text.text, num_new_chars)
+                if match is not None:
+                    seq.stop_reason, text.text = match
+                    return SequenceStatus.FINISHED_STOPPED
+        if num_tokens >= seq.max_num_tokens:    # max_tokens or max_model_len, whichever first
             return SequenceStatus.FINISHED_LENGTH
         return None
 
