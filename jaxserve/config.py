@@ -80,8 +80,9 @@ class SchedulerConfig:
         1, "How many prompts may be partly prefilled at once (vLLM's flag).")
     prefill_budget_while_decoding: int | None = opt(
         None, "While decodes run, the most prompt tokens a step may prefill, so a prefill "
-        "cannot stall every stream's next token. Default: as many as there are decodes (at "
-        "least 32), which keeps such a step near twice a decode step; 0 = no cap.")
+        "cannot stall every stream's next token. Default: what fills the step to the token "
+        "bucket of max(2 x decodes, 32), which keeps such a step near twice a decode step; "
+        "0 = no cap (best throughput for offline batch jobs, worst inter-token latency).")
     async_scheduling: bool = opt(
         True, "Schedule and prepare step N+1 while step N runs; a decode takes step N's "
         "token on the device (vLLM's --async-scheduling). Same tokens either way.")

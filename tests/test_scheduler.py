@@ -16,7 +16,7 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.step_contract import SchedulerOutput
-from jaxserve.runner.buckets import BucketPolicy
+from jaxserve.runner.buckets import BucketPolicy, next_power_of_2
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.step_inputs import StepLayout
 from jaxserve.sampling_params import SamplingParams
@@ -246,6 +246,21 @@ def test_prefill_is_capped_while_decodes_run():
     assert planned(step(scheduler)) == [("a", 1), ("b", 8)]
     scheduler.finish_seq(scheduler.running[0], SequenceStatus.FINISHED_STOPPED)
     assert planned(step(scheduler)) == [("b", 24)]    # alone, a prompt takes the budget
+
+
+@pytest.mark.parametrize("num_decodes, expected_prefill", [(1, 31), (16, 16), (17, 47)])
+def test_auto_prefill_budget_fills_the_step_to_a_token_bucket(num_decodes, expected_prefill):
+    """Auto: decodes + prefill = next_pow2(max(2 x decodes, 32)), so a mixed step runs at most
+    twice the decode step's bucket (16 decodes + 32 prompt tokens would be bucket 64: 4x)."""
+    scheduler = make_scheduler(max_num_batched_tokens=256, max_model_len=256, num_blocks=256,
+                               max_num_seqs=32)
+    for i in range(num_decodes):
+        scheduler.add_seq(make_seq([i], f"d{i}"))
+    step(scheduler)                               # one-token prompts: all decode from now on
+    scheduler.add_seq(make_seq(range(100, 200), "p"))
+    plan = dict(planned(step(scheduler)))
+    assert plan["p"] == expected_prefill
+    assert sum(plan.values()) == next_power_of_2(max(2 * num_decodes, 32))
 
 
 def test_long_prefill_threshold_and_partial_prefill_limit():

@@ -31,6 +31,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
+from jaxserve.runner.buckets import next_power_of_2  # the step shapes the cap aims at
 
 logger = logging.getLogger(__name__)
 
@@ -173,10 +174,13 @@ class Scheduler:
         """Most prompt tokens the next sequence may take this step (<= 0: none).
 
         vLLM's per-request ``long_prefill_token_threshold``; and while decodes run, the
-        step's prefill work is held to ``prefill_budget_while_decoding`` (auto: as many
-        tokens as there are decodes, at least 32), so a step with a prefill costs about
-        twice a decode step instead of several times it. Without chunked prefill a prompt
-        must fit whole, so only the step's token budget applies.
+        step's prefill work is held to ``prefill_budget_while_decoding``. Auto fills the
+        step up to the power-of-two token bucket of max(2 x decodes, 32) (the runner's
+        buckets are powers of two): a decode step of D rows runs bucket next_pow2(D), a
+        mixed one at most twice that, so a prefill costs the streams one step of about
+        twice a decode step, never several times it (16 decodes + 32 prompt tokens would
+        round up to bucket 64: 4x). Without chunked prefill a prompt must fit whole, so only
+        the step's token budget applies.
         """
         cap = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
@@ -186,7 +190,7 @@ class Scheduler:
         if num_decodes and self.decode_prefill_budget != 0:
             limit = self.decode_prefill_budget
             if limit is None:
-                limit = max(32, num_decodes)
+                limit = next_power_of_2(max(2 * num_decodes, 32)) - num_decodes
             cap = min(cap, limit - prefill_used)
         return cap
 
