@@ -79,6 +79,12 @@ class SchedulerConfig:
         None, "While decodes run, the most prompt tokens a step may prefill, so a prefill "
         "cannot stall every stream's next token. Default: as many as there are decodes (at "
         "least 32), which keeps such a step near twice a decode step; 0 = no cap.")
+    max_prompt_logprobs_per_step: int | None = opt(
+        None, "Most prompt positions per step whose prompt logprobs are computed: the fixed "
+        "size of the step's prompt-logprobs gather, so a request that asks for prompt_logprobs "
+        "is prefilled in chunks of at most this many tokens. Default: min(256, "
+        "max_num_batched_tokens) (all of it without chunked prefill); 0 turns prompt logprobs "
+        "off.")
     async_scheduling: bool = opt(
         True, "Schedule and prepare step N+1 while step N runs; a decode takes step N's "
         "token on the device (vLLM's --async-scheduling). Same tokens either way.")
@@ -148,6 +154,10 @@ class EngineConfig(FlatOptions):
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
         _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)
         _check_range("max_num_partial_prefills", s.max_num_partial_prefills, 1, 4096)
+        if s.max_prompt_logprobs_per_step is None:
+            s.max_prompt_logprobs_per_step = min(256, s.max_num_batched_tokens)
+        _check_range("max_prompt_logprobs_per_step", s.max_prompt_logprobs_per_step, 0,
+                     s.max_num_batched_tokens)
         if s.prefill_budget_while_decoding is not None:
             _check_range("prefill_budget_while_decoding", s.prefill_budget_while_decoding, 0,
                          1 << 20)
