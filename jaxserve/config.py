@@ -178,6 +178,9 @@ class ServerConfig:
     api_key: str | None = opt(
         None, "Require 'Authorization: Bearer KEY' on every route but /health and /metrics. "
         "Also read from JAXSERVE_API_KEY.")
+    enable_tokenizer_info_endpoint: bool = opt(
+        False, "Serve GET /tokenizer_info (the tokenizer's configuration and chat template), "
+        "as vLLM's flag does; lm-eval's tokenizer_backend=remote reads it.")
     uvicorn_log_level: str = opt("info", "uvicorn's log level.",
                                  choices=["critical", "error", "warning", "info", "debug",
                                           "trace"])

@@ -1,11 +1,15 @@
-"""Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`) against Hugging Face, offline.
+"""Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`): offline against Hugging Face,
+and on the server (echo + logprobs, echo with max_tokens 0, the prompt_logprobs field,
+/tokenizer_info) against the offline engine.
 
 One tiny random Llama engine whose prompt-logprobs gather holds 16 positions per step, so
-a 70-token prompt is prefilled in several chunks; the HF model has the same weights.
+a 70-token prompt is prefilled in several chunks; the HF model has the same weights. The
+server runs the same engine configuration (its steps come from the compilation cache).
 """
 
 from __future__ import annotations
 
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -14,11 +18,13 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from tests.hf_reference import hf_logits
+from tests.test_server import ServerProcess
 
-# Shared with tests/test_prompt_logprobs_server.py, so the server reuses the compiled steps.
+# The server below runs the same configuration, so it reuses the compiled steps.
 ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
                      max_prompt_logprobs_per_step=16, kv_cache_memory_bytes=4 << 20)
 NUM_TOP = 5
+MAX_LOGPROBS = 20      # the engine default
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -115,3 +121,109 @@ def test_prompt_logprobs_turned_off_is_a_clear_error(model_dir):
     batch = InputBatch(2, 64, 16, 4, prompt_logprobs_cap=0)
     with pytest.raises(ValueError, match="max_prompt_logprobs_per_step=0"):
         batch.check(SamplingParams(prompt_logprobs=1))
+
+
+# -- the server ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def http(model_dir, tmp_path_factory):
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_KWARGS.items()]
+    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("server") / "server.log", *flags,
+                        "--enable-tokenizer-info-endpoint")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as client:
+            yield client
+    finally:
+        assert srv.stop() == 0, srv.log_tail()
+
+
+def _offline_prompt_logprobs(llm, ids: list[int], num_top: int):
+    return llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=num_top),
+                        use_tqdm=False)[0].prompt_logprobs
+
+
+def test_echo_with_logprobs_reports_the_prompt_then_the_completion(llm, http):
+    ids = _prompt(37, seed=3)
+    body = http.post("/v1/completions", json={
+        "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0,
+        "ignore_eos": True}).json()
+    [choice] = body["choices"]
+    lp = choice["logprobs"]
+    expected = _offline_prompt_logprobs(llm, ids, 2)
+    tok = llm.get_tokenizer()
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][i] - expected[i][ids[i]].logprob) <= 1e-4
+        # Token texts are the keys: undecodable byte tokens ("\ufffd") may share one.
+        assert lp["tokens"][i] in lp["top_logprobs"][i] and len(lp["top_logprobs"][i]) <= 3
+    assert all(v is not None for v in lp["token_logprobs"][len(ids):])   # generated ones
+    assert lp["text_offset"][:2] == [0, len(tok.decode([ids[0]]))]
+    assert choice["text"].startswith(tok.decode(ids))
+    assert choice["prompt_logprobs"][0] is None
+    assert set(choice["prompt_logprobs"][1]) >= {str(ids[1])}
+
+
+def test_echo_with_max_tokens_zero_returns_only_the_prompt(llm, http):
+    ids = _prompt(20, seed=4)
+    text = llm.get_tokenizer().decode(ids)
+    body = http.post("/v1/completions", json={
+        "prompt": text, "echo": True, "logprobs": 1, "max_tokens": 0}).json()
+    [choice] = body["choices"]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0
+    encoded = llm.get_tokenizer().encode(text)
+    assert len(choice["logprobs"]["tokens"]) == len(encoded)
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert all(v is not None for v in choice["logprobs"]["token_logprobs"][1:])
+    # Without logprobs: the prompt alone, and no logprobs reported.
+    body = http.post("/v1/completions", json={"prompt": text, "echo": True,
+                                              "max_tokens": 0}).json()
+    assert body["choices"][0]["text"] == text
+    assert body["choices"][0]["logprobs"] is None
+    assert body["choices"][0]["prompt_logprobs"] is None
+
+
+def test_prompt_logprobs_field_on_completions_and_chat(llm, http):
+    ids = _prompt(30, seed=5)
+    expected = _offline_prompt_logprobs(llm, ids, 3)
+    body = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 2,
+                                              "prompt_logprobs": 3}).json()
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        assert set(got[i]) == {str(t) for t in expected[i]}
+        for tid, lp in expected[i].items():
+            entry = got[i][str(tid)]
+            assert entry["rank"] == lp.rank and entry["decoded_token"] == lp.decoded_token
+            assert abs(entry["logprob"] - lp.logprob) <= 1e-4
+    body = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
+        "prompt_logprobs": 1}).json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) > 5
+    assert all(1 <= len(e) <= 2 for e in body["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"prompt_logprobs": -2}, "must be a positive value or -1"),
+    ({"prompt_logprobs": -1}, "whole vocabulary) is not supported"),
+    ({"prompt_logprobs": MAX_LOGPROBS + 1}, "greater than max allowed: 20"),
+    ({"prompt_logprobs": 1, "stream": True}, "not available when `stream=True`"),
+    ({"max_tokens": 0}, "max_tokens must be at least 1"),
+])
+def test_bad_prompt_logprobs_requests_are_400s_in_openai_shape(http, payload, message):
+    response = http.post("/v1/completions", json={"prompt": "hello", **payload})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_tokenizer_info_describes_the_served_tokenizer(llm, http):
+    info = http.get("/tokenizer_info").json()
+    tok = llm.get_tokenizer()
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["chat_template"] == tok.chat_template
+    assert info["tokenizer_class"] == type(tok).__name__
+    tokens = http.post("/tokenize", json={"prompt": "hello world",
+                                          "add_special_tokens": False}).json()["tokens"]
+    assert tokens == tok.encode("hello world", add_special_tokens=False)
+    assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "hello world"

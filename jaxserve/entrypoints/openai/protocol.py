@@ -76,6 +76,22 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    prompt_logprobs: int | None = None     # vLLM: top-N logprobs of every prompt token
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> SamplingFields:
+        # vLLM's rules and words; -1 (the whole vocabulary) is recognised but not implemented.
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if self.prompt_logprobs == -1:
+                raise ValueError("`prompt_logprobs` of -1 (the whole vocabulary) is not "
+                                 "supported; ask for at most max_logprobs")
+            if self.prompt_logprobs < 0:
+                raise ValueError(f"`prompt_logprobs` must be a positive value or -1, got "
+                                 f"{self.prompt_logprobs}.")
+        return self
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams kwargs for the fields every endpoint shares (unset ones omitted)."""
         kwargs: dict[str, Any] = {
