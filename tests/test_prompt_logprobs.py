@@ -227,3 +227,32 @@ def test_tokenizer_info_describes_the_served_tokenizer(llm, http):
                                           "add_special_tokens": False}).json()["tokens"]
     assert tokens == tok.encode("hello world", add_special_tokens=False)
     assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "hello world"
+
+
+def test_lm_eval_loglikelihoods_equal_the_offline_prompt_logprobs(llm, http, monkeypatch):
+    """lm-eval's `local-completions` (echo + logprobs, remote tokenizer) end to end."""
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from tests.test_server import ROOT
+
+    monkeypatch.chdir(ROOT)                         # the task YAMLs name their data from it
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": f"{http.base_url}/v1/completions", "model": "tiny",
+                    "tokenizer_backend": "remote", "num_concurrent": 2, "max_retries": 1},
+        tasks=["jaxserve_smoke_mc", "jaxserve_smoke_gen"], limit=3, log_samples=True,
+        task_manager=TaskManager(include_path=str(ROOT / "tests" / "data" / "lm_eval")))
+    assert 0.0 <= results["results"]["jaxserve_smoke_mc"]["acc,none"] <= 1.0
+    assert len(results["samples"]["jaxserve_smoke_gen"]) == 3
+    tok = llm.get_tokenizer()
+    for sample in results["samples"]["jaxserve_smoke_mc"]:
+        for (context, continuation), [(loglikelihood, _)] in zip(sample["arguments"],
+                                                                sample["resps"]):
+            ids = tok.encode(context + continuation, add_special_tokens=False)
+            start = len(tok.encode(context, add_special_tokens=False))
+            entries = _offline_prompt_logprobs(llm, ids, 0)
+            expected = sum(entries[i][ids[i]].logprob for i in range(start, len(ids)))
+            assert abs(loglikelihood - expected) <= 1e-3
