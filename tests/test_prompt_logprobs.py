@@ -9,6 +9,8 @@ server runs the same engine configuration (its steps come from the compilation c
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import jax
 import numpy as np
@@ -161,6 +163,22 @@ def test_echo_with_logprobs_reports_the_prompt_then_the_completion(llm, http):
     assert choice["text"].startswith(tok.decode(ids))
     assert choice["prompt_logprobs"][0] is None
     assert set(choice["prompt_logprobs"][1]) >= {str(ids[1])}
+
+
+def test_streamed_echo_carries_the_prompt_logprobs_in_its_first_chunk(llm, http):
+    ids = _prompt(25, seed=6)
+    expected = _offline_prompt_logprobs(llm, ids, 1)
+    with http.stream("POST", "/v1/completions", json={
+            "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 2, "stream": True,
+            "temperature": 0}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    first = json.loads(events[0])["choices"][0]
+    assert first["text"].startswith(llm.get_tokenizer().decode(ids))
+    token_logprobs = first["logprobs"]["token_logprobs"]
+    assert token_logprobs[0] is None
+    assert all(abs(token_logprobs[i] - expected[i][ids[i]].logprob) <= 1e-4
+               for i in range(1, len(ids)))
 
 
 def test_echo_with_max_tokens_zero_returns_only_the_prompt(llm, http):
