@@ -273,7 +273,9 @@ class OutputProcessor:
         prompt_logprobs = None
         if state.prompt_logprobs is not None and state.num_prompt_logprobs_missing == 0 \
                 and not (delta and state.prompt_logprobs_sent):
-            prompt_logprobs = list(state.prompt_logprobs)
+            # Shared, not copied (each cumulative output would copy the whole prompt's):
+            # complete entries change no more (a recompute rewrites the same values).
+            prompt_logprobs = state.prompt_logprobs
             state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
