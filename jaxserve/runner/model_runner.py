@@ -235,6 +235,9 @@ class ModelRunner:
         if self.step_channel is not None:   # multi-host leader: every process runs this step
             self.step_channel.send(inputs)
         device_out = self.run_step(inputs)
+        if inputs.prompt_logprobs_rows:      # small arrays; start their copy with the tokens'
+            for leaf in jax.tree.leaves(device_out[1]):
+                leaf.copy_to_host_async()
         kv_lens = self.batch.num_computed[rows] + np.asarray(out.num_scheduled_tokens)
         want_logprobs = bool((self.batch.num_logprobs[rows] >= 0).any())
         return PendingStep(self, out, rows, kv_lens, device_out, want_logprobs,
