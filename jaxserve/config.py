@@ -83,6 +83,12 @@ class SchedulerConfig:
         "cannot stall every stream's next token. Default: what fills the step to the token "
         "bucket of max(2 x decodes, 32), which keeps such a step near twice a decode step; "
         "0 = no cap (best throughput for offline batch jobs, worst inter-token latency).")
+    max_prompt_logprobs_per_step: int | None = opt(
+        None, "Most prompt positions per step whose prompt logprobs are computed: the fixed "
+        "size of the step's prompt-logprobs gather, so a request that asks for prompt_logprobs "
+        "is prefilled in chunks of at most this many tokens. Default: min(256, "
+        "max_num_batched_tokens) (all of it without chunked prefill); 0 turns prompt logprobs "
+        "off.")
     async_scheduling: bool = opt(
         True, "Schedule and prepare step N+1 while step N runs; a decode takes step N's "
         "token on the device (vLLM's --async-scheduling). Same tokens either way.")
@@ -152,6 +158,10 @@ class EngineConfig(FlatOptions):
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
         _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)
         _check_range("max_num_partial_prefills", s.max_num_partial_prefills, 1, 4096)
+        if s.max_prompt_logprobs_per_step is None:
+            s.max_prompt_logprobs_per_step = min(256, s.max_num_batched_tokens)
+        _check_range("max_prompt_logprobs_per_step", s.max_prompt_logprobs_per_step, 0,
+                     s.max_num_batched_tokens)
         if s.prefill_budget_while_decoding is not None:
             _check_range("prefill_budget_while_decoding", s.prefill_budget_while_decoding, 0,
                          1 << 20)
@@ -172,6 +182,9 @@ class ServerConfig:
     api_key: str | None = opt(
         None, "Require 'Authorization: Bearer KEY' on every route but /health and /metrics. "
         "Also read from JAXSERVE_API_KEY.")
+    enable_tokenizer_info_endpoint: bool = opt(
+        False, "Serve GET /tokenizer_info (the tokenizer's configuration and chat template), "
+        "as vLLM's flag does; lm-eval's tokenizer_backend=remote reads it.")
     uvicorn_log_level: str = opt("info", "uvicorn's log level.",
                                  choices=["critical", "error", "warning", "info", "debug",
                                           "trace"])

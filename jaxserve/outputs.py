@@ -15,6 +15,8 @@ class Logprob:
 
 # Per generated position: token id -> Logprob (the sampled token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position, the same (the actual prompt token plus the top-N); the first is None.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -55,7 +57,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None   # when asked, once the prompt is computed
     error: str | None = field(default=None)   # set when the request failed on its own
 
     def __repr__(self) -> str:

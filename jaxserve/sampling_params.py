@@ -67,7 +67,7 @@ class SamplingParams:
     max_tokens: int | None = 16                # None: up to max_model_len (engine resolves)
     min_tokens: int = 0
     logprobs: int | None = None                # top-N logprobs per output token
-    prompt_logprobs: int | None = None         # only None or 0 for now
+    prompt_logprobs: int | None = None         # top-N logprobs per prompt token
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -142,8 +142,12 @@ class SamplingParams:
             _check_int("seed", self.seed)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            # max_tokens=0 is "prefill only", for prompt logprobs (vLLM's API serves echo with
+            # max_tokens=0 by generating one token it drops; we skip generating it).
+            if self.max_tokens < 1 and not (self.max_tokens == 0
+                                            and self.prompt_logprobs is not None):
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens} "
+                                 "(0 only with prompt_logprobs).")
         _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, "
@@ -160,9 +164,6 @@ class SamplingParams:
             if self.prompt_logprobs < 0:
                 raise ValueError(f"prompt_logprobs must be non-negative, "
                                  f"got {self.prompt_logprobs}.")
-            if self.prompt_logprobs > 0:
-                raise ValueError(f"prompt_logprobs > 0 is not supported yet, "
-                                 f"got {self.prompt_logprobs}; use None or 0.")
         if not all(isinstance(t, int) and not isinstance(t, bool)
                    for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must contain only integers, "
@@ -186,6 +187,9 @@ class SamplingParams:
         """
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise ValueError(f"Requested sample logprobs of {self.logprobs}, "
+                             f"which is greater than max allowed: {max_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
+            raise ValueError(f"Requested prompt logprobs of {self.prompt_logprobs}, "
                              f"which is greater than max allowed: {max_logprobs}")
         if self.min_tokens > max_model_len:
             raise ValueError(f"min_tokens must be at most max_model_len={max_model_len}, "

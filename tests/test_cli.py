@@ -144,3 +144,20 @@ def test_terminal_chat_streams_replies_and_keeps_history():
                and not line.startswith("(")]
     assert len(replies) == 2 and all(len(r) == 5 for r in replies)
     assert "(conversation cleared)" in out.getvalue()
+
+
+def test_export_tokenizer_writes_a_directory_huggingface_loads(make_tiny_model, tmp_path,
+                                                               capsys):
+    import transformers
+
+    from jaxserve.tokenizer import load_tokenizer
+
+    model_dir = make_tiny_model("llama")
+    assert main(["export-tokenizer", str(tmp_path / "tok"), "--model", str(model_dir)]) == 0
+    assert "wrote the tokenizer" in capsys.readouterr().out
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    served = load_tokenizer(str(model_dir))
+    text = "The quick brown fox, café 12345!"
+    assert exported.encode(text) == served.encode(text)
+    assert exported.chat_template == served.chat_template
+    assert exported.eos_token == served.eos_token

@@ -85,7 +85,8 @@ def _collectives(runner) -> dict:
             weight_shapes.add(tuple(leaf.shape))
             if "layers" in jax.tree_util.keystr(path):
                 weight_shapes.add(tuple(leaf.shape[1:]))     # one layer's matrix
-    return {"bucket": [t, s], "ops": ops, "weight_shapes": sorted(weight_shapes)}
+    return {"bucket": [t, s], "ops": ops, "weight_shapes": sorted(weight_shapes),
+            "prompt_logprobs_slots": min(t, runner.prompt_logprobs_cap)}
 
 
 def _placement_facts(llm) -> dict:
@@ -375,7 +376,9 @@ def test_compiled_step_all_reduces_per_layer_and_never_gathers_weights(worker_re
     for op in gathers:
         for shape in op["shapes"]:
             assert tuple(shape) not in weights, f"a weight matrix is gathered: {op}"
-            assert shape == [s, vocab], f"only the logits should be gathered: {op}"
+            # The logits of the sampling rows and of the prompt-logprobs positions.
+            assert shape in ([s, vocab], [facts["prompt_logprobs_slots"], vocab]), \
+                f"only the logits should be gathered: {op}"
     assert not [op for op in ops if op["op"] in ("all-to-all", "collective-permute")], ops
 
 

@@ -68,7 +68,8 @@ REJECTED = [
                                          "max_tokens=10, got 20"),
     (dict(logprobs=-1), "logprobs must be non-negative, got -1"),
     (dict(prompt_logprobs=-1), "prompt_logprobs must be non-negative, got -1"),
-    (dict(prompt_logprobs=5), "prompt_logprobs > 0 is not supported yet, got 5"),
+    (dict(max_tokens=0, logprobs=1), r"max_tokens must be at least 1, got 0 \(0 only with "
+                                      "prompt_logprobs"),
     (dict(stop=["ok", ""]), "stop cannot contain an empty string"),
     (dict(stop="x", detokenize=False), "stop strings are only supported when detokenize"),
     (dict(stop_token_ids=[1, "2"]), "stop_token_ids must contain only integers"),
@@ -78,6 +79,10 @@ REJECTED = [
     (dict(logit_bias={1: math.nan}), "logit_bias values must be numbers in"),
     (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300 entries, got 301"),
 ]
+
+
+def test_max_tokens_zero_is_prefill_only_with_prompt_logprobs():
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
 
 
 @pytest.mark.parametrize("kwargs,message", REJECTED, ids=[m[:40] for _, m in REJECTED])
@@ -91,6 +96,9 @@ def test_verify_checks_engine_limits():
     with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater "
                                          "than max allowed: 20"):
         SamplingParams(logprobs=21).verify(max_logprobs=20, max_model_len=128)
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater "
+                                         "than max allowed: 20"):
+        SamplingParams(prompt_logprobs=21).verify(max_logprobs=20, max_model_len=128)
     with pytest.raises(ValueError, match="min_tokens must be at most max_model_len=128"):
         SamplingParams(min_tokens=200, max_tokens=None).verify(20, 128)
     with pytest.raises(ValueError, match=r"token_id\(s\) \[1000\] in logit_bias"):

@@ -116,6 +116,10 @@ class LLMEngine:
         """Wait for a dispatched step; append its tokens and run output processing."""
         result = pending.result()
         now = time.time()
+        for row, chunk in result.prompt_logprobs.items():   # before the tokens: a request
+            seq = self.scheduler.get_seq(out.seq_ids[row])   # may finish with its prompt
+            if seq is not None:
+                self.outputs.process_prompt_logprobs(seq, chunk)
         received = self.scheduler.update_from_output(out, result.sampled_token_ids)
         for row, seq in received:
             status = self.outputs.process_token(seq, result, row, now)

@@ -118,6 +118,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
     if not sc.enable_chunked_prefill:
         sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
+        if sc.max_prompt_logprobs_per_step:   # a prompt is never split: it must fit whole
+            sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
     num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
     # Sharding (jaxserve/parallel/placement.py): with tp > 1 each device receives only its
     # shard of every weight and its KV heads; with one device this is a plain device_put.
@@ -134,10 +136,11 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                 len(devices), platform, devices[0].device_kind, load_seconds)
 
     # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
-    # logits of S rows; leave generous room for them.
+    # logits of S rows and of the prompt-logprobs positions; leave generous room for them.
     t_max = sc.max_num_batched_tokens
+    logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
-        min(t_max, sc.max_num_seqs) * arch.vocab_size * 4 * 4
+        logits_rows * arch.vocab_size * 4 * 4
     kv_plan = placement.agree(plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes,
                                             max_model_len, tp_size=placement.tp,
                                             device=placement.device))
@@ -153,7 +156,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
         block_size=kv_plan.block_size, max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-        max_logprobs=mc.max_logprobs, eos_token_ids=eos, kv_sharding=placement.kv_sharding,
+        max_logprobs=mc.max_logprobs, eos_token_ids=eos,
+        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings)
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,

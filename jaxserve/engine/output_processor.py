@@ -15,8 +15,14 @@ from typing import Any
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.step_contract import RunnerOutput, SampledLogprobs
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.engine.step_contract import PromptLogprobsChunk, RunnerOutput
+from jaxserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -42,6 +48,10 @@ class RequestState:
     stops: StopChecker = field(default_factory=StopChecker)   # stop strings and hold-back
     changed: bool = False
     stop_token_ids: frozenset = field(default_factory=frozenset)
+    # vLLM's prompt_logprobs: [None, entry of prompt token 1, ...]; None if not asked.
+    prompt_logprobs: PromptLogprobs | None = None
+    num_prompt_logprobs_missing: int = 0     # entries no step has filled yet
+    prompt_logprobs_sent: bool = False       # DELTA outputs carry them once
 
 
 class OutputProcessor:
@@ -116,6 +126,10 @@ class OutputProcessor:
             RequestMetrics(arrival_time=arrival_time),
             stops=StopChecker(params.stop, params.include_stop_str_in_output),
             stop_token_ids=frozenset(params.stop_token_ids or ()))
+        if params.prompt_logprobs is not None:
+            state = self.requests[request_id]
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+            state.num_prompt_logprobs_missing = len(prompt_token_ids) - 1
         return seqs
 
     # -- per step ------------------------------------------------------------------------------
@@ -124,6 +138,22 @@ class OutputProcessor:
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = now
 
+    def process_prompt_logprobs(self, seq: Sequence, chunk: PromptLogprobsChunk) -> None:
+        """Store a step's prompt logprobs of ``seq``'s request. A recomputed position (n > 1,
+        preemption) overwrites its entry with the same values."""
+        state = self.requests.get(seq.request_id)
+        if state is None or state.prompt_logprobs is None:
+            return
+        num_top = state.params.prompt_logprobs
+        entries = state.prompt_logprobs
+        for i in range(len(chunk.token_ids)):
+            position = chunk.first + i
+            if entries[position] is None:
+                state.num_prompt_logprobs_missing -= 1
+            entries[position] = self._logprob_entry(
+                int(chunk.token_ids[i]), float(chunk.logprobs[i]), int(chunk.ranks[i]),
+                chunk.top_token_ids[i][:num_top], chunk.top_logprobs[i][:num_top])
+
     def process_token(self, seq: Sequence, result: RunnerOutput, row: int, now: float
                       ) -> SequenceStatus | None:
         """seq just received the token of batch row ``row`` (already appended to it): text,
@@ -131,8 +161,12 @@ class OutputProcessor:
 
         This runs once per sequence per step on the engine's critical path: keep it lean."""
         state = self.requests[seq.request_id]
-        token = seq.token_ids[-1]
+        params = state.params
         state.changed = True
+        if params.max_tokens == 0:     # prefill only (prompt logprobs): the sample is dropped
+            return self._finish(state, state.texts[seq.index], SequenceStatus.FINISHED_LENGTH,
+                                now)
+        token = seq.token_ids[-1]
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -140,7 +174,10 @@ class OutputProcessor:
         if seq.logprobs is not None:
             logprobs = result.logprobs
             seq.cumulative_logprob += float(logprobs.sampled_logprobs[row])
-            seq.logprobs.append(self._logprob_entry(token, logprobs, row, state.params.logprobs))
+            seq.logprobs.append(self._logprob_entry(
+                token, float(logprobs.sampled_logprobs[row]), int(logprobs.sampled_ranks[row]),
+                logprobs.top_token_ids[row][:params.logprobs],
+                logprobs.top_logprobs[row][:params.logprobs]))
 
         text = state.texts[seq.index]
         detok = text.detok
@@ -152,10 +189,16 @@ class OutputProcessor:
                 num_new_chars = len(delta)
         status = self._check_stop(seq, state, text, token, num_new_chars)
         if status is not None:
-            text.finish_reason = status.value      # the scheduler sets seq.status as it frees
-            if all(t.finish_reason is not None for t in state.texts):
-                state.finished = True
-                metrics.finished_time = now
+            self._finish(state, text, status, now)
+        return status
+
+    @staticmethod
+    def _finish(state: RequestState, text: _SeqText, status: SequenceStatus, now: float
+                ) -> SequenceStatus:
+        text.finish_reason = status.value      # the scheduler sets seq.status as it frees
+        if all(t.finish_reason is not None for t in state.texts):
+            state.finished = True
+            state.metrics.finished_time = now
         return status
 
     def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int,
@@ -178,14 +221,11 @@ class OutputProcessor:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _logprob_entry(self, token: int, result: SampledLogprobs, row: int, num_top: int
+    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids, top_logprobs
                        ) -> dict[int, Logprob]:
-        top_ids = result.top_token_ids[row][:num_top]
-        top_lps = result.top_logprobs[row][:num_top]
-        entry: dict[int, Logprob] = {}
-        entry[token] = Logprob(float(result.sampled_logprobs[row]),
-                               int(result.sampled_ranks[row]), self._decode_one(token))
-        for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
+        """vLLM's entry: the actual token first (with its vocab rank), then the top-N by rank."""
+        entry: dict[int, Logprob] = {token: Logprob(logprob, rank, self._decode_one(token))}
+        for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
             tid = int(tid)
             if tid not in entry:
                 entry[tid] = Logprob(float(lp), r, self._decode_one(tid))
@@ -236,9 +276,16 @@ class OutputProcessor:
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(logprobs) if logprobs is not None else None,
                 finish_reason=text.finish_reason, stop_reason=seq.stop_reason))
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and state.num_prompt_logprobs_missing == 0 \
+                and not (delta and state.prompt_logprobs_sent):
+            # Shared, not copied (each cumulative output would copy the whole prompt's):
+            # complete entries change no more (a recompute rewrites the same values).
+            prompt_logprobs = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=state.finished,
             num_cached_tokens=max(s.num_cached_tokens for s in state.seqs),
-            metrics=state.metrics)
+            metrics=state.metrics, prompt_logprobs=prompt_logprobs)

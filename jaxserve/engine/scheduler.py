@@ -14,6 +14,11 @@ one step later: until then it is *pending* (``seq.num_pending_tokens``), and
 the next step's decode feeds it from the device. `update_from_output` appends
 the sampled tokens when they arrive.
 
+A request that asks for prompt logprobs has its prompt chunks capped so that the step's
+prompt positions fit the runner's fixed-size prompt-logprobs gather
+(``max_prompt_logprobs_per_step``), and it skips prefix-cache hits (as vLLM does): a cached
+position would have no logits to give.
+
 While decodes run, prefill work per step is capped (``long_prefill_token_threshold``,
 ``max_num_partial_prefills``, and the decode-aware budget below), so one long
 prompt cannot stall every stream's next token.
@@ -60,6 +65,7 @@ class Scheduler:
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold or 0
         self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
         self.decode_prefill_budget = scheduler_config.prefill_budget_while_decoding
+        self.max_prompt_logprobs_per_step = scheduler_config.max_prompt_logprobs_per_step or 0
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self._waiting: deque[Sequence] = deque()
@@ -109,6 +115,7 @@ class Scheduler:
         num_decodes = sum(1 for seq in running if seq.num_computed_tokens >= seq.num_prompt_tokens)
         num_partial = 0           # sequences still inside their prompt after this step
         prefill_used = 0          # prompt tokens planned this step
+        prompt_logprobs_room = self.max_prompt_logprobs_per_step   # gather slots left
 
         # Running sequences first: decodes and the next chunks of unfinished prefills.
         i = 0
@@ -123,10 +130,13 @@ class Scheduler:
             is_prefill = num_new > 1
             if is_prefill:
                 num_new = min(num_new, self._chunk_cap(prefill_used, num_decodes))
-                if num_new <= 0:
-                    i += 1
-                    continue
-            num_new = min(num_new, budget)
+            num_new = _fit_prompt_logprobs(seq, seq.num_computed_tokens,
+                                           min(num_new, budget), prompt_logprobs_room)
+            if num_new <= 0:
+                i += 1
+                continue
+            prompt_logprobs_room -= _prompt_logprobs_positions(seq, seq.num_computed_tokens,
+                                                               num_new)
             if not self._allocate_running(seq, num_new, out):
                 continue              # seq preempted itself; running[i] is now past the end
             budget -= num_new
@@ -147,15 +157,21 @@ class Scheduler:
                 cap = min(budget, self._chunk_cap(prefill_used, num_decodes))
                 if cap <= 0:
                     break
-                computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+                computed_blocks, num_cached = [], 0
+                if seq.sampling_params.prompt_logprobs is None:
+                    computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
                 num_remaining = seq.num_tokens - num_cached
-                num_new = min(num_remaining, cap)
+                num_new = _fit_prompt_logprobs(seq, num_cached, min(num_remaining, cap),
+                                               prompt_logprobs_room)
+                if num_new <= 0:
+                    break
                 if num_new < num_remaining:
                     if not self.enable_chunked_prefill or num_partial >= self.max_num_partial_prefills:
                         break
                 if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                     break  # head-of-line blocking keeps admission FIFO-fair
                 self._waiting.popleft()
+                prompt_logprobs_room -= _prompt_logprobs_positions(seq, num_cached, num_new)
                 seq.status = SequenceStatus.RUNNING
                 running.append(seq)
                 out.new_seqs.append(NewSeqData(
@@ -237,7 +253,8 @@ class Scheduler:
                 continue                        # finished meanwhile
             if out.is_sampling[row]:
                 seq.num_pending_tokens -= 1
-                seq.token_ids.append(sampled_token_ids[row])
+                if seq.max_num_tokens > seq.num_prompt_tokens:   # max_tokens=0: prefill only
+                    seq.token_ids.append(sampled_token_ids[row])
                 received.append((row, seq))
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq)
@@ -277,3 +294,18 @@ class Scheduler:
         for seq in seqs:
             self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
         return seqs
+
+
+def _prompt_logprobs_positions(seq: Sequence, start: int, num_new: int) -> int:
+    """Positions of the chunk [start, start + num_new) that give prompt logprobs: those before
+    the prompt's last token (position p predicts prompt token p + 1)."""
+    if seq.sampling_params.prompt_logprobs is None:
+        return 0
+    return max(0, min(start + num_new, seq.num_prompt_tokens - 1) - start)
+
+
+def _fit_prompt_logprobs(seq: Sequence, start: int, num_new: int, room: int) -> int:
+    """num_new, shortened so that the chunk's prompt-logprobs positions fit in ``room``."""
+    if _prompt_logprobs_positions(seq, start, num_new) <= room:
+        return num_new
+    return room

@@ -78,7 +78,24 @@ class SampledLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobsChunk:
+    """Logprobs of consecutive prompt tokens of one row, from this step's prefill logits.
+
+    Entry i is prompt token ``first + i`` (predicted by the logits at position first + i - 1),
+    so ``first >= 1``: vLLM's prompt_logprobs[0] (the first token) is always None.
+    """
+    first: int
+    token_ids: np.ndarray           # i32[n], the actual prompt tokens
+    logprobs: np.ndarray            # f32[n], of the actual tokens
+    ranks: np.ndarray               # i32[n], 1 + tokens with a higher logprob (whole vocab)
+    top_token_ids: np.ndarray       # i32[n, K]
+    top_logprobs: np.ndarray        # f32[n, K]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     """What one step produced, rows in the SchedulerOutput's batch order."""
     sampled_token_ids: list[int]    # per row; meaningless where is_sampling is False
     logprobs: SampledLogprobs | None = None    # None when no row asked for logprobs
+    # Batch row -> its prompt logprobs of this step (rows whose request asks, in the prompt).
+    prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)

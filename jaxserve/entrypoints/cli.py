@@ -1,4 +1,4 @@
-"""`jaxserve serve [MODEL]` and `jaxserve chat [MODEL]`.
+"""`jaxserve serve [MODEL]`, `jaxserve chat [MODEL]` and `jaxserve export-tokenizer OUT_DIR`.
 
 Flags are generated from the config tree (`jaxserve.config`): one `--long-name`
 per leaf field, vLLM's names, help text from the field. `--config FILE.yaml`
@@ -33,6 +33,7 @@ prefix caching) with an OpenAI-compatible API.
   jaxserve serve /models/Qwen3-0.6B   serve a Hugging Face model directory
   jaxserve serve --config configs/cpu.yaml --port 8080
   jaxserve chat                       chat with a model in the terminal
+  jaxserve export-tokenizer tok/      the served model's tokenizer as a HF directory
 """
 
 
@@ -153,6 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=512, help="tokens per reply")
     chat.add_argument("--temperature", type=float, default=None,
                       help="sampling temperature (default: the model's)")
+
+    export = commands.add_parser(
+        "export-tokenizer", help="write a model's tokenizer as a Hugging Face directory",
+        usage="jaxserve export-tokenizer OUT_DIR [--model MODEL] [--tokenizer DIR]",
+        description="Write the tokenizer `jaxserve serve` would use (a GGUF's included) as a "
+        "Hugging Face tokenizer directory, for clients that tokenize themselves "
+        "(lm-eval's tokenizer=OUT_DIR).")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
+    export.add_argument("--model", default=None,
+                        help="model directory, .gguf file or cached HF name (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
+    export.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory or name, if not the model's")
+    export.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a path to one, to store instead of "
+                        "the model's")
+    export.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -218,6 +237,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     temperature=args.temperature)
 
 
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    from jaxserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer or args.model, chat_template=args.chat_template)
+    os.makedirs(args.out_dir, exist_ok=True)
+    tokenizer.save_pretrained(args.out_dir)
+    print(f"wrote the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) to "
+          f"{args.out_dir}")
+    return 0
+
+
+_COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_export_tokenizer}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -225,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return cmd_serve(args) if args.command == "serve" else cmd_chat(args)
+        return _COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         # Bad options, files or values: one readable line (the traceback with --log-level debug).
         # Anything else is a bug and keeps its traceback.

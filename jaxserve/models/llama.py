@@ -89,38 +89,51 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embeddings → scanned decoder layers → final norm → logits of selected tokens."""
+    """Embeddings → scanned decoder layers → hidden states; `logits` applies the final norm and
+    the LM head to the rows the caller picks (sampling rows, prompt positions)."""
     arch: ModelArch
     backend: AttentionBackend
     num_blocks: int
     block_size: int
     dtype: Any = jnp.float32
 
-    @nn.compact
-    def __call__(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
-                 logits_indices, inv_freq):
-        """token_ids, positions: [T]; logits_indices: [S] → logits [S, V] float32."""
+    def setup(self) -> None:
+        # Attribute names are the parameter tree's names (embed_tokens, layers, norm, lm_head).
         a, dt = self.arch, self.dtype
-        embed = nn.Embed(a.vocab_size, a.hidden_size, dtype=dt, param_dtype=dt,
-                         name="embed_tokens")
-        x = embed(token_ids)
-        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-
-        layers = nn.scan(
+        self.embed_tokens = nn.Embed(a.vocab_size, a.hidden_size, dtype=dt, param_dtype=dt)
+        self.layers = nn.scan(
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=a.num_layers,
-        )(a, self.backend, self.num_blocks, self.block_size, dt, name="layers")
-        (x, k_cache, v_cache), _ = layers((x, k_cache, v_cache),
-                                          jnp.arange(a.num_layers, dtype=jnp.int32), cos, sin,
-                                          meta)
-        x = RMSNorm(a.rms_norm_eps, dt, name="norm")(x[logits_indices])
-        if a.tie_word_embeddings:
-            logits = embed.attend(x)
+        )(a, self.backend, self.num_blocks, self.block_size, dt)
+        self.norm = RMSNorm(a.rms_norm_eps, dt)
+        if not a.tie_word_embeddings:
+            self.lm_head = nn.Dense(a.vocab_size, use_bias=False, dtype=dt, param_dtype=dt)
+
+    def __call__(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
+                 inv_freq):
+        """token_ids, positions: [T] → hidden states [T, H] (before the final norm)."""
+        x = self.embed_tokens(token_ids)
+        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+        (x, k_cache, v_cache), _ = self.layers(
+            (x, k_cache, v_cache), jnp.arange(self.arch.num_layers, dtype=jnp.int32), cos, sin,
+            meta)
+        return x, k_cache, v_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden: [N, H] rows of `__call__`'s output → logits [N, V] float32."""
+        x = self.norm(hidden)
+        if self.arch.tie_word_embeddings:
+            logits = self.embed_tokens.attend(x)
         else:
-            logits = nn.Dense(a.vocab_size, use_bias=False, dtype=dt, param_dtype=dt,
-                              name="lm_head")(x)
-        return logits.astype(jnp.float32), k_cache, v_cache
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+    def forward_logits(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
+                       logits_indices, inv_freq):
+        """Forward, then logits of the tokens at ``logits_indices`` [S] → [S, V] (init, checks)."""
+        hidden, k_cache, v_cache = self(token_ids, positions, meta, k_cache, v_cache, inv_freq)
+        return self.logits(hidden[logits_indices]), k_cache, v_cache
 
 
 def params_from_weights(weights: dict[str, Any], arch: ModelArch) -> dict[str, Any]:
@@ -160,7 +173,8 @@ def random_params(arch: ModelArch, dtype: Any, seed: int = 0) -> dict[str, Any]:
     init = jax.jit(lambda key: model.init(key, jnp.zeros((1,), jnp.int32),
                                           jnp.zeros((1,), jnp.int32), meta, cache, cache,
                                           jnp.zeros((1,), jnp.int32),
-                                          jnp.ones((arch.head_dim // 2,), jnp.float32)))
+                                          jnp.ones((arch.head_dim // 2,), jnp.float32),
+                                          method=CausalLM.forward_logits))
     params = init(jax.random.key(seed))
     # Linen's default init is too large for a deep random net to stay finite; rescale.
     return jax.tree.map(lambda p: p * 0.02 if p.ndim >= 2 else p, params)

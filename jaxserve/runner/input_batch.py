@@ -39,6 +39,9 @@ class StepInputs:
     penalty_token_ids: np.ndarray | None  # i32[S, P]: known tokens, -1 padded
     bias_token_ids: np.ndarray | None     # i32[S, NB]: -1 padded
     bias_values: np.ndarray | None        # f32[S, NB]: additive, -inf bans
+    # Host only (never sent to followers): (batch row, first prompt entry, first slot, count)
+    # of each row whose prompt logprobs this step computes.
+    prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()
 
 
 class _Bias:
@@ -78,11 +81,12 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
                  max_blocks_per_seq: int, *, num_bias_slots: int = 320,
-                 eos_token_ids: Seq[int] = ()) -> None:
+                 eos_token_ids: Seq[int] = (), prompt_logprobs_cap: int = 0) -> None:
         R, L, W = max_num_seqs, max_model_len, max_blocks_per_seq
         self.max_num_seqs, self.max_model_len, self.block_size, self.width = R, L, block_size, W
         self.padding_row = R
         self.num_bias_slots = num_bias_slots
+        self.prompt_logprobs_cap = prompt_logprobs_cap
         self.eos_token_ids = list(eos_token_ids)
         self.token_ids = np.full((R + 1, L), -1, np.int32)   # known tokens; -1 beyond
         self.num_known = np.zeros(R + 1, np.int32)           # tokens the host knows
@@ -94,6 +98,7 @@ class InputBatch:
         self.floats[:, R] = FLOAT_NEUTRAL
         self.top_k = np.zeros(R + 1, np.int32)
         self.num_logprobs = np.full(R + 1, -1, np.int32)
+        self.wants_prompt_logprobs = np.zeros(R + 1, bool)
         self.seeds = np.zeros(R + 1, np.uint32)
         self.needs_penalties = np.zeros(R + 1, bool)
         self.seq_of_row = np.full(R + 1, -1, np.int64)
@@ -106,7 +111,11 @@ class InputBatch:
 
     # -- validation ------------------------------------------------------------------------
     def check(self, params: SamplingParams) -> None:
-        """Raise ValueError now if a request could not be given a row later (bias slots)."""
+        """Raise ValueError now if a request could not be given a row later (bias slots,
+        prompt logprobs turned off)."""
+        if params.prompt_logprobs is not None and self.prompt_logprobs_cap == 0:
+            raise ValueError("prompt_logprobs is turned off on this engine "
+                             "(max_prompt_logprobs_per_step=0)")
         _Bias(params, self.eos_token_ids, self.num_bias_slots)
 
     # -- diffs -----------------------------------------------------------------------------
@@ -146,6 +155,7 @@ class InputBatch:
                                p.frequency_penalty, p.repetition_penalty)
         self.top_k[row] = p.top_k
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.wants_prompt_logprobs[row] = p.prompt_logprobs is not None
         self.seeds[row] = seed_to_u32(new.seed)
         self.needs_penalties[row] = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                                      or p.repetition_penalty != 1.0)
@@ -160,6 +170,7 @@ class InputBatch:
         self.token_ids[row, :self.num_known[row]] = -1
         self.num_known[row] = 0
         self.seq_of_row[row] = -1
+        self.wants_prompt_logprobs[row] = False
         self._bias.pop(row, None)
         self._free_rows.append(row)
 
@@ -232,6 +243,8 @@ class InputBatch:
             v[name][:] = floats[i]
         v["block_tables"][:n] = self.block_table[rows]
         v["block_tables"][n:] = 0
+        prompt_logprobs_rows = self._prompt_logprobs_slots(v, rows, computed, counts, ends,
+                                                           layout.num_prompt_logprobs)
 
         penalty_ids = None
         if self.needs_penalties[rows].any():
@@ -239,7 +252,34 @@ class InputBatch:
         bias_ids = bias_values = None
         if self._bias:
             bias_ids, bias_values = self._bias_tables(rows, kv_lens, S)
-        return StepInputs(T, S, buf, penalty_ids, bias_ids, bias_values)
+        return StepInputs(T, S, buf, penalty_ids, bias_ids, bias_values, prompt_logprobs_rows)
+
+    def _prompt_logprobs_slots(self, v: dict[str, np.ndarray], rows: np.ndarray,
+                               computed: np.ndarray, counts: np.ndarray, ends: np.ndarray,
+                               num_slots: int) -> tuple[tuple[int, int, int, int], ...]:
+        """Fill the prompt-logprobs gather: each position p of this step's chunk that is before
+        the prompt's last token predicts prompt token p + 1 (known on the host)."""
+        targets = v["prompt_logprobs_targets"]
+        targets[:] = -1
+        if not self.wants_prompt_logprobs[rows].any():
+            return ()
+        indices = v["prompt_logprobs_indices"]
+        slot, out = 0, []
+        for i in np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist():
+            row, start = int(rows[i]), int(computed[i])
+            stop = min(start + int(counts[i]), int(self.num_prompt[row]) - 1)
+            count = stop - start
+            if count <= 0:
+                continue
+            if slot + count > num_slots:
+                raise ValueError(f"step needs {slot + count} prompt-logprobs positions, more "
+                                 f"than its {num_slots} (the scheduler caps them)")
+            first_token = int(ends[i] - counts[i])
+            indices[slot:slot + count] = np.arange(first_token, first_token + count)
+            targets[slot:slot + count] = self.token_ids[row, start + 1:stop + 1]
+            out.append((i, start + 1, slot, count))
+            slot += count
+        return tuple(out)
 
     def _bias_tables(self, rows: np.ndarray, kv_lens: np.ndarray, num_seqs: int):
         entries = []
@@ -262,7 +302,7 @@ class InputBatch:
         array may alias it on CPU, so a buffer is not rewritten while its step can run."""
         entry = self._buffers.get((T, S))
         if entry is None:
-            layout = StepLayout(T, S, self.width)
+            layout = StepLayout(T, S, self.width, self.prompt_logprobs_cap)
             entry = self._buffers[(T, S)] = [layout, [layout.empty(self.padding_row)
                                                       for _ in range(3)], 0]
         layout, bufs, i = entry
@@ -275,8 +315,8 @@ class InputBatch:
         shapes a multi-host follower receives into)."""
         consts = self.constants(num_seqs)
         return StepInputs(
-            num_tokens, num_seqs, StepLayout(num_tokens, num_seqs, self.width).empty(
-                self.padding_row),
+            num_tokens, num_seqs, StepLayout(num_tokens, num_seqs, self.width,
+                                             self.prompt_logprobs_cap).empty(self.padding_row),
             consts["penalty_token_ids"].copy() if penalties else None,
             consts["bias_token_ids"].copy() if bias else None,
             consts["bias_values"].copy() if bias else None)

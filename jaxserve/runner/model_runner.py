@@ -25,34 +25,50 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.engine.step_contract import RunnerOutput, SampledLogprobs, SchedulerOutput
+from jaxserve.engine.step_contract import (
+    PromptLogprobsChunk,
+    RunnerOutput,
+    SampledLogprobs,
+    SchedulerOutput,
+)
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import CausalLM
 from jaxserve.parallel.mesh import put_replicated
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, StepInputs
+from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
 from jaxserve.runner.step_inputs import StepLayout, resolve_token_ids
 
 logger = logging.getLogger(__name__)
 
+# What a dispatched step leaves on the device: the samples, and the prompt logprobs (None in
+# buckets without prompt-logprobs slots).
+StepOutputs = tuple[SamplerOutput, PromptLogprobsOutput | None]
+
 
 def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
           bias_values, *, model: CausalLM, inv_freq, layout: StepLayout, num_top_logprobs: int,
           logits_shardings: tuple = ()):
-    """One engine step: forward over the flat token axis, then sample each row's next token.
+    """One engine step: forward over the flat token axis, then sample each row's next token
+    (and the prompt logprobs of the positions that ask, when the bucket has slots for them).
 
     last_tokens: i32[R + 1], the latest sample of every persistent row (donated, updated).
     """
     f = layout.unpack(packed)
     token_ids = resolve_token_ids(f["token_ids"], last_tokens)
-    logits, k_cache, v_cache = model.apply(params, token_ids, f["positions"],
-                                           layout.metadata(f), k_cache, v_cache,
-                                           f["logits_indices"], inv_freq)
-    for sharding in logits_shardings:   # tensor parallel: keep the lm_head local (logits split
-        logits = jax.lax.with_sharding_constraint(logits, sharding)   # on vocab), then gather
+    hidden, k_cache, v_cache = model.apply(params, token_ids, f["positions"],
+                                           layout.metadata(f), k_cache, v_cache, inv_freq)
+
+    def logits_of(rows):
+        logits = model.apply(params, rows, method=CausalLM.logits)
+        for sharding in logits_shardings:   # tensor parallel: keep the lm_head local (logits
+            logits = jax.lax.with_sharding_constraint(logits, sharding)   # split on vocab),
+        return logits                                                      # then gather
+
     last = f["logits_indices"]
+    logits = logits_of(hidden[last])
     sampling = SamplingTensors(
         temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
         presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
@@ -63,16 +79,23 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
         newest_token_ids=jnp.where(f["token_ids"][last] < 0, token_ids[last], -1))
     out = sample(logits, sampling, num_top_logprobs)
     last_tokens = last_tokens.at[f["batch_rows"]].set(out.next_tokens, mode="drop")
-    return k_cache, v_cache, last_tokens, out
+    prompt_out = None
+    if layout.num_prompt_logprobs:
+        prompt_out = prompt_logprobs(logits_of, hidden, f["prompt_logprobs_indices"],
+                                     f["prompt_logprobs_targets"], num_top_logprobs)
+    return k_cache, v_cache, last_tokens, out, prompt_out
 
 
 class PendingStep:
     """A dispatched step; `result()` waits for its samples and returns a RunnerOutput."""
 
     def __init__(self, runner: ModelRunner, out: SchedulerOutput, rows: np.ndarray,
-                 kv_lens: np.ndarray, sampler_out: SamplerOutput, want_logprobs: bool) -> None:
+                 kv_lens: np.ndarray, device_out: StepOutputs, want_logprobs: bool,
+                 prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()) -> None:
         self._runner, self._out, self._rows, self._kv_lens = runner, out, rows, kv_lens
-        self._sampler_out, self._want_logprobs = sampler_out, want_logprobs
+        self._sampler_out, self._prompt_out = device_out
+        self._want_logprobs = want_logprobs
+        self._prompt_logprobs_rows = prompt_logprobs_rows
         self._result: RunnerOutput | None = None
 
     def result(self) -> RunnerOutput:
@@ -88,16 +111,30 @@ class PendingStep:
                                            np.asarray(o.top_logprobs)[:n])
             self._runner.batch.record_sampled(self._out.seq_ids, self._rows, self._kv_lens,
                                               self._out.is_sampling, tokens)
-            self._result = RunnerOutput(tokens, logprobs)
-            self._sampler_out = None
+            self._result = RunnerOutput(tokens, logprobs, self._prompt_logprobs())
+            self._sampler_out = self._prompt_out = None
         return self._result
+
+    def _prompt_logprobs(self) -> dict[int, PromptLogprobsChunk]:
+        if not self._prompt_logprobs_rows:
+            return {}
+        o = jax.device_get(self._prompt_out)
+        batch = self._runner.batch
+        chunks = {}
+        for i, first, slot, count in self._prompt_logprobs_rows:
+            row, end = self._rows[i], slot + count
+            chunks[i] = PromptLogprobsChunk(
+                first, batch.token_ids[row, first:first + count].copy(),
+                np.asarray(o.logprobs[slot:end]), np.asarray(o.ranks[slot:end]),
+                np.asarray(o.top_token_ids[slot:end]), np.asarray(o.top_logprobs[slot:end]))
+        return chunks
 
 
 class ModelRunner:
     def __init__(self, arch: ModelArch, params: Any, backend: AttentionBackend, *,
                  dtype: Any, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int,
-                 eos_token_ids: Seq[int], kv_sharding: Any = None,
+                 eos_token_ids: Seq[int], prompt_logprobs_cap: int = 0, kv_sharding: Any = None,
                  input_sharding: Any = None, logits_shardings: tuple = ()) -> None:
         self.arch = arch
         self.params = params
@@ -108,6 +145,7 @@ class ModelRunner:
         self.width = math.ceil(max_model_len / block_size)
         self.buckets = BucketPolicy(max_num_batched_tokens, max_num_seqs)
         self.num_top_logprobs = max_logprobs
+        self.prompt_logprobs_cap = prompt_logprobs_cap
         self.model = CausalLM(arch, backend, num_blocks, block_size, dtype)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
         # device). step_channel: set on a multi-host leader (jaxserve/parallel/distributed.py).
@@ -116,7 +154,8 @@ class ModelRunner:
         self.step_channel: Any = None
         self.inv_freq = self._put(arch.inv_freq())
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
-                                eos_token_ids=list(eos_token_ids))
+                                eos_token_ids=list(eos_token_ids),
+                                prompt_logprobs_cap=prompt_logprobs_cap)
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype), out_shardings=kv_sharding)
         self.k_cache, self.v_cache = zeros(), zeros()
@@ -133,12 +172,15 @@ class ModelRunner:
 
     def _compile(self, num_tokens: int, num_seqs: int):
         """Ahead-of-time compile one bucket; returns the executable (called directly later)."""
-        layout = StepLayout(num_tokens, num_seqs, self.width)
+        layout = self._layout(num_tokens, num_seqs)
         consts = self._constants(num_seqs)
         return self._jitted(layout).lower(
             self.params, self.k_cache, self.v_cache, self.last_tokens,
             self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
             consts["bias_token_ids"], consts["bias_values"]).compile()
+
+    def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
+        return StepLayout(num_tokens, num_seqs, self.width, self.prompt_logprobs_cap)
 
     def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
         """Compile every bucket before serving, several at once (XLA compiles release the GIL;
@@ -168,7 +210,7 @@ class ModelRunner:
         lowers there (a CPU test exports it for cuda, so GPU lowering breakage fails CI)."""
         from jax import export
 
-        layout = StepLayout(num_tokens, num_seqs, self.width)
+        layout = self._layout(num_tokens, num_seqs)
         consts = self._constants(num_seqs)
         args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
                 self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
@@ -192,13 +234,17 @@ class ModelRunner:
         inputs = self.batch.prepare(out, rows, t, s)
         if self.step_channel is not None:   # multi-host leader: every process runs this step
             self.step_channel.send(inputs)
-        sampler_out = self.run_step(inputs)
+        device_out = self.run_step(inputs)
+        if inputs.prompt_logprobs_rows:      # small arrays; start their copy with the tokens'
+            for leaf in jax.tree.leaves(device_out[1]):
+                leaf.copy_to_host_async()
         kv_lens = self.batch.num_computed[rows] + np.asarray(out.num_scheduled_tokens)
         want_logprobs = bool((self.batch.num_logprobs[rows] >= 0).any())
-        return PendingStep(self, out, rows, kv_lens, sampler_out, want_logprobs)
+        return PendingStep(self, out, rows, kv_lens, device_out, want_logprobs,
+                           inputs.prompt_logprobs_rows)
 
-    def run_step(self, inputs: StepInputs) -> SamplerOutput:
-        """Dispatch bucket (T, S) on host inputs; returns the sampler's device outputs at once.
+    def run_step(self, inputs: StepInputs) -> StepOutputs:
+        """Dispatch bucket (T, S) on host inputs; returns the step's device outputs at once.
         Multi-host followers enter here with the inputs the leader broadcast."""
         t, s = inputs.num_tokens, inputs.num_seqs
         fn = self._steps.get((t, s))
@@ -211,11 +257,11 @@ class ModelRunner:
             bias_ids, bias_values = consts["bias_token_ids"], consts["bias_values"]
         else:
             bias_ids, bias_values = self._put((inputs.bias_token_ids, inputs.bias_values))
-        self.k_cache, self.v_cache, self.last_tokens, out = fn(
+        self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
             self.params, self.k_cache, self.v_cache, self.last_tokens, self._put(inputs.packed),
             penalty, bias_ids, bias_values)
         out.next_tokens.copy_to_host_async()
-        return out
+        return out, prompt_out
 
     def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
                      bias: bool = False) -> StepInputs:
@@ -240,7 +286,7 @@ class ModelRunner:
         """
         n = len(token_ids)
         t = max(16, 1 << (n - 1).bit_length())
-        layout = StepLayout(t, 1, self.width)
+        layout = self._layout(t, 1)
         buf = layout.empty(self.batch.padding_row)
         v = layout.views(buf)
         positions = np.arange(n)
@@ -258,7 +304,7 @@ class ModelRunner:
             f = layout.unpack(packed)
             return self.model.apply(params, f["token_ids"], f["positions"], layout.metadata(f),
                                     k_cache, v_cache, jnp.arange(t, dtype=jnp.int32),
-                                    self.inv_freq)
+                                    self.inv_freq, method=CausalLM.forward_logits)
 
         logits, self.k_cache, self.v_cache = jax.jit(forward, donate_argnums=(1, 2))(
             self.params, self.k_cache, self.v_cache, self._put(buf))

@@ -9,6 +9,12 @@ fields travel as their int32 bit patterns, seeds as uint32 bits):
   temperature[S] top_p[S] min_p[S] presence_penalty[S] frequency_penalty[S]
   repetition_penalty[S]
   block_tables[S*W]
+  prompt_logprobs_indices[P] prompt_logprobs_targets[P]
+
+P = min(T, prompt_logprobs_cap) prompt positions per step may ask for prompt logprobs:
+``prompt_logprobs_indices[p]`` is a flat token index whose logits predict the prompt token
+``prompt_logprobs_targets[p]`` (-1: an unused slot). The scheduler caps the chunks of
+requests that ask so that a step never needs more than P.
 
 ``token_ids[t] < 0`` means "the token sampled last step for persistent row -1 - t":
 with async scheduling the host does not know it yet, so the step takes it from the
@@ -43,13 +49,17 @@ class AttentionMetadata:
 class StepLayout:
     """Offsets of every field in the packed buffer of bucket (T, S) with table width W."""
 
-    def __init__(self, num_tokens: int, num_seqs: int, width: int) -> None:
+    def __init__(self, num_tokens: int, num_seqs: int, width: int,
+                 prompt_logprobs_cap: int = 0) -> None:
         T, S = num_tokens, num_seqs
+        P = min(T, prompt_logprobs_cap)
         sizes = {"token_ids": T, "positions": T, "slot_mapping": T, "query_start_loc": S + 1,
                  "kv_lens": S, "logits_indices": S, "batch_rows": S, "num_seqs": 1,
                  **{name: S for name in INT_FIELDS + FLOAT_FIELDS},
-                 "block_tables": S * width}
+                 "block_tables": S * width,
+                 "prompt_logprobs_indices": P, "prompt_logprobs_targets": P}
         self.num_tokens, self.num_seqs, self.width = T, S, width
+        self.num_prompt_logprobs = P
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in sizes.items():
@@ -89,6 +99,7 @@ class StepLayout:
         views["slot_mapping"][:] = -1
         views["batch_rows"][:] = padding_row
         views["num_logprobs"][:] = -1
+        views["prompt_logprobs_targets"][:] = -1
         for name, value in zip(FLOAT_FIELDS, FLOAT_NEUTRAL):
             views[name][:] = value
         return buf

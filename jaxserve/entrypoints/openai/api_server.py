@@ -6,7 +6,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{id}, GET /health, GET /version, POST /tokenize, POST /detokenize,
-GET /metrics. Every error is `{"error": {"message", "type", "param", "code"}}` with 400
+GET /metrics, GET /tokenizer_info (with --enable-tokenizer-info-endpoint). Every error is `{"error": {"message", "type", "param", "code"}}` with 400
 for any invalid request (never FastAPI's 422), 401 for a missing or wrong API key,
 404 for an unknown model or a route this server does not serve (e.g. /v1/embeddings).
 `--api-key` guards every route but /health and /metrics. Every response carries an
@@ -55,6 +55,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     parse_body,
     validation_error,
 )
+from jaxserve.entrypoints.openai.tokenizer_info import tokenizer_info
 from jaxserve.metrics import CONTENT_TYPE, attach_metrics
 
 logger = logging.getLogger(__name__)
@@ -251,6 +252,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         completions.model_name(request.model)
         completions.check_token_ids(request.tokens, param="tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+
+    if config.server.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> Response:
+            """The tokenizer's configuration and chat template (vLLM's /tokenizer_info)."""
+            return JSONResponse(tokenizer_info(engine.tokenizer, chat.chat_template))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

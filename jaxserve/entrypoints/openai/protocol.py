@@ -50,7 +50,6 @@ _NOT_IMPLEMENTED_COMMON = {
     "guided_regex": "structured outputs are not implemented yet",
     "guided_choice": "structured outputs are not implemented yet",
     "guided_grammar": "structured outputs are not implemented yet",
-    "prompt_logprobs": "prompt logprobs are not implemented yet",
 }
 _NOT_IMPLEMENTED_CHAT = {
     "audio": "audio output is not supported",
@@ -130,6 +129,22 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    prompt_logprobs: int | None = None     # vLLM: top-N logprobs of every prompt token
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> SamplingFields:
+        # vLLM's rules and words; -1 (the whole vocabulary) is recognised but not implemented.
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if self.prompt_logprobs == -1:
+                raise ValueError("`prompt_logprobs` of -1 (the whole vocabulary) is not "
+                                 "supported; ask for at most max_logprobs")
+            if self.prompt_logprobs < 0:
+                raise ValueError(f"`prompt_logprobs` must be a positive value or -1, got "
+                                 f"{self.prompt_logprobs}.")
+        return self
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:

@@ -25,6 +25,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     chat_logprobs,
     collect_finals,
     new_request_id,
+    prompt_logprobs_json,
     reraise_disconnect,
     sse,
     sse_error,
@@ -74,7 +75,8 @@ class OpenAIServingChat(OpenAIServing):
             requested = request.max_tokens
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested)
         num_top = request.top_logprobs or 0
-        params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None)
+        params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
+                                      request.prompt_logprobs)
 
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
@@ -103,7 +105,9 @@ class OpenAIServingChat(OpenAIServing):
                             "stop_reason": c.stop_reason})
         usage = usage_dict(len(final.prompt_token_ids),
                            sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens)
-        return chat_response(request_id, model, choices, usage, created)
+        body = chat_response(request_id, model, choices, usage, created)
+        body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)   # vLLM's field
+        return body
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       created: int, stream: AsyncIterator[RequestOutput],

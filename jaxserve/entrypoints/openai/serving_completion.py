@@ -4,6 +4,10 @@ Choice `i * n + j` is completion `j` of prompt `i`, as in OpenAI and vLLM.
 Streaming sends, per choice, text deltas computed from the engine's
 cumulative outputs, then a chunk carrying the finish_reason, then (if asked)
 a usage chunk and `data: [DONE]`.
+
+Echo with logprobs reports the prompt tokens' logprobs (the engine's prompt logprobs, the
+first one null) before the generated ones; `echo` with `max_tokens: 0` returns the prompt
+and its logprobs and generates nothing (a prefill-only request).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     collect_finals,
     completion_logprobs,
+    echo_logprobs,
     merge_streams,
     new_request_id,
-    prompt_logprobs_echo,
+    prompt_logprobs_json,
     reraise_disconnect,
     sse,
     sse_error,
@@ -54,11 +59,17 @@ class OpenAIServingCompletion(OpenAIServing):
             if not ids:
                 raise APIError("the prompt is empty (0 tokens)", param="prompt")
             prompt_ids.append(ids)
-        params = [self.sampling_params(request, self.resolve_max_tokens(len(ids),
-                                                                        request.max_tokens,
-                                                                        "prompt"),
-                                       request.logprobs)
-                  for ids in prompt_ids]
+        echo_only = request.echo and request.max_tokens == 0
+        # vLLM: echo with logprobs asks for as many prompt logprobs; prefill-only needs them.
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.logprobs
+        if prompt_logprobs is None and echo_only:
+            prompt_logprobs = 0
+        params = [self.sampling_params(
+            request, self.resolve_max_tokens(len(ids), request.max_tokens, "prompt",
+                                    allow_zero=echo_only),
+            request.logprobs, prompt_logprobs) for ids in prompt_ids]
         prompt_texts = [p if isinstance(p, str) else None for p in prompts]
         if request.echo:
             prompt_texts = [t if t is not None else self.tokenizer.decode(ids)
@@ -80,6 +91,9 @@ class OpenAIServingCompletion(OpenAIServing):
                        prompt_texts: list[str | None]) -> dict[str, Any]:
         choices = []
         completion_tokens = cached = 0
+        # Not when only our prefill-only echo asked for them (vLLM reports what was asked).
+        asked_prompt_logprobs = request.prompt_logprobs is not None or (
+            request.echo and request.logprobs is not None)
         for i, out in enumerate(finals):
             cached += out.num_cached_tokens
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -94,10 +108,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    self.tokenizer)
                     if request.echo:
                         logprobs = _join_logprobs(
-                            prompt_logprobs_echo(prompt_ids[i], self.tokenizer), logprobs)
+                            echo_logprobs(prompt_ids[i], out.prompt_logprobs, self.tokenizer),
+                            logprobs)
                 choices.append({"index": i * request.n + c.index, "text": echo + text,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                                "stop_reason": c.stop_reason,
+                                "prompt_logprobs": prompt_logprobs_json(
+                                    out.prompt_logprobs if asked_prompt_logprobs else None)})
         usage = usage_dict(sum(map(len, prompt_ids)), completion_tokens, cached)
         return completion_response(request_id, model, choices, usage, created)
 
@@ -137,7 +154,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         echoed[idx] = True
                         text = prompt_texts[i] + text
                         if request.logprobs is not None:
-                            logprobs = prompt_logprobs_echo(prompt_ids[i], self.tokenizer)
+                            logprobs = echo_logprobs(prompt_ids[i], out.prompt_logprobs,
+                                                     self.tokenizer)
                             offsets[idx] = len(prompt_texts[i])
                     if text:
                         if request.logprobs is not None:

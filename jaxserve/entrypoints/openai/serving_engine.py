@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -145,9 +145,10 @@ class OpenAIServing:
                            param=param)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
-                           input_name: str = "messages") -> int:
+                           input_name: str = "messages", allow_zero: bool = False) -> int:
         """Check prompt + max_tokens against max_model_len (vLLM's wording); return max_tokens.
-        `input_name` is what the client sent the input as: "messages" (chat) or "prompt"."""
+        `input_name` is what the client sent the input as: "messages" (chat) or "prompt".
+        allow_zero: 0 means prefill only (echo of the prompt and its logprobs)."""
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise APIError(
@@ -156,7 +157,7 @@ class OpenAIServing:
                 f"{input_name}.", param=input_name, code="context_length_exceeded")
         if max_tokens is None:
             return limit - num_prompt_tokens
-        if max_tokens < 1:
+        if max_tokens < 1 and not (allow_zero and max_tokens == 0):
             raise APIError(f"max_tokens must be at least 1, got {max_tokens}.",
                            param="max_tokens")
         if num_prompt_tokens + max_tokens > limit:
@@ -169,10 +170,12 @@ class OpenAIServing:
         return max_tokens
 
     def sampling_params(self, request: SamplingFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         kwargs = request.sampling_kwargs()
         try:
-            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs, **kwargs)
             params.verify(self.max_logprobs, self.max_model_len, self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc)) from None
@@ -293,30 +296,51 @@ def completion_logprobs(output: CompletionOutput, start: int, end: int, text_off
                         tokenizer: Any) -> dict[str, Any]:
     """Completions format for output tokens [start, end): tokens, token_logprobs,
     top_logprobs (the sampled token plus the top N, token text -> logprob), text_offset."""
+    return legacy_logprobs(output.token_ids[start:end], (output.logprobs or [])[start:end],
+                           text_offset, tokenizer)
+
+
+def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None],
+                    text_offset: int, tokenizer: Any) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs of ``token_ids``; a None entry (the first prompt
+    token) gives null token_logprobs and top_logprobs."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(output.token_ids[start:end], (output.logprobs or [])[start:end]):
-        sampled = entry.get(token_id)
-        text = _token_text(sampled, token_id, tokenizer) if sampled else \
+    for token_id, entry in zip(token_ids, entries):
+        actual = entry.get(token_id) if entry is not None else None
+        text = _token_text(actual, token_id, tokenizer) if actual else \
             tokenizer.decode([token_id])
         tokens.append(text)
-        token_logprobs.append(sampled.logprob if sampled else None)
-        top_logprobs.append({_token_text(lp, tid, tokenizer): lp.logprob
-                             for tid, lp in entry.items()})
+        token_logprobs.append(_finite(actual.logprob) if actual else None)
+        top_logprobs.append(None if entry is None else {
+            _token_text(lp, tid, tokenizer): _finite(lp.logprob) for tid, lp in entry.items()})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
 
-def prompt_logprobs_echo(prompt_token_ids: list[int], tokenizer: Any) -> dict[str, Any]:
-    """Echoed prompt tokens in the completions logprobs format (their logprobs unknown)."""
-    tokens = [tokenizer.decode([t]) for t in prompt_token_ids]
-    offsets, offset = [], 0
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [None] * len(tokens),
-            "top_logprobs": [None] * len(tokens), "text_offset": offsets}
+def echo_logprobs(prompt_token_ids: list[int], prompt_logprobs: PromptLogprobs | None,
+                  tokenizer: Any) -> dict[str, Any]:
+    """Echoed prompt tokens in the completions logprobs format: the first token's logprob is
+    null (nothing predicts it), the rest come from the engine's prompt logprobs."""
+    entries = prompt_logprobs or [None] * len(prompt_token_ids)
+    return legacy_logprobs(prompt_token_ids, entries, 0, tokenizer)
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list | None:
+    """vLLM's `prompt_logprobs` response field: [null, {token id: {logprob, rank,
+    decoded_token}}, ...]."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token} for tid, lp in entry.items()}
+        for entry in prompt_logprobs]
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf; vLLM reports -9999.0 for it."""
+    return max(logprob, -9999.0)
 
 
 def chat_logprobs(output: CompletionOutput, start: int, end: int, num_top: int,
