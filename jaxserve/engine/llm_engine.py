@@ -14,6 +14,7 @@ before scheduling the next, so both modes run the same code and give the same to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -32,6 +33,11 @@ from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.step_contract import SchedulerOutput
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs.bitmask import grammar_bitmask
+from jaxserve.structured_outputs.matcher import SeqGrammar
+
+if TYPE_CHECKING:
+    from jaxserve.structured_outputs.compiler import GrammarService
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +69,18 @@ class LLMEngine:
         self.log_stats = log_stats
         self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
+        self.vocab_size = s.runner.arch.vocab_size          # logits width: the bitmask's V
+        self._grammars: GrammarService | None = None        # built on the first constrained request
+
+    @property
+    def grammars(self) -> GrammarService:
+        """Grammar compilation for structured outputs (xgrammar), created when first needed."""
+        if self._grammars is None:
+            from jaxserve.structured_outputs.compiler import GrammarService
+
+            self._grammars = GrammarService(self.tokenizer, self.vocab_size,
+                                            self.setup.eos_token_ids)
+        return self._grammars
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,
@@ -72,9 +90,17 @@ class LLMEngine:
         """Queue a request. Raises ValueError (and changes nothing) if it can never run."""
         params = sampling_params or SamplingParams()
         self.runner.batch.check(params)
+        compiled = None
+        if params.structured_outputs is not None:   # parsed now (ValueError), compiled async
+            constraint = params.structured_outputs
+            if self.config.structured_outputs_config.structured_outputs_disable_any_whitespace:
+                constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
+            compiled = self.grammars.grammar_for(constraint)
         seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids, params,
                                         arrival_time or time.time())
         for seq in seqs:
+            if compiled is not None:
+                seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
             self.scheduler.add_seq(seq)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -98,6 +124,9 @@ class LLMEngine:
         dispatched = False
         if len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
+            if self._grammars is not None:
+                out.grammar_bitmask = grammar_bitmask(out, self.scheduler.get_seq,
+                                                      self.vocab_size)
             pending = self.runner.execute(out)      # applies the diffs even with no tokens
             if pending is not None:
                 now = time.time()

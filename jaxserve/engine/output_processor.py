@@ -1,13 +1,15 @@
 """Host side of a request: validation, sampled tokens → text, stop checks, RequestOutputs.
 
 The scheduler decides who runs; this module decides when a sequence is done
-(EOS, stop token, stop string, max_tokens, max_model_len) and what the client
+(EOS, stop token, stop string, max_tokens, max_model_len, a completed
+structured-output grammar, whose matcher advances here with each token) and what the client
 sees (incrementally detokenized text that never shows half a character or the
 beginning of a stop string that is about to match).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.step_contract import RunnerOutput, SampledLogprobs
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,12 +160,19 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int,
                     num_new_chars: int) -> SequenceStatus | None:
         params = state.params
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # The bitmask allowed only grammatical tokens, so this is a bug, not bad input.
+            logger.error("request %s: token %d violates its structured-output grammar",
+                         seq.request_id, token)
+            return SequenceStatus.FINISHED_ERROR
         past_min = seq.num_output_tokens > params.min_tokens
         if past_min and not params.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if past_min and token in state.stop_token_ids:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return SequenceStatus.FINISHED_STOPPED      # the structured output is complete
         if params.stop and past_min and text.detok is not None:
             match = state.stops.check(text.text, num_new_chars)
             if match is not None:

@@ -14,6 +14,10 @@ one step later: until then it is *pending* (``seq.num_pending_tokens``), and
 the next step's decode feeds it from the device. `update_from_output` appends
 the sampled tokens when they arrive.
 
+Structured outputs: a sequence whose grammar is still compiling is passed over in the
+waiting queue (keeping its place), and a constrained sequence is not scheduled while it
+has a pending token, since its next grammar bitmask depends on that token.
+
 While decodes run, prefill work per step is capped (``long_prefill_token_threshold``,
 ``max_num_partial_prefills``, and the decode-aware budget below), so one long
 prompt cannot stall every stream's next token.
@@ -119,6 +123,10 @@ class Scheduler:
                 # Nothing to do, or its pending token is its last: the step in flight ends it.
                 i += 1
                 continue
+            if seq.grammar is not None and seq.num_pending_tokens:
+                # Its next bitmask needs the token still in flight: wait one step.
+                i += 1
+                continue
             is_prefill = num_new > 1
             if is_prefill:
                 num_new = min(num_new, self._chunk_cap(prefill_used, num_decodes))
@@ -138,11 +146,15 @@ class Scheduler:
             i += 1
 
         # Then admit waiting sequences in FIFO order, unless the cache was just short.
+        compiling: list[Sequence] = []    # grammar not compiled yet: skipped, keep their place
         if not out.preempted_seq_ids:
             while self._waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = self._waiting[0]
                 if seq.num_pending_tokens:
                     break   # preempted while a step ran: wait for that step's token
+                if seq.grammar is not None and not seq.grammar.is_ready:
+                    compiling.append(self._waiting.popleft())
+                    continue
                 cap = min(budget, self._chunk_cap(prefill_used, num_decodes))
                 if cap <= 0:
                     break
@@ -165,6 +177,7 @@ class Scheduler:
                 prefill_used += num_new
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     num_partial += 1
+        self._waiting.extendleft(reversed(compiling))
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out

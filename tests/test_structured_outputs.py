@@ -1,0 +1,200 @@
+"""Structured outputs (xgrammar) end to end on a tiny random Llama: every constraint kind
+holds at temperature 0 and 1 in batches mixed with free requests, free requests are not
+disturbed, async and sync scheduling agree, and nothing compiles after warm-up.
+
+A random model rarely *chooses* to finish a JSON document, so the constraints are built
+so that completion is reachable (enums, booleans, bounded arrays); an output cut by
+max_tokens must still be a prefix the grammar accepts, and enough outputs must finish.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+
+PROMPTS = [[11, 23, 98, 421, 77], [310, 248, 9, 150], [42, 61, 331, 88, 12, 7], [91, 64, 5]]
+
+PERSON_SCHEMA = {
+    "$defs": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "favorite": {"$ref": "#/$defs/color"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}},
+                "required": ["kind"], "additionalProperties": False},
+    },
+    "required": ["ok", "favorite", "tags", "pet"],
+    "additionalProperties": False,
+}
+REGEX = r"(cat|dog)-[0-9]{2,3}"
+CHOICES = ["alpha", "beta", "gamma delta"]
+GRAMMAR = 'root ::= "yes" | "no" | "maybe " digit digit?\ndigit ::= [0-9]'
+
+
+def _validators():
+    """(StructuredOutputsParams, check(text) for a finished output) per constraint kind."""
+    return {
+        "json_object": (StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+                        lambda text: isinstance(json.loads(text), dict)),
+        "json": (StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True),
+                 lambda text: jsonschema.validate(json.loads(text), PERSON_SCHEMA) is None),
+        "regex": (StructuredOutputsParams(regex=REGEX),
+                  lambda text: re.fullmatch(REGEX, text) is not None),
+        "choice": (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
+        "grammar": (StructuredOutputsParams(grammar=GRAMMAR),
+                    lambda text: re.fullmatch(r"yes|no|maybe [0-9]{1,2}", text) is not None),
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(make_tiny_model):
+    # Same settings as tests/test_engine.py's `llm`: the compilation cache is shared.
+    return LLM(str(make_tiny_model("llama")), max_model_len=256, max_num_seqs=32,
+               max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
+
+
+def _accepts_prefix(llm, constraint: StructuredOutputsParams, token_ids: list[int]) -> bool:
+    """A fresh matcher accepts every token (the output is a valid, maybe unfinished prefix)."""
+    import xgrammar as xgr
+
+    compiled = llm.llm_engine.grammars.grammar_for(constraint).result()
+    matcher = xgr.GrammarMatcher(compiled)
+    return all(matcher.accept_token(t) for t in token_ids)
+
+
+def _free(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_constraint_holds_in_a_batch_mixed_with_free_requests(llm, temperature):
+    validators = _validators()
+    prompts, params, kinds = [], [], []
+    for i, (kind, (constraint, _)) in enumerate(validators.items()):
+        for j in range(2):
+            prompts.append(PROMPTS[(i + j) % len(PROMPTS)])
+            params.append(SamplingParams(temperature=temperature, seed=10 * i + j,
+                                         max_tokens=64, structured_outputs=constraint))
+            kinds.append(kind)
+    free_prompts = PROMPTS[:3]
+    outs = llm.generate(prompts + free_prompts, params + [_free()] * 3, use_tqdm=False)
+    finished = 0
+    for kind, out in zip(kinds, outs):
+        constraint, check = validators[kind]
+        c = out.outputs[0]
+        assert c.finish_reason in ("stop", "length"), (kind, c.finish_reason)
+        if c.finish_reason == "stop":
+            assert check(c.text), (kind, c.text)
+            finished += 1
+        else:
+            assert _accepts_prefix(llm, constraint, c.token_ids), (kind, c.text)
+    # Without whitespace, the schema (enums, booleans, short arrays) and the bounded kinds
+    # (regex, choice, grammar) always finish within 64 tokens; json_object may not.
+    assert finished >= 8, [(k, o.outputs[0].text) for k, o in zip(kinds, outs)]
+    # Free requests in the same batch are exactly what they are alone.
+    alone = llm.generate(free_prompts, _free(), use_tqdm=False)
+    for mixed, ref in zip(outs[len(prompts):], alone):
+        assert mixed.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_n_2_children_follow_their_own_matchers_and_stop_strings_still_apply(llm):
+    choice = StructuredOutputsParams(choice=CHOICES)
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(n=4, temperature=1.0, seed=3,
+                                                      max_tokens=16, structured_outputs=choice),
+                         use_tqdm=False)
+    assert {c.text for c in out.outputs} <= set(CHOICES)
+    assert all(c.finish_reason == "stop" for c in out.outputs)
+    regex = StructuredOutputsParams(regex=REGEX)
+    [out] = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16, stop=["-"],
+                                                      structured_outputs=regex), use_tqdm=False)
+    assert out.outputs[0].text in ("cat", "dog") and out.outputs[0].stop_reason == "-"
+
+
+def test_max_tokens_cuts_a_constrained_output_with_length(llm):
+    schema = StructuredOutputsParams(json=PERSON_SCHEMA)
+    [out] = llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=3,
+                                                      structured_outputs=schema), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+    assert c.text.startswith("{") and _accepts_prefix(llm, schema, c.token_ids)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(json={"type": "bogus"}), "invalid structured outputs json"),
+    (dict(json="{not json"), "invalid JSON schema"),
+    (dict(regex="a(b"), "invalid structured outputs regex"),
+    (dict(grammar="root ::= undefined_rule"), "invalid structured outputs grammar"),
+])
+def test_invalid_specs_fail_at_add_request_and_the_engine_keeps_serving(llm, bad, message):
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**bad))
+    with pytest.raises(ValueError, match=message):
+        llm.llm_engine.add_request("bad", None, params, prompt_token_ids=PROMPTS[0])
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate([PROMPTS[0]], _free(4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_params_need_exactly_one_constraint_and_guided_decoding_is_an_alias():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams(regex="a", whitespace_pattern=" ")
+    alias = SamplingParams(guided_decoding=StructuredOutputsParams(regex="a+"))
+    assert alias.structured_outputs.regex == "a+" and alias.guided_decoding is None
+
+
+def _constrained_workload(engine) -> tuple[dict, list]:
+    validators = _validators()
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event or "trace" in event:
+            compiles.append(event)
+
+    rng = np.random.default_rng(7)
+    for i in range(12):
+        prompt = rng.integers(5, 500, size=int(rng.integers(3, 30))).tolist()
+        kind = list(validators)[i % 6] if i % 6 < 5 else None
+        constraint = validators[kind][0] if kind else None
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=40,
+                                n=2 if i == 3 else 1, ignore_eos=kind is None,
+                                structured_outputs=constraint)
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt)
+    finished = {}
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return finished, compiles
+
+
+def test_async_and_sync_scheduling_give_identical_constrained_tokens_and_compile_nothing(
+        make_tiny_model, llm):
+    # Warm the grammar cache so both runs compile nothing new (grammars compile off-step).
+    sync = LLM(str(make_tiny_model("llama")), max_model_len=256, max_num_seqs=32,
+               max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20, async_scheduling=False)
+    runs = {}
+    for name, engine in (("async", llm.llm_engine), ("sync", sync.llm_engine)):
+        assert engine.max_steps_in_flight == (2 if name == "async" else 1)
+        runs[name] = _constrained_workload(engine)
+    for name, (finished, compiles) in runs.items():
+        assert compiles == [], name
+        assert len(finished) == 12
+    a, b = runs["async"][0], runs["sync"][0]
+    for request_id in a:
+        for x, y in zip(a[request_id].outputs, b[request_id].outputs, strict=True):
+            assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text,
+                                                               y.finish_reason), request_id
