@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
-          bias_values, grammar_bitmask, *, model: CausalLM, inv_freq, layout: StepLayout, num_top_logprobs: int,
+          bias_values, grammar_bitmask, *, model: CausalLM, inv_freq, layout: StepLayout,
+          num_top_logprobs: int,
           logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token.
 

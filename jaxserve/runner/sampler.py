@@ -6,8 +6,9 @@ is vLLM v1's:
 
 1. logprobs come from the RAW logits (log-softmax before any processing, and before the
    structured-outputs grammar mask, as vLLM's default ``logprobs_mode="raw_logprobs"``);
-2. the grammar bitmask (structured outputs) sets disallowed tokens to -inf; then logit bias and min_tokens bans (additive, -inf), then repetition / frequency /
-   presence penalties;
+2. the grammar bitmask (structured outputs) sets disallowed tokens to -inf; then logit
+   bias and min_tokens bans (additive, -inf), then repetition / frequency / presence
+   penalties;
 3. greedy rows take the argmax of the processed logits;
 4. random rows: divide by temperature, min_p, top_k, top_p, then sample.
 

@@ -105,7 +105,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     config = config or ServeConfig(engine=engine.config)
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    chat = OpenAIServingChat(engine, names, config.server)
     metrics = attach_metrics(engine, names[0])
     engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
     created = int(time.time())

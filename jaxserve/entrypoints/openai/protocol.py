@@ -9,6 +9,7 @@ the cheapest correct thing to send.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -75,6 +76,16 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # legacy guided_* fields (jaxserve/entrypoints/openai/structured_request.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams kwargs for the fields every endpoint shares (unset ones omitted)."""
@@ -133,10 +144,35 @@ class TextPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | str] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None          # assistant turns that called tools
+    tool_call_id: str | None = None                   # tool turns: which call they answer
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -151,6 +187,12 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (jaxserve/entrypoints/openai/tool_calls.py), and the legacy functions API.
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    functions: list[FunctionDefinition] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -168,6 +210,14 @@ class ChatCompletionRequest(SamplingFields):
             if isinstance(message.content, list):
                 item["content"] = [p if isinstance(p, str) else p.model_dump(exclude_none=True)
                                    for p in message.content]
+            for call in item.get("tool_calls", ()):
+                # Templates index into the arguments (vLLM hands them a dict, too).
+                arguments = call["function"].get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        call["function"]["arguments"] = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass
             out.append(item)
         return out
 

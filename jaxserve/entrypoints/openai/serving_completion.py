@@ -30,6 +30,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     sse_error,
     until_disconnect,
 )
+from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
 from jaxserve.outputs import RequestOutput
 
 MAX_CHOICES = 1024       # prompts x n in one request; more is a batch job, not a request
@@ -54,9 +55,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if not ids:
                 raise APIError("the prompt is empty (0 tokens)", param="prompt")
             prompt_ids.append(ids)
+        constraint = structured_outputs_of(request)
         params = [self.sampling_params(request, self.resolve_max_tokens(len(ids),
                                                                         request.max_tokens),
-                                       request.logprobs)
+                                       request.logprobs, constraint)
                   for ids in prompt_ids]
         prompt_texts = [p if isinstance(p, str) else None for p in prompts]
         if request.echo:

@@ -18,6 +18,7 @@ from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +163,13 @@ class OpenAIServing:
                 "messages or completion.", param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         kwargs = request.sampling_kwargs()
         try:
-            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                    structured_outputs=structured_outputs, **kwargs)
             params.verify(self.max_logprobs, self.max_model_len, self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc)) from None
