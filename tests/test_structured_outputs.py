@@ -198,3 +198,107 @@ def test_async_and_sync_scheduling_give_identical_constrained_tokens_and_compile
         for x, y in zip(a[request_id].outputs, b[request_id].outputs, strict=True):
             assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text,
                                                                y.finish_reason), request_id
+
+
+# -- the server (tests/conftest.py's `tools_server`: JSON without free whitespace) -----------------
+SERVER_FORMS = {   # request fields → check(text) of a finished output
+    "response_format json_schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "person", "schema": PERSON_SCHEMA, "strict": True}}},
+        lambda text: jsonschema.validate(json.loads(text), PERSON_SCHEMA) is None),
+    "response_format json_object": (
+        {"response_format": {"type": "json_object"}},
+        lambda text: isinstance(json.loads(text), dict)),
+    "guided_json": ({"guided_json": PERSON_SCHEMA},
+                    lambda text: jsonschema.validate(json.loads(text), PERSON_SCHEMA) is None),
+    "guided_regex": ({"guided_regex": REGEX}, lambda text: re.fullmatch(REGEX, text)),
+    "guided_choice": ({"guided_choice": CHOICES}, lambda text: text in CHOICES),
+    "guided_grammar": ({"guided_grammar": GRAMMAR},
+                       lambda text: re.fullmatch(r"yes|no|maybe [0-9]{1,2}", text)),
+    "structured_outputs": ({"structured_outputs": {"regex": REGEX}},
+                           lambda text: re.fullmatch(REGEX, text)),
+}
+
+
+def _post(server, path: str, body: dict) -> dict:
+    import httpx
+
+    r = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_server_constraints_hold_on_both_endpoints_beside_free_requests(tools_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    free = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    jobs = []
+    for name, (fields, _) in SERVER_FORMS.items():
+        for path, base in (("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "Describe a person"}]}),
+                           ("/v1/completions", {"prompt": "A person as JSON:"})):
+            for temperature in (0.0, 1.0):
+                jobs.append((name, path, {**base, **fields, "max_tokens": 120, "seed": 5,
+                                          "n": 2, "temperature": temperature}))
+    with ThreadPoolExecutor(len(jobs) + 2) as pool:      # one batch: all in flight at once
+        free_future = pool.submit(_post, tools_server, "/v1/completions", free)
+        results = list(pool.map(lambda job: _post(tools_server, job[1], job[2]), jobs))
+        mixed_free = free_future.result()
+    for (name, path, _), body in zip(jobs, results):
+        check = SERVER_FORMS[name][1]
+        for choice in body["choices"]:
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            if name == "response_format json_object" and choice["finish_reason"] == "length":
+                assert text.startswith("{"), (name, path, text)    # a string ran long
+                continue
+            assert choice["finish_reason"] == "stop", (name, path, text)
+            assert check(text), (name, path, text)
+    alone = _post(tools_server, "/v1/completions", free)
+    assert mixed_free["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_openai_client_parse_returns_a_parsed_pydantic_object(tools_server):
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        vaccinated: bool
+
+    class Person(BaseModel):
+        favorite: Literal["red", "green", "blue"]
+        pets: list[Pet]
+
+    client = openai.OpenAI(base_url=tools_server.url + "/v1", api_key="EMPTY", max_retries=0)
+    completion = client.chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": "Describe a person"}],
+        response_format=Person, max_tokens=120, temperature=0)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Person)
+    assert Person.model_validate_json(completion.choices[0].message.content) == parsed
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, "Unsupported type"),
+    ({"guided_regex": "a(b"}, "parenthesis is not closed"),
+    ({"guided_grammar": "root ::= missing"}, 'Rule "missing" is not defined'),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"structured_outputs": {"jsonn": {}}}, "unknown structured_outputs field(s): jsonn"),
+    ({"guided_whitespace_pattern": " *", "guided_regex": "a"}, "not supported"),
+])
+def test_invalid_constraints_are_openai_400s_and_the_server_keeps_serving(tools_server, fields,
+                                                                          needle):
+    import httpx
+
+    for path, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/completions", {"prompt": "x"})):
+        r = httpx.post(tools_server.url + path, json={**base, **fields, "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and needle in error["message"]
+        assert _post(tools_server, path, {**base, "max_tokens": 2})["choices"]

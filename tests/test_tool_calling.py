@@ -258,8 +258,9 @@ def test_openai_client_tool_calls_round_trip(client):
 
 def test_langchain_bind_tools_and_structured_output(tools_server):
     langchain_openai = pytest.importorskip("langchain_openai")
-    from pydantic import BaseModel
     from typing import Literal
+
+    from pydantic import BaseModel
 
     class Weather(BaseModel):
         city: Literal["Paris", "Tokyo"]

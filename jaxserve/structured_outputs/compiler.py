@@ -26,9 +26,18 @@ _CACHE_SIZE = 512                    # compiled grammars kept (LRU)
 _XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")   # "[22:14:11] /project/cpp/x.cc:94: "
 
 
+def import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("structured outputs (and tool_choice 'required' or a named function) "
+                         "need xgrammar: pip install 'jaxserve[structured]'") from None
+    return xgrammar
+
+
 def parse_grammar(params: StructuredOutputsParams) -> Any:
     """The xgrammar `Grammar` of a spec; ValueError naming the problem if it is invalid."""
-    import xgrammar as xgr
+    xgr = import_xgrammar()
 
     kind = params.kind
     try:
@@ -67,7 +76,7 @@ class GrammarService:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
                  max_workers: int = 2) -> None:
-        import xgrammar as xgr
+        xgr = import_xgrammar()
 
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
