@@ -277,3 +277,28 @@ def test_langchain_bind_tools_and_structured_output(tools_server):
     for method in ("json_schema", "function_calling"):
         result = llm.with_structured_output(Weather, method=method).invoke("Weather?")
         assert isinstance(result, Weather), method
+
+
+def test_readme_structured_output_and_tool_examples_run(tools_server):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = dict(re.findall(r"```(\w+) test-tools-server\n(.*?)```", readme, re.DOTALL))
+    assert set(blocks) == {"sh", "python"}, "README examples not found"
+    sh = blocks["sh"].replace("http://localhost:8000", tools_server.url)
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", sh.replace("curl -s", "curl -sf")],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    [choice] = json.loads(result.stdout)["choices"]
+    answer = json.loads(choice["message"]["content"])
+    assert answer["color"] in ("red", "blue") and isinstance(answer["sure"], bool)
+    code = blocks["python"].replace("http://localhost:8000", tools_server.url)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines and all(re.match(r"chatcmpl-tool-\w+ get_weather \{'city': '(Paris|Tokyo)'\}$",
+                                  line) for line in lines), result.stdout
