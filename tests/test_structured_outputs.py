@@ -178,22 +178,31 @@ def _constrained_workload(engine) -> tuple[dict, list]:
                     finished[out.request_id] = out
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    return finished, compiles
+    return finished, compiles, engine.scheduler.num_preemptions
 
 
 def test_async_and_sync_scheduling_give_identical_constrained_tokens_and_compile_nothing(
-        make_tiny_model, llm):
-    # Warm the grammar cache so both runs compile nothing new (grammars compile off-step).
-    sync = LLM(str(make_tiny_model("llama")), max_model_len=256, max_num_seqs=32,
-               max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20, async_scheduling=False)
+        make_tiny_model):
+    """On a KV cache small enough to preempt (recompute keeps each sequence's matcher, since
+    it keeps the output tokens), with grammars compiling while others run."""
     runs = {}
-    for name, engine in (("async", llm.llm_engine), ("sync", sync.llm_engine)):
-        assert engine.max_steps_in_flight == (2 if name == "async" else 1)
-        runs[name] = _constrained_workload(engine)
-    for name, (finished, compiles) in runs.items():
-        assert compiles == [], name
+    for mode in (True, False):
+        # Same settings as tests/test_engine.py's async test: the compilation cache is shared.
+        llm = LLM(str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=8,
+                  max_num_batched_tokens=64, num_gpu_blocks_override=14, async_scheduling=mode)
+        assert llm.llm_engine.max_steps_in_flight == (2 if mode else 1)
+        runs[mode] = _constrained_workload(llm.llm_engine)
+    validators = _validators()
+    for mode, (finished, compiles, preemptions) in runs.items():
+        assert compiles == [], mode
+        assert preemptions > 0, mode
         assert len(finished) == 12
-    a, b = runs["async"][0], runs["sync"][0]
+        for i in range(12):
+            kind = list(validators)[i % 6] if i % 6 < 5 else None
+            for c in finished[f"r{i}"].outputs:
+                if kind is not None and c.finish_reason == "stop":
+                    assert validators[kind][1](c.text), (kind, c.text)
+    a, b = runs[True][0], runs[False][0]
     for request_id in a:
         for x, y in zip(a[request_id].outputs, b[request_id].outputs, strict=True):
             assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text,
