@@ -10,6 +10,8 @@ One `step()` on a screen, with async scheduling (two steps in flight):
 
 Without async scheduling the same loop keeps one step in flight: it collects each step
 before scheduling the next, so both modes run the same code and give the same tokens.
+While a structured-output (grammar-constrained) sequence lives, the loop runs one step
+in flight too: its next bitmask needs the token of the step before.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class LLMEngine:
         """Dispatch the next step (if there is room in flight) and collect the oldest one when
         the pipeline is full; returns outputs of requests that changed (or finished)."""
         dispatched = False
-        if len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished():
+        max_in_flight = self._max_in_flight()
+        if len(self._in_flight) < max_in_flight and self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
             if self._grammars is not None:
                 out.grammar_bitmask = grammar_bitmask(out, self.scheduler.get_seq,
@@ -134,12 +137,17 @@ class LLMEngine:
                     self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
                 self._in_flight.append((out, pending, time.perf_counter()))
                 dispatched = True
-        if self._in_flight and (len(self._in_flight) >= self.max_steps_in_flight
-                                or not dispatched):
+        if self._in_flight and (len(self._in_flight) >= max_in_flight or not dispatched):
             self._collect(*self._in_flight.popleft())
         if self.log_stats:
             self.stats.maybe_log(self.snapshot())
         return self.outputs.drain()
+
+    def _max_in_flight(self) -> int:
+        """Steps to keep in flight now. A constrained row's next bitmask needs the token in
+        flight, so while a constrained sequence lives, one: every row still advances every
+        step (with two, the scheduler skips such rows every other step: half their speed)."""
+        return 1 if self.scheduler.num_constrained else self.max_steps_in_flight
 
     def _collect(self, out: SchedulerOutput, pending: Any, dispatch_time: float) -> None:
         """Wait for a dispatched step; append its tokens and run output processing."""

@@ -70,6 +70,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._finished_ids: list[int] = []    # rows the runner should drop next step
         self.num_preemptions = 0
+        self.num_constrained = 0              # unfinished sequences with a grammar
 
     # ------------------------------------------------------------------ state
     @property
@@ -99,6 +100,7 @@ class Scheduler:
         assert seq.num_tokens <= self.max_model_len, (seq.num_tokens, self.max_model_len)
         self._waiting.append(seq)
         self._seqs[seq.seq_id] = seq
+        self.num_constrained += seq.grammar is not None
 
     # ------------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
@@ -279,6 +281,7 @@ class Scheduler:
         seq.status = status
         self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
+        self.num_constrained -= seq.grammar is not None
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of ``request_id`` as aborted, waiting or running."""
