@@ -318,3 +318,25 @@ def test_invalid_constraints_are_openai_400s_and_the_server_keeps_serving(tools_
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and needle in error["message"]
         assert _post(tools_server, path, {**base, "max_tokens": 2})["choices"]
+
+
+def test_token_bitmask_sets_exactly_the_cleared_bits_to_minus_inf():
+    import jax.numpy as jnp
+
+    from jaxserve.runner.grammar_mask import apply_token_bitmask
+
+    rng = np.random.default_rng(0)
+    vocab = 70                                             # not a multiple of 32
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    allowed = rng.random((3, vocab)) < 0.5
+    allowed[2] = True                                      # an unconstrained row
+    padded = np.zeros((3, 96), bool)
+    padded[:, :vocab] = allowed
+    padded[2] = True
+    words = (padded.reshape(3, 3, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    bitmask = words.astype(np.uint32).view(np.int32)
+    out = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(bitmask)))
+    np.testing.assert_array_equal(out, np.where(allowed, logits, -np.inf))
+    free = np.full((3, 3), -1, np.int32)                   # nothing constrained: untouched
+    np.testing.assert_array_equal(np.asarray(apply_token_bitmask(jnp.asarray(logits),
+                                                                 jnp.asarray(free))), logits)

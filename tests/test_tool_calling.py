@@ -302,3 +302,31 @@ def test_readme_structured_output_and_tool_examples_run(tools_server):
     lines = result.stdout.strip().splitlines()
     assert lines and all(re.match(r"chatcmpl-tool-\w+ get_weather \{'city': '(Paris|Tokyo)'\}$",
                                   line) for line in lines), result.stdout
+
+
+@pytest.mark.parametrize("text, final, content, calls", [
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', True, "",
+     [("get_time", '{"zone": "UTC"}')]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
+     True, "", [("a", "{}"), ("b", '{"x": 1}')]),
+    ('{"name": "get_time", "parameters": {"zone": ', False, "", []),     # held back
+    ('{"not": "a call"}', True, '{"not": "a call"}', []),
+    ("Plain answer.", False, "Plain answer.", []),
+])
+def test_llama3_json_parser_splits_calls_from_content(text, final, content, calls):
+    from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
+
+    got_content, got_calls = get_tool_parser("llama3_json").split(text, final)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+
+
+def test_hermes_parser_holds_back_only_a_possible_tag_start():
+    from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
+
+    parser = get_tool_parser("hermes")
+    assert parser.split("Sure <tool_c", final=False) == ("Sure ", [])
+    assert parser.split("a < b", final=False) == ("a < b", [])
+    assert parser.split("Sure <tool_c", final=True) == ("Sure <tool_c", [])
+    assert parser.split('x<tool_call>{"name": "f", "arguments": {}} bad', final=True) \
+        == ('x<tool_call>{"name": "f", "arguments": {}} bad', [])
