@@ -141,6 +141,21 @@ def test_invalid_specs_fail_at_add_request_and_the_engine_keeps_serving(llm, bad
     assert llm.generate([PROMPTS[0]], _free(4), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(llm, monkeypatch):
+    from types import SimpleNamespace
+
+    def fail(grammar):
+        raise RuntimeError("injected compile failure")
+
+    monkeypatch.setattr(llm.llm_engine.grammars, "_compiler",
+                        SimpleNamespace(compile_grammar=fail))
+    broken = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        regex="never-compiled-[0-9]"))
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [broken, _free(4)], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and not outs[0].outputs[0].token_ids
+    assert outs[1].outputs[0].finish_reason == "length"
+
+
 def test_params_need_exactly_one_constraint_and_guided_decoding_is_an_alias():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(json={"type": "object"}, regex="a")

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sequence import SequenceStatus
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.step_contract import SchedulerOutput
 from jaxserve.outputs import RequestOutput
@@ -73,6 +75,7 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self.vocab_size = s.runner.arch.vocab_size          # logits width: the bitmask's V
         self._grammars: GrammarService | None = None        # built on the first constrained request
+        self._compiling: dict[str, Future] = {}             # request id → its grammar compiling
 
     @property
     def grammars(self) -> GrammarService:
@@ -104,6 +107,8 @@ class LLMEngine:
             if compiled is not None:
                 seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
             self.scheduler.add_seq(seq)
+        if compiled is not None:
+            self._compiling[request_id] = compiled
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -124,6 +129,8 @@ class LLMEngine:
         """Dispatch the next step (if there is room in flight) and collect the oldest one when
         the pipeline is full; returns outputs of requests that changed (or finished)."""
         dispatched = False
+        if self._compiling:
+            self._fail_unbuildable_grammars()
         max_in_flight = self._max_in_flight()
         if len(self._in_flight) < max_in_flight and self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
@@ -142,6 +149,19 @@ class LLMEngine:
         if self.log_stats:
             self.stats.maybe_log(self.snapshot())
         return self.outputs.drain()
+
+    def _fail_unbuildable_grammars(self) -> None:
+        """A grammar that parsed but failed to compile (rare: add_request already parsed it)
+        ends its request with finish_reason "error"; the engine keeps serving."""
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            if future.exception() is not None:
+                logger.error("request %s: grammar compilation failed: %s", request_id,
+                             future.exception())
+                self.scheduler.abort_request(request_id, SequenceStatus.FINISHED_ERROR)
+                self.outputs.abort(request_id, reason="error")
 
     def _max_in_flight(self) -> int:
         """Steps to keep in flight now. A constrained row's next bitmask needs the token in

@@ -201,13 +201,14 @@ class OutputProcessor:
         return self.tokenizer.decode([token])
 
     # -- results -------------------------------------------------------------------------------
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Finish the request now; unfinished completions get finish_reason ``reason``."""
         state = self.requests.get(request_id)
         if state is None or state.finished:
             return
         for text in state.texts:
             if text.finish_reason is None:
-                text.finish_reason = "abort"
+                text.finish_reason = reason
         state.finished = True
         state.changed = True
         state.metrics.finished_time = time.time()

@@ -283,9 +283,10 @@ class Scheduler:
         del self._seqs[seq.seq_id]
         self.num_constrained -= seq.grammar is not None
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of ``request_id`` as aborted, waiting or running."""
+    def abort_request(self, request_id: str,
+                      status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> list[Sequence]:
+        """Finish every sequence of ``request_id`` (aborted, or ``status``), waiting or running."""
         seqs = [seq for seq in (*self._running, *self._waiting) if seq.request_id == request_id]
         for seq in seqs:
-            self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+            self.finish_seq(seq, status)
         return seqs

@@ -23,8 +23,9 @@ class SeqGrammar:
 
     @property
     def is_ready(self) -> bool:
-        """The grammar finished compiling (the sequence may be scheduled)."""
-        return self._future.done()
+        """The grammar compiled (the sequence may be scheduled). A failed one never is: the
+        engine ends its request (LLMEngine._fail_unbuildable_grammars)."""
+        return self._future.done() and self._future.exception() is None
 
     @property
     def matcher(self) -> Any:
