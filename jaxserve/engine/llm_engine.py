@@ -20,8 +20,8 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
