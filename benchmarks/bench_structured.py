@@ -13,7 +13,13 @@ Throughput counts every output token; a constrained request may finish early (it
 is complete), so the wall time per step is reported too (elapsed / steps: with two steps
 in flight the engine's own per-step timer spans two steps, so it is not comparable).
 
+3. The sampler alone (the part the mask touches), [64, 49152] logits, interleaved and
+   repeated: no mask argument at all, the all-ones mask (nothing constrained: the cond is
+   not taken), and a quarter of the rows constrained. End-to-end numbers on a shared box
+   swing by +-20% between repeats; this one resolves a few percent.
+
     python benchmarks/bench_structured.py                 # writes results/structured-cpu.json
+    python benchmarks/bench_structured.py --sampler-only  # part 3, merged into that file
 """
 
 from __future__ import annotations
@@ -80,6 +86,42 @@ def run(llm, prompts, json_prompts, output_len: int, json_fraction: float) -> di
             "json_mean_tokens": statistics.mean(json_tokens) if json_tokens else None}
 
 
+def sampler_microbench(batch: int, vocab: int = 49152, iters: int = 40) -> dict:
+    """Median ms of the jitted sampler (greedy and temperature 1) with and without the mask."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench_sampler import lm_logits, tensors
+
+    from jaxserve.runner.sampler import sample
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(lm_logits(rng, batch, 1.0)[:, :vocab])
+    words = (vocab + 31) // 32
+    all_ones = jnp.full((batch, words), -1, jnp.int32)
+    quarter = np.full((batch, words), -1, np.int32)
+    quarter[: batch // 4] = rng.integers(-2**31, 2**31, (batch // 4, words), dtype=np.int64)
+    quarter = jnp.asarray(quarter)
+    no_mask = jax.jit(lambda lg, t: sample(lg, t, 0).next_tokens)
+    with_mask = jax.jit(lambda lg, t, bm: sample(lg, t, 0, grammar_bitmask=bm).next_tokens)
+    out = {}
+    for name, temperature in (("greedy", 0.0), ("temperature 1", 1.0)):
+        t = jax.device_put(tensors(batch, rng, temperature=temperature))
+        cases = {"no mask (main)": lambda: no_mask(logits, t),
+                 "all-ones mask": lambda: with_mask(logits, t, all_ones),
+                 "25% rows constrained": lambda: with_mask(logits, t, quarter)}
+        times: dict[str, list[float]] = {case: [] for case in cases}
+        for fn in cases.values():
+            fn().block_until_ready()
+        for _ in range(iters):
+            for case, fn in cases.items():
+                start = time.perf_counter()
+                fn().block_until_ready()
+                times[case].append(1000 * (time.perf_counter() - start))
+        out[name] = {case: statistics.median(v) for case, v in times.items()}
+    return out
+
+
 def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
@@ -89,7 +131,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sampler-only", action="store_true",
+                        help="only part 3, merged into an existing results file")
     args = parser.parse_args()
+    path = RESULTS / "structured-cpu.json"
+    if args.sampler_only:
+        micro = sampler_microbench(args.batch)
+        results = json.loads(path.read_text()) if path.exists() else {}
+        results["sampler_ms"] = micro
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print_sampler(micro)
+        return
 
     from bench_offline import make_prompts  # benchmarks/ is this script's directory
 
@@ -138,8 +190,8 @@ def main() -> None:
         "json25_skipping_cost": 1 - medians["json25-skipping"]["tok_s"] / free["tok_s"],
         "targets": {"unconstrained_cost": "<= 0.10", "json25_cost": "<= 0.20"},
     }
+    results["sampler_ms"] = sampler_microbench(args.batch)
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "structured-cpu.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     for name, m in medians.items():
         print(f"{name:22s} {m['tok_s']:7.1f} tok/s  {m['wall_ms_per_step']:6.1f} ms/step  "
@@ -149,7 +201,15 @@ def main() -> None:
     print(f"25% JSON cost (throughput): {results['json25_cost']:+.1%} (target <= 20%); "
           f"per step: {results['json25_step_cost']:+.1%}; skipping instead of one step in "
           f"flight: {results['json25_skipping_cost']:+.1%}")
+    print_sampler(results["sampler_ms"])
     print(f"wrote {path}")
+
+
+def print_sampler(micro: dict) -> None:
+    for name, cases in micro.items():
+        base = cases["no mask (main)"]
+        print(f"sampler, {name}: " + ", ".join(f"{case} {ms:.2f} ms ({ms / base - 1:+.1%})"
+                                                for case, ms in cases.items()))
 
 
 if __name__ == "__main__":
