@@ -6,6 +6,7 @@ _LAZY = {
     "LLM": "jaxserve.entrypoints.llm",
     "SamplingParams": "jaxserve.sampling_params",
     "RequestOutputKind": "jaxserve.sampling_params",
+    "StructuredOutputsParams": "jaxserve.structured_outputs.params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "EngineConfig": "jaxserve.config",
@@ -21,5 +22,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "EngineConfig",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput", "EngineConfig", "__version__"]

@@ -117,6 +117,14 @@ class RunnerConfig:
     disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
 
 
+@dataclass
+class StructuredOutputsConfig:
+    structured_outputs_disable_any_whitespace: bool = opt(
+        False, "JSON constraints (schemas, json_object) allow no whitespace between tokens, "
+        "for every request (a request can ask for it with structured_outputs."
+        "disable_any_whitespace). Small models otherwise tend to emit whitespace forever.")
+
+
 class FlatOptions:
     """Flat, vLLM-named access to a tree of option sections."""
 
@@ -138,6 +146,8 @@ class EngineConfig(FlatOptions):
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     runner_config: RunnerConfig = field(default_factory=RunnerConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)
 
     def finalize(self, platform: str) -> "EngineConfig":
         """Resolve platform-dependent defaults and check ranges. Returns self."""
@@ -197,6 +207,12 @@ class ServerConfig:
     allowed_methods: list[str] = opt(["*"], "CORS: allowed methods.", nargs="+")
     allowed_headers: list[str] = opt(["*"], "CORS: allowed headers.", nargs="+")
     allow_credentials: bool = opt(False, "CORS: allow credentials.")
+    enable_auto_tool_choice: bool = opt(
+        False, "Let the model decide to call tools (tool_choice 'auto'); needs "
+        "--tool-call-parser to read the calls out of its text.")
+    tool_call_parser: str | None = opt(
+        None, "How to read tool calls out of model text for tool_choice 'auto'.",
+        choices=["hermes", "llama3_json"])
 
 
 @dataclass

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.structured_outputs.params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5     # temperature below this is greedy
@@ -73,6 +75,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None   # constrained decoding
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False)  # old name
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     user_set: frozenset[str] = field(default=frozenset(), init=False, repr=False,
                                      compare=False)
@@ -97,6 +101,16 @@ class SamplingParams:
             self.logprobs = 1
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.guided_decoding is not None:      # vLLM's older name for the same thing
+            if self.structured_outputs is not None:
+                raise ValueError("set structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         self._normalize_and_verify()
 
     # -- validation ---------------------------------------------------------------------

@@ -150,3 +150,56 @@ def default_llm(default_gguf_path):
 
     return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128,
                kv_cache_memory_bytes=64 << 20)
+
+
+# ---------------------------------------------------------------------------
+# A live server for structured outputs and tool calling (owner: structured outputs).
+# Tiny random Llama, a ChatML template that renders tools, tool calls and tool results
+# (Hermes style; tools as name(params) to keep prompts inside the 256-token context),
+# auto tool choice with the hermes parser, and JSON without free
+# whitespace (a random model would otherwise pad with whitespace until max_tokens).
+# ---------------------------------------------------------------------------
+TOOLS_CHATML_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool['function']['name'] }}({{ tool['function']['parameters']['properties'] | join(', ') }})
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'assistant' and message.get('tool_calls') %}<|im_start|>assistant
+{%- for call in message['tool_calls'] %}
+<tool_call>{"name": "{{ call['function']['name'] }}", "arguments": \
+{{ call['function']['arguments'] | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message['role'] == 'tool' %}<|im_start|>user
+<tool_response>{{ message['content'] }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tools_server(make_tiny_model, tmp_path_factory):
+    """`jaxserve serve` of the tiny Llama with tool support (see above); yields it."""
+    try:
+        from tests.test_server import ServerProcess
+    except ImportError:
+        from test_server import ServerProcess
+
+    directory = tmp_path_factory.mktemp("tools_server")
+    template = directory / "tools_chatml.jinja"
+    template.write_text(TOOLS_CHATML_TEMPLATE)
+    server = ServerProcess(make_tiny_model("llama"), directory / "server.log",
+                           "--chat-template", str(template), "--enable-auto-tool-choice",
+                           "--tool-call-parser", "hermes",
+                           "--structured-outputs-disable-any-whitespace")
+    yield server
+    code = server.stop()
+    assert code == 0, f"server exited with {code}:\n{server.log_tail()}"
+
+# --- end of structured outputs fixtures ---------------------------------------

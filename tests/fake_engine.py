@@ -38,7 +38,8 @@ class ByteTokenizer:
 
 
 class FakeEngine:
-    """LLMEngine's surface; each step appends one character of CYCLE to every sequence."""
+    """LLMEngine's surface; each step appends one character of CYCLE to every sequence
+    (of ``script`` instead, when set: then the sequence stops at the script's end)."""
 
     def __init__(self, max_model_len: int = 128, step_delay: float = 0.0) -> None:
         self.config = EngineConfig()
@@ -51,6 +52,7 @@ class FakeEngine:
         self.model_path = "fake-model"
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.script: str | None = None
 
     def add_request(self, request_id, prompt, params: SamplingParams, *, prompt_token_ids=None,
                     arrival_time=None) -> None:
@@ -93,8 +95,10 @@ class FakeEngine:
             for j, out in enumerate(state["outs"]):
                 if state["finish"][j] is not None:
                     continue
-                char = CYCLE[(state["start"] + j + len(out)) % len(CYCLE)]
-                out.append(ord(char))
+                if self.script is not None:
+                    out.extend(self.script[len(self.tokenizer.decode(out))].encode())
+                else:
+                    out.append(ord(CYCLE[(state["start"] + j + len(out)) % len(CYCLE)]))
                 state["changed"] = True
                 self.num_generation_tokens += 1
                 m = state["metrics"]
@@ -102,7 +106,7 @@ class FakeEngine:
                 m.first_token_time = m.first_token_time or now
                 m.last_token_time = now
                 text = self.tokenizer.decode(out)
-                if any(s in text for s in params.stop):
+                if any(s in text for s in params.stop) or text == self.script:
                     state["finish"][j] = "stop"
                 elif len(out) >= params.max_tokens:
                     state["finish"][j] = "length"

@@ -38,7 +38,8 @@ def free_port() -> int:
 class ServerThread:
     """build_app + uvicorn in a thread, on a free port."""
 
-    def __init__(self, engine: FakeEngine, api_key: str | None = None) -> None:
+    def __init__(self, engine: FakeEngine, api_key: str | None = None,
+                 **server_options) -> None:
         import uvicorn
 
         from jaxserve.entrypoints.openai.api_server import build_app
@@ -47,6 +48,8 @@ class ServerThread:
         self.engine = AsyncLLMEngine(engine)
         config = ServeConfig()
         config.engine.model_config.served_model_name = ["fake-model"]
+        for name, value in server_options.items():      # ServerConfig fields
+            setattr(config.server, name, value)
         self.app = build_app(self.engine, config, api_key=api_key)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -10,14 +10,18 @@ One `step()` on a screen, with async scheduling (two steps in flight):
 
 Without async scheduling the same loop keeps one step in flight: it collects each step
 before scheduling the next, so both modes run the same code and give the same tokens.
+While a structured-output (grammar-constrained) sequence lives, the loop runs one step
+in flight too: its next bitmask needs the token of the step before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,10 +32,16 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sequence import SequenceStatus
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.step_contract import SchedulerOutput
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs.bitmask import grammar_bitmask
+from jaxserve.structured_outputs.matcher import SeqGrammar
+
+if TYPE_CHECKING:
+    from jaxserve.structured_outputs.compiler import GrammarService
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +73,19 @@ class LLMEngine:
         self.log_stats = log_stats
         self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
+        self.vocab_size = s.runner.arch.vocab_size          # logits width: the bitmask's V
+        self._grammars: GrammarService | None = None        # built on the first constrained request
+        self._compiling: dict[str, Future] = {}             # request id → its grammar compiling
+
+    @property
+    def grammars(self) -> GrammarService:
+        """Grammar compilation for structured outputs (xgrammar), created when first needed."""
+        if self._grammars is None:
+            from jaxserve.structured_outputs.compiler import GrammarService
+
+            self._grammars = GrammarService(self.tokenizer, self.vocab_size,
+                                            self.setup.eos_token_ids)
+        return self._grammars
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,
@@ -72,10 +95,20 @@ class LLMEngine:
         """Queue a request. Raises ValueError (and changes nothing) if it can never run."""
         params = sampling_params or SamplingParams()
         self.runner.batch.check(params)
+        compiled = None
+        if params.structured_outputs is not None:   # parsed now (ValueError), compiled async
+            constraint = params.structured_outputs
+            if self.config.structured_outputs_config.structured_outputs_disable_any_whitespace:
+                constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
+            compiled = self.grammars.grammar_for(constraint)
         seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids, params,
                                         arrival_time or time.time())
         for seq in seqs:
+            if compiled is not None:
+                seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
             self.scheduler.add_seq(seq)
+        if compiled is not None:
+            self._compiling[request_id] = compiled
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -96,8 +129,14 @@ class LLMEngine:
         """Dispatch the next step (if there is room in flight) and collect the oldest one when
         the pipeline is full; returns outputs of requests that changed (or finished)."""
         dispatched = False
-        if len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished():
+        if self._compiling:
+            self._fail_unbuildable_grammars()
+        max_in_flight = self._max_in_flight()
+        if len(self._in_flight) < max_in_flight and self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
+            if self._grammars is not None:
+                out.grammar_bitmask = grammar_bitmask(out, self.scheduler.get_seq,
+                                                      self.vocab_size)
             pending = self.runner.execute(out)      # applies the diffs even with no tokens
             if pending is not None:
                 now = time.time()
@@ -105,12 +144,30 @@ class LLMEngine:
                     self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
                 self._in_flight.append((out, pending, time.perf_counter()))
                 dispatched = True
-        if self._in_flight and (len(self._in_flight) >= self.max_steps_in_flight
-                                or not dispatched):
+        if self._in_flight and (len(self._in_flight) >= max_in_flight or not dispatched):
             self._collect(*self._in_flight.popleft())
         if self.log_stats:
             self.stats.maybe_log(self.snapshot())
         return self.outputs.drain()
+
+    def _fail_unbuildable_grammars(self) -> None:
+        """A grammar that parsed but failed to compile (rare: add_request already parsed it)
+        ends its request with finish_reason "error"; the engine keeps serving."""
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            if future.exception() is not None:
+                logger.error("request %s: grammar compilation failed: %s", request_id,
+                             future.exception())
+                self.scheduler.abort_request(request_id, SequenceStatus.FINISHED_ERROR)
+                self.outputs.abort(request_id, reason="error")
+
+    def _max_in_flight(self) -> int:
+        """Steps to keep in flight now. A constrained row's next bitmask needs the token in
+        flight, so while a constrained sequence lives, one: every row still advances every
+        step (with two, the scheduler skips such rows every other step: half their speed)."""
+        return 1 if self.scheduler.num_constrained else self.max_steps_in_flight
 
     def _collect(self, out: SchedulerOutput, pending: Any, dispatch_time: float) -> None:
         """Wait for a dispatched step; append its tokens and run output processing."""

@@ -1,13 +1,15 @@
 """Host side of a request: validation, sampled tokens → text, stop checks, RequestOutputs.
 
 The scheduler decides who runs; this module decides when a sequence is done
-(EOS, stop token, stop string, max_tokens, max_model_len) and what the client
+(EOS, stop token, stop string, max_tokens, max_model_len, a completed
+structured-output grammar, whose matcher advances here with each token) and what the client
 sees (incrementally detokenized text that never shows half a character or the
 beginning of a stop string that is about to match).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ from jaxserve.outputs import (
     RequestOutput,
 )
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -204,6 +208,12 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int,
                     num_new_chars: int) -> SequenceStatus | None:
         params = state.params
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept(token):
+            # The bitmask allowed only grammatical tokens, so this is a bug, not bad input.
+            logger.error("request %s: token %d violates its structured-output grammar",
+                         seq.request_id, token)
+            return SequenceStatus.FINISHED_ERROR
         num_tokens = len(seq.token_ids)
         num_output = num_tokens - seq.num_prompt_tokens
         if num_output > params.min_tokens:
@@ -212,11 +222,14 @@ class OutputProcessor:
             if token in state.stop_token_ids:
                 seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
-            if num_new_chars and params.stop and text.detok is not None:
-                match = state.stops.check(text.text, num_new_chars)
-                if match is not None:
-                    seq.stop_reason, text.text = match
-                    return SequenceStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.is_terminated:
+            return SequenceStatus.FINISHED_STOPPED      # the structured output is complete
+        if num_output > params.min_tokens and num_new_chars and params.stop \
+                and text.detok is not None:
+            match = state.stops.check(text.text, num_new_chars)
+            if match is not None:
+                seq.stop_reason, text.text = match
+                return SequenceStatus.FINISHED_STOPPED
         if num_tokens >= seq.max_num_tokens:    # max_tokens or max_model_len, whichever first
             return SequenceStatus.FINISHED_LENGTH
         return None
@@ -235,13 +248,14 @@ class OutputProcessor:
         return self.tokenizer.decode([token])
 
     # -- results -------------------------------------------------------------------------------
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Finish the request now; unfinished completions get finish_reason ``reason``."""
         state = self.requests.get(request_id)
         if state is None or state.finished:
             return
         for text in state.texts:
             if text.finish_reason is None:
-                text.finish_reason = "abort"
+                text.finish_reason = reason
         state.finished = True
         state.changed = True
         state.metrics.finished_time = time.time()

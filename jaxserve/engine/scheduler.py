@@ -19,6 +19,10 @@ prompt positions fit the runner's fixed-size prompt-logprobs gather
 (``max_prompt_logprobs_per_step``), and it skips prefix-cache hits (as vLLM does): a cached
 position would have no logits to give.
 
+Structured outputs: a sequence whose grammar is still compiling is passed over in the
+waiting queue (keeping its place), and a constrained sequence is not scheduled while it
+has a pending token, since its next grammar bitmask depends on that token.
+
 While decodes run, prefill work per step is capped (``long_prefill_token_threshold``,
 ``max_num_partial_prefills``, and the decode-aware budget below), so one long
 prompt cannot stall every stream's next token.
@@ -73,6 +77,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._finished_ids: list[int] = []    # rows the runner should drop next step
         self.num_preemptions = 0
+        self.num_constrained = 0              # unfinished sequences with a grammar
 
     # ------------------------------------------------------------------ state
     @property
@@ -102,6 +107,7 @@ class Scheduler:
         assert seq.num_tokens <= self.max_model_len, (seq.num_tokens, self.max_model_len)
         self._waiting.append(seq)
         self._seqs[seq.seq_id] = seq
+        self.num_constrained += seq.grammar is not None
 
     # ------------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
@@ -127,6 +133,10 @@ class Scheduler:
                 # Nothing to do, or its pending token is its last: the step in flight ends it.
                 i += 1
                 continue
+            if seq.grammar is not None and seq.num_pending_tokens:
+                # Its next bitmask needs the token still in flight: wait one step.
+                i += 1
+                continue
             is_prefill = num_new > 1
             if is_prefill:
                 num_new = min(num_new, self._chunk_cap(prefill_used, num_decodes))
@@ -149,11 +159,15 @@ class Scheduler:
             i += 1
 
         # Then admit waiting sequences in FIFO order, unless the cache was just short.
+        compiling: list[Sequence] = []    # grammar not compiled yet: skipped, keep their place
         if not out.preempted_seq_ids:
             while self._waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = self._waiting[0]
                 if seq.num_pending_tokens:
                     break   # preempted while a step ran: wait for that step's token
+                if seq.grammar is not None and not seq.grammar.is_ready:
+                    compiling.append(self._waiting.popleft())
+                    continue
                 cap = min(budget, self._chunk_cap(prefill_used, num_decodes))
                 if cap <= 0:
                     break
@@ -182,6 +196,7 @@ class Scheduler:
                 prefill_used += num_new
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     num_partial += 1
+        self._waiting.extendleft(reversed(compiling))
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
@@ -287,12 +302,14 @@ class Scheduler:
         seq.status = status
         self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
+        self.num_constrained -= seq.grammar is not None
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of ``request_id`` as aborted, waiting or running."""
+    def abort_request(self, request_id: str,
+                      status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> list[Sequence]:
+        """Finish every sequence of ``request_id`` (aborted, or ``status``), waiting or running."""
         seqs = [seq for seq in (*self._running, *self._waiting) if seq.request_id == request_id]
         for seq in seqs:
-            self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+            self.finish_seq(seq, status)
         return seqs
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxserve.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ class Sequence:
         "seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "seed",
         "arrival_time", "stop_reason", "cumulative_logprob", "logprobs", "num_preemptions",
-        "block_hashes", "num_pending_tokens", "max_num_tokens",
+        "block_hashes", "num_pending_tokens", "max_num_tokens", "grammar",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -68,6 +68,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = None
         self.num_preemptions = 0
+        # Structured outputs: this sequence's matcher (a SeqGrammar), None when free.
+        self.grammar: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -23,6 +23,7 @@ logger = logging.getLogger("jaxserve.cli")
 _SECTION_TITLES = {
     "ModelConfig": "model", "CacheConfig": "KV cache", "SchedulerConfig": "scheduler",
     "ParallelConfig": "parallelism", "RunnerConfig": "runner", "ServerConfig": "HTTP server",
+    "StructuredOutputsConfig": "structured outputs",
 }
 
 _DESCRIPTION = """\

@@ -42,7 +42,7 @@ from jaxserve.runner.input_batch import StepInputs
 logger = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
-_HEADER = 8            # int32 [command, T, S, has_penalties, has_bias, 0, 0, 0]
+_HEADER = 8            # int32 [command, T, S, has_penalties, has_bias, has_grammar, 0, 0]
 
 
 def initialize(parallel: ParallelConfig) -> bool:
@@ -103,8 +103,9 @@ class StepBroadcaster:
         if self._stopped:
             raise RuntimeError("the followers were already told to stop")
         penalties, bias = inputs.penalty_token_ids is not None, inputs.bias_token_ids is not None
+        grammar = inputs.grammar_bitmask is not None
         header = np.zeros(_HEADER, np.int32)
-        header[:5] = (STEP, inputs.num_tokens, inputs.num_seqs, penalties, bias)
+        header[:6] = (STEP, inputs.num_tokens, inputs.num_seqs, penalties, bias, grammar)
         _broadcast(header)
         _broadcast(_payload(inputs))
 
@@ -137,6 +138,8 @@ def _payload(inputs: StepInputs) -> dict[str, np.ndarray]:
     if inputs.bias_token_ids is not None:
         payload["bias_token_ids"] = inputs.bias_token_ids
         payload["bias_values"] = inputs.bias_values
+    if inputs.grammar_bitmask is not None:
+        payload["grammar_bitmask"] = inputs.grammar_bitmask
     return payload
 
 
@@ -152,14 +155,15 @@ def follow(runner: Any) -> int:
     try:
         while True:
             header = _broadcast(np.zeros(_HEADER, np.int32))
-            command, t, s, penalties, bias = (int(v) for v in header[:5])
+            command, t, s, penalties, bias, grammar = (int(v) for v in header[:6])
             if command == STOP:
                 logger.info("process %d: the leader stopped after %d steps", jax.process_index(),
                             num_steps)
                 return 0
             if command != STEP:
                 raise RuntimeError(f"unknown command {command} from the leader")
-            template = runner.empty_inputs(t, s, penalties=bool(penalties), bias=bool(bias))
+            template = runner.empty_inputs(t, s, penalties=bool(penalties), bias=bool(bias),
+                                           grammar=bool(grammar))
             payload = _broadcast(_payload(template))
             runner.run_step(dataclasses.replace(template, **payload))
             num_steps += 1

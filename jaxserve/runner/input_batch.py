@@ -39,6 +39,7 @@ class StepInputs:
     penalty_token_ids: np.ndarray | None  # i32[S, P]: known tokens, -1 padded
     bias_token_ids: np.ndarray | None     # i32[S, NB]: -1 padded
     bias_values: np.ndarray | None        # f32[S, NB]: additive, -inf bans
+    grammar_bitmask: np.ndarray | None = None   # i32[S, ceil(V/32)]: structured outputs
     # Host only (never sent to followers): (batch row, first prompt entry, first slot, count)
     # of each row whose prompt logprobs this step computes.
     prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()
@@ -81,13 +82,15 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
                  max_blocks_per_seq: int, *, num_bias_slots: int = 320,
-                 eos_token_ids: Seq[int] = (), prompt_logprobs_cap: int = 0) -> None:
+                 eos_token_ids: Seq[int] = (), prompt_logprobs_cap: int = 0,
+                 vocab_size: int = 0) -> None:
         R, L, W = max_num_seqs, max_model_len, max_blocks_per_seq
         self.max_num_seqs, self.max_model_len, self.block_size, self.width = R, L, block_size, W
         self.padding_row = R
         self.num_bias_slots = num_bias_slots
         self.prompt_logprobs_cap = prompt_logprobs_cap
         self.eos_token_ids = list(eos_token_ids)
+        self.bitmask_words = (vocab_size + 31) // 32     # grammar bitmask: 32 tokens a word
         self.token_ids = np.full((R + 1, L), -1, np.int32)   # known tokens; -1 beyond
         self.num_known = np.zeros(R + 1, np.int32)           # tokens the host knows
         self.num_prompt = np.zeros(R + 1, np.int32)
@@ -252,7 +255,12 @@ class InputBatch:
         bias_ids = bias_values = None
         if self._bias:
             bias_ids, bias_values = self._bias_tables(rows, kv_lens, S)
-        return StepInputs(T, S, buf, penalty_ids, bias_ids, bias_values, prompt_logprobs_rows)
+        bitmask = None
+        if out.grammar_bitmask is not None:     # padding rows: all tokens allowed
+            bitmask = np.full((S, self.bitmask_words), -1, np.int32)
+            bitmask[:n] = out.grammar_bitmask
+        return StepInputs(T, S, buf, penalty_ids, bias_ids, bias_values, bitmask,
+                          prompt_logprobs_rows)
 
     def _prompt_logprobs_slots(self, v: dict[str, np.ndarray], rows: np.ndarray,
                                computed: np.ndarray, counts: np.ndarray, ends: np.ndarray,
@@ -310,7 +318,7 @@ class InputBatch:
         return layout, bufs[i]
 
     def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
-                     bias: bool = False) -> StepInputs:
+                     bias: bool = False, grammar: bool = False) -> StepInputs:
         """An all-padding step of bucket (T, S), with the optional tables when asked (the
         shapes a multi-host follower receives into)."""
         consts = self.constants(num_seqs)
@@ -319,14 +327,17 @@ class InputBatch:
                                              self.prompt_logprobs_cap).empty(self.padding_row),
             consts["penalty_token_ids"].copy() if penalties else None,
             consts["bias_token_ids"].copy() if bias else None,
-            consts["bias_values"].copy() if bias else None)
+            consts["bias_values"].copy() if bias else None,
+            consts["grammar_bitmask"].copy() if grammar else None)
 
     def constants(self, num_seqs: int) -> dict[str, np.ndarray]:
-        """The tables a step uses when no row needs penalties / bias (one set per S)."""
+        """The tables a step uses when no row needs penalties / bias / a grammar (one set
+        per S)."""
         consts = self._constants.get(num_seqs)
         if consts is None:
             consts = self._constants[num_seqs] = {
                 "penalty_token_ids": np.full((num_seqs, self.max_model_len), -1, np.int32),
                 "bias_token_ids": np.full((num_seqs, self.num_bias_slots), -1, np.int32),
-                "bias_values": np.zeros((num_seqs, self.num_bias_slots), np.float32)}
+                "bias_values": np.zeros((num_seqs, self.num_bias_slots), np.float32),
+                "grammar_bitmask": np.full((num_seqs, self.bitmask_words), -1, np.int32)}
         return consts

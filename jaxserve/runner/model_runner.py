@@ -49,12 +49,14 @@ StepOutputs = tuple[SamplerOutput, PromptLogprobsOutput | None]
 
 
 def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
-          bias_values, *, model: CausalLM, inv_freq, layout: StepLayout, num_top_logprobs: int,
+          bias_values, grammar_bitmask, *, model: CausalLM, inv_freq, layout: StepLayout,
+          num_top_logprobs: int,
           logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token
     (and the prompt logprobs of the positions that ask, when the bucket has slots for them).
 
     last_tokens: i32[R + 1], the latest sample of every persistent row (donated, updated).
+    grammar_bitmask: i32[S, ceil(V/32)], allowed tokens per row (all ones: unconstrained).
     """
     f = layout.unpack(packed)
     token_ids = resolve_token_ids(f["token_ids"], last_tokens)
@@ -77,7 +79,7 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
         penalty_token_ids=penalty_token_ids, num_prompt_tokens=f["num_prompt_tokens"],
         bias_token_ids=bias_token_ids, bias_values=bias_values,
         newest_token_ids=jnp.where(f["token_ids"][last] < 0, token_ids[last], -1))
-    out = sample(logits, sampling, num_top_logprobs)
+    out = sample(logits, sampling, num_top_logprobs, grammar_bitmask=grammar_bitmask)
     last_tokens = last_tokens.at[f["batch_rows"]].set(out.next_tokens, mode="drop")
     prompt_out = None
     if layout.num_prompt_logprobs:
@@ -155,7 +157,8 @@ class ModelRunner:
         self.inv_freq = self._put(arch.inv_freq())
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
                                 eos_token_ids=list(eos_token_ids),
-                                prompt_logprobs_cap=prompt_logprobs_cap)
+                                prompt_logprobs_cap=prompt_logprobs_cap,
+                                vocab_size=arch.vocab_size)
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype), out_shardings=kv_sharding)
         self.k_cache, self.v_cache = zeros(), zeros()
@@ -177,7 +180,7 @@ class ModelRunner:
         return self._jitted(layout).lower(
             self.params, self.k_cache, self.v_cache, self.last_tokens,
             self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-            consts["bias_token_ids"], consts["bias_values"]).compile()
+            consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"]).compile()
 
     def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
         return StepLayout(num_tokens, num_seqs, self.width, self.prompt_logprobs_cap)
@@ -214,7 +217,7 @@ class ModelRunner:
         consts = self._constants(num_seqs)
         args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
                 self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-                consts["bias_token_ids"], consts["bias_values"])
+                consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"])
         # Triton kernels are custom calls that jax.export does not vouch for by default.
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
         return export.export(self._jitted(layout), platforms=[platform],
@@ -257,18 +260,22 @@ class ModelRunner:
             bias_ids, bias_values = consts["bias_token_ids"], consts["bias_values"]
         else:
             bias_ids, bias_values = self._put((inputs.bias_token_ids, inputs.bias_values))
+        # No constrained row: the device-resident all-ones mask, no transfer.
+        bitmask = consts["grammar_bitmask"] if inputs.grammar_bitmask is None \
+            else self._put(inputs.grammar_bitmask)
         self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
             self.params, self.k_cache, self.v_cache, self.last_tokens, self._put(inputs.packed),
-            penalty, bias_ids, bias_values)
+            penalty, bias_ids, bias_values, bitmask)
         out.next_tokens.copy_to_host_async()
         return out, prompt_out
 
     def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
-                     bias: bool = False) -> StepInputs:
-        return self.batch.empty_inputs(num_tokens, num_seqs, penalties=penalties, bias=bias)
+                     bias: bool = False, grammar: bool = False) -> StepInputs:
+        return self.batch.empty_inputs(num_tokens, num_seqs, penalties=penalties, bias=bias,
+                                       grammar=grammar)
 
     def _constants(self, num_seqs: int) -> dict[str, jax.Array]:
-        """Device-resident penalty / bias tables for steps where no row needs them."""
+        """Device-resident penalty / bias / grammar tables for steps where no row needs them."""
         consts = self._device_constants.get(num_seqs)
         if consts is None:
             consts = self._device_constants[num_seqs] = self._put(self.batch.constants(num_seqs))

@@ -4,9 +4,11 @@ A pure function called inside the engine's jitted step; shapes are static and
 nothing varies per step except array values, so it never recompiles. The order
 is vLLM v1's:
 
-1. logprobs come from the RAW logits (log-softmax before any processing);
-2. logit bias and min_tokens bans (additive, -inf), then repetition / frequency /
-   presence penalties;
+1. logprobs come from the RAW logits (log-softmax before any processing, and before the
+   structured-outputs grammar mask, as vLLM's default ``logprobs_mode="raw_logprobs"``);
+2. the grammar bitmask (structured outputs) sets disallowed tokens to -inf; then logit
+   bias and min_tokens bans (additive, -inf), then repetition / frequency / presence
+   penalties;
 3. greedy rows take the argmax of the processed logits;
 4. random rows: divide by temperature, min_p, top_k, top_p, then sample.
 
@@ -40,6 +42,7 @@ import numpy as np
 from jax import lax
 
 from jaxserve.runner import sampling_ops as ops
+from jaxserve.runner.grammar_mask import apply_token_bitmask
 from jaxserve.runner.sampling_tensors import SamplingTensors
 
 __all__ = ["SamplerOutput", "SamplingTensors", "process_logits", "sample", "sampling_probs"]
@@ -64,13 +67,16 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, t: SamplingTensors, num_top_logprobs: int, *,
-           num_candidates: int = 64) -> SamplerOutput:
-    """Sample one token per row. logits: [S, V]; ``num_top_logprobs`` (K) is static."""
+           num_candidates: int = 64, grammar_bitmask: jax.Array | None = None) -> SamplerOutput:
+    """Sample one token per row. logits: [S, V]; ``num_top_logprobs`` (K) is static.
+    grammar_bitmask: i32[S, ceil(V/32)] of allowed tokens (structured outputs), or None."""
     logits = logits.astype(_F32)
     num_rows, vocab = logits.shape
     k = num_top_logprobs
     need = _needs(t, vocab, num_candidates)
-    processed = process_logits(logits, t, need(_PROCESS))
+    allowed = logits if grammar_bitmask is None else apply_token_bitmask(logits,
+                                                                         grammar_bitmask)
+    processed = process_logits(allowed, t, need(_PROCESS))
     xb = ops.blocked(processed, ops.block_width(vocab))      # [S, V/B, B] view
     block_max = jnp.max(xb, -1)
     row_max = jnp.max(block_max, -1)

@@ -143,7 +143,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     config = config or ServeConfig(engine=engine.config)
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    chat = OpenAIServingChat(engine, names, config.server)
     for serving in (completions, chat):
         serving.log_requests = not config.server.disable_log_requests
     metrics = attach_metrics(engine, names[0])

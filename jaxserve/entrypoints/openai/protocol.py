@@ -12,6 +12,7 @@ the cheapest correct thing to send.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, ClassVar, Literal
@@ -40,16 +41,7 @@ _NOT_IMPLEMENTED_COMMON = {
     "return_token_ids": "return_token_ids is not implemented",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not implemented",
     "mm_processor_kwargs": "multimodal inputs are not supported",
-    "guided_decoding_backend": "choosing a guided decoding backend is not supported",
-    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "structural_tag": "structural_tag is not supported",
-    # Issue 10 builds these; until they land they must not be dropped silently.
-    "response_format": "structured outputs are not implemented yet",
-    "structured_outputs": "structured outputs are not implemented yet",
-    "guided_json": "structured outputs are not implemented yet",
-    "guided_regex": "structured outputs are not implemented yet",
-    "guided_choice": "structured outputs are not implemented yet",
-    "guided_grammar": "structured outputs are not implemented yet",
 }
 _NOT_IMPLEMENTED_CHAT = {
     "audio": "audio output is not supported",
@@ -58,10 +50,6 @@ _NOT_IMPLEMENTED_CHAT = {
     "documents": "documents (RAG chat templates) are not supported",
     "media_io_kwargs": "multimodal inputs are not supported",
     "echo": "echo on chat completions is not implemented",
-    "tools": "tool calling is not implemented yet",
-    "tool_choice": "tool calling is not implemented yet",
-    "functions": "function calling is not implemented yet",
-    "function_call": "function calling is not implemented yet",
 }
 
 
@@ -129,6 +117,16 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # legacy guided_* fields (jaxserve/entrypoints/openai/structured_request.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     prompt_logprobs: int | None = None     # vLLM: top-N logprobs of every prompt token
 
@@ -222,10 +220,35 @@ class TextPart(OpenAIBaseModel):
         return self
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | str] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None          # assistant turns that called tools
+    tool_call_id: str | None = None                   # tool turns: which call they answer
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -243,6 +266,12 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (jaxserve/entrypoints/openai/tool_calls.py), and the legacy functions API.
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    functions: list[FunctionDefinition] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     modalities: list[str] | None = None
 
@@ -264,6 +293,14 @@ class ChatCompletionRequest(SamplingFields):
             if isinstance(message.content, list):
                 item["content"] = [p if isinstance(p, str) else p.model_dump(exclude_none=True)
                                    for p in message.content]
+            for call in item.get("tool_calls", ()):
+                # Templates index into the arguments (vLLM hands them a dict, too).
+                arguments = call["function"].get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        call["function"]["arguments"] = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass
             out.append(item)
         return out
 

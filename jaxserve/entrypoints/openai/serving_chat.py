@@ -3,7 +3,9 @@
 Streaming: a first chunk per choice carrying `role`, then content deltas
 (computed from the engine's cumulative outputs), then a chunk per choice with
 `finish_reason` and an empty delta, then (if asked) a usage chunk, then
-`data: [DONE]`.
+`data: [DONE]`. With tools (tool_calls.py), tool-call deltas come between: a call's
+first delta carries its index, id, type and name, later ones argument fragments; the
+finish_reason is then "tool_calls".
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
 from jaxserve.entrypoints.openai.serving_engine import (
@@ -31,21 +34,39 @@ from jaxserve.entrypoints.openai.serving_engine import (
     sse_error,
     until_disconnect,
 )
+from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
+from jaxserve.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    ToolPlan,
+    plan_tools,
+    tool_calls_message,
+)
+from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from jaxserve.outputs import RequestOutput
 from jaxserve.tokenizer import apply_chat_template, read_chat_template
 
 
 class OpenAIServingChat(OpenAIServing):
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 server_config: ServerConfig | None = None) -> None:
         super().__init__(engine, served_model_names)
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
+        self.server_config = server_config or ServerConfig()
+        if self.server_config.enable_auto_tool_choice and not self.server_config.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                             f"{', '.join(sorted(TOOL_PARSERS))})")
+        if self.server_config.tool_call_parser is not None:
+            get_tool_parser(self.server_config.tool_call_parser)     # unknown name: fail now
 
     async def render(self, request: Any, messages: list[dict[str, Any]],
-                     add_generation_prompt: bool) -> list[int]:
+                     add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt token ids of a conversation; template problems are the client's 400."""
         kwargs = dict(request.chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         if getattr(request, "continue_final_message", False):
             kwargs["continue_final_message"] = True
         template = getattr(request, "chat_template", None) or self.chat_template
@@ -66,8 +87,17 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         model = self.model_name(request.model)
+        plan = plan_tools(request, self.server_config)
+        constraint = structured_outputs_of(request)
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise APIError("tool_choice 'required' or a named function already constrains "
+                               "the output; it cannot be combined with response_format or "
+                               "structured outputs", param="tool_choice")
+            constraint = plan.constraint
         prompt_ids = await self.render(request, request.messages_as_dicts(),
-                                       request.add_generation_prompt)
+                                       request.add_generation_prompt,
+                                       plan.tools if plan.uses_tools else None)
         if not prompt_ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
         requested = request.max_completion_tokens
@@ -76,20 +106,21 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested)
         num_top = request.top_logprobs or 0
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
-                                      request.prompt_logprobs)
+                                      request.prompt_logprobs, constraint)
 
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
         [stream] = await self.start_requests(request_id, [prompt_ids], [params])
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, model, created, stream, len(prompt_ids)),
-                media_type="text/event-stream")
+                self._stream(request, request_id, model, created, stream, len(prompt_ids),
+                             plan), media_type="text/event-stream")
         [final] = await until_disconnect(raw_request, collect_finals([stream]))
-        return JSONResponse(self._full_response(request, request_id, model, created, final))
+        return JSONResponse(self._full_response(request, request_id, model, created, final,
+                                                plan))
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, model: str,
-                       created: int, final: RequestOutput) -> dict[str, Any]:
+                       created: int, final: RequestOutput, plan: ToolPlan) -> dict[str, Any]:
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             if c.finish_reason == "abort":
@@ -99,10 +130,17 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids),
                                                      request.top_logprobs or 0, self.tokenizer)}
-            choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if plan.uses_tools:
+                content, calls = ToolCallStream(plan).split(c.text, final=True)
+                message["content"] = content or None if calls else content
+                if calls:
+                    message["tool_calls"] = tool_calls_message(calls)
+                    if finish_reason == "stop":
+                        finish_reason = "tool_calls"
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         usage = usage_dict(len(final.prompt_token_ids),
                            sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens)
         body = chat_response(request_id, model, choices, usage, created)
@@ -111,8 +149,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       created: int, stream: AsyncIterator[RequestOutput],
-                      num_prompt_tokens: int) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, plan: ToolPlan) -> AsyncIterator[str]:
         n = request.n
+        tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan.uses_tools else None
         sent_chars, sent_tokens = [0] * n, [0] * n
         finished = [False] * n
         num_top = request.top_logprobs or 0
@@ -141,16 +180,26 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if finished[c.index]:
                         continue
-                    text = c.text[sent_chars[c.index]:]
-                    if text:
+                    finish_reason = c.finish_reason
+                    if tool_streams is None:
+                        text, calls = c.text[sent_chars[c.index]:], []
                         sent_chars[c.index] = len(c.text)
+                    else:
+                        tools = tool_streams[c.index]
+                        text, calls = tools.deltas(c.text, final=finish_reason is not None)
+                        if tools.ids and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    if text:
                         yield chunk([{"index": c.index, "delta": {"content": text},
                                       "logprobs": logprobs_since(c), "finish_reason": None}])
-                    if c.finish_reason is not None:
+                    if calls:
+                        yield chunk([{"index": c.index, "delta": {"tool_calls": calls},
+                                      "logprobs": logprobs_since(c), "finish_reason": None}])
+                    if finish_reason is not None:
                         finished[c.index] = True
                         yield chunk([{"index": c.index, "delta": {},
                                       "logprobs": logprobs_since(c),
-                                      "finish_reason": c.finish_reason,
+                                      "finish_reason": finish_reason,
                                       "stop_reason": c.stop_reason}])
             if request.include_usage_in_stream and last is not None:
                 usage = usage_dict(num_prompt_tokens, sum(len(c.token_ids) for c in last.outputs),

@@ -35,6 +35,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     sse_error,
     until_disconnect,
 )
+from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
 from jaxserve.outputs import RequestOutput
 
 MAX_CHOICES = 1024       # prompts x n in one request; more is a batch job, not a request
@@ -59,6 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if not ids:
                 raise APIError("the prompt is empty (0 tokens)", param="prompt")
             prompt_ids.append(ids)
+        constraint = structured_outputs_of(request)
         echo_only = request.echo and request.max_tokens == 0
         # vLLM: echo with logprobs asks for as many prompt logprobs; prefill-only needs them.
         prompt_logprobs = request.prompt_logprobs
@@ -69,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(
             request, self.resolve_max_tokens(len(ids), request.max_tokens, "prompt",
                                     allow_zero=echo_only),
-            request.logprobs, prompt_logprobs) for ids in prompt_ids]
+            request.logprobs, prompt_logprobs, constraint) for ids in prompt_ids]
         prompt_texts = [p if isinstance(p, str) else None for p in prompts]
         if request.echo:
             prompt_texts = [t if t is not None else self.tokenizer.decode(ids)

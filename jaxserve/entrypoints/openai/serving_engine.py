@@ -18,6 +18,7 @@ from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
 from jaxserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("jaxserve.requests")
@@ -170,12 +171,14 @@ class OpenAIServing:
         return max_tokens
 
     def sampling_params(self, request: SamplingFields, max_tokens: int,
-                        logprobs: int | None, prompt_logprobs: int | None = None
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
         kwargs = request.sampling_kwargs()
         try:
             params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                                    prompt_logprobs=prompt_logprobs, **kwargs)
+                                    prompt_logprobs=prompt_logprobs,
+                                    structured_outputs=structured_outputs, **kwargs)
             params.verify(self.max_logprobs, self.max_model_len, self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc)) from None

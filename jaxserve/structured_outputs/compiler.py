@@ -1,0 +1,106 @@
+"""Spec → xgrammar grammar: parsed at once (errors are the caller's ValueError), compiled
+against the tokenizer on a thread pool, cached per (kind, spec).
+
+Parsing (``xgr.Grammar.from_*``) is tokenizer-independent and takes milliseconds, so
+`grammar_for` runs it synchronously and an invalid schema, regex or grammar fails the
+request before admission (a 400 from the server). The expensive part, computing token
+masks for every grammar state against the vocabulary, runs on the pool; a sequence whose
+grammar is still compiling is not scheduled (jaxserve/engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from jaxserve.structured_outputs.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 512                    # compiled grammars kept (LRU)
+_XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")   # "[22:14:11] /project/cpp/x.cc:94: "
+
+
+def import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("structured outputs (and tool_choice 'required' or a named function) "
+                         "need xgrammar: pip install 'jaxserve[structured]'") from None
+    return xgrammar
+
+
+def parse_grammar(params: StructuredOutputsParams) -> Any:
+    """The xgrammar `Grammar` of a spec; ValueError naming the problem if it is invalid."""
+    xgr = import_xgrammar()
+
+    kind = params.kind
+    try:
+        if kind == "json":
+            schema = params.json
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise ValueError("the JSON schema must be a JSON object")
+            return xgr.Grammar.from_json_schema(json.dumps(schema),
+                                                any_whitespace=not params.disable_any_whitespace)
+        if kind == "json_object":
+            # Any JSON object (OpenAI's json_object mode), whitespace as for schemas.
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace,
+                strict_mode=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
+        return xgr.Grammar.from_ebnf(params.grammar)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON schema: {exc}") from None
+    except RuntimeError as exc:
+        message = _XGR_LOCATION.sub("", str(exc).strip())
+        raise ValueError(f"invalid structured outputs {kind}: {message}") from None
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for "exactly one of these strings" (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarService:
+    """Compiles grammars for one tokenizer and vocabulary (the model's logits size)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 max_workers: int = 2) -> None:
+        xgr = import_xgrammar()
+
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_workers)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="jaxserve-grammar")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def grammar_for(self, params: StructuredOutputsParams) -> Future:
+        """A future of the compiled grammar; ValueError now if the spec is invalid."""
+        key = params.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception()):
+                self._cache.move_to_end(key)
+                return future
+        grammar = parse_grammar(params)      # raises ValueError: the request fails now
+        future = self._pool.submit(self._compiler.compile_grammar, grammar)
+        with self._lock:
+            self._cache[key] = future
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return future
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
