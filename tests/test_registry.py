@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.loader import SUPPORTED_ARCHITECTURES, load_model
 from jaxserve.models import registry
+from tests.test_gemma import GEMMA2, GEMMA3
 
 # A tiny test model per registered architecture (make_tiny_model arguments): registering an
 # architecture without one fails test_every_registered_architecture_has_a_tiny_test_model.
@@ -20,6 +21,8 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     "Qwen2ForCausalLM": ("qwen2", {"use_sliding_window": True, "sliding_window": 8,
                                    "max_window_layers": 1}),
     "Qwen3ForCausalLM": ("qwen3", {}),
+    "Gemma2ForCausalLM": GEMMA2,
+    "Gemma3ForCausalLM": GEMMA3,
 }
 
 

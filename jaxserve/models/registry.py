@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.models import llama
+from jaxserve.models import gemma, llama
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.family import ArchitectureInfo, ModelFamily
 
-_FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY,)
+_FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma.FAMILY)
 
 REGISTRY: dict[str, ModelFamily] = {
     architecture: family for family in _FAMILIES for architecture in family.architectures}
