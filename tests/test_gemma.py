@@ -172,3 +172,15 @@ def test_gemma_gguf_written_like_llama_cpp_loads_like_the_safetensors(make_tiny_
                   "layer_rope", "qk_norm", "activation"):
         assert getattr(ours.options, field) == pytest.approx(getattr(theirs.options, field)), \
             field
+
+
+def test_gemma2_step_with_traced_windows_and_soft_caps_exports_for_cuda(make_tiny_model):
+    # No GPU here: the Pallas kernel with a per-layer (scanned) window and a soft cap must
+    # still lower through Triton inside the whole step.
+    from tests.test_step_lowering import TRITON, cuda_runner
+
+    _, runner = cuda_runner(make_tiny_model(GEMMA2[0], **GEMMA2[1]))
+    assert runner.model.backend.name == "pallas"
+    shapes = runner.buckets.all_shapes()
+    for num_tokens, num_seqs in (shapes[0], shapes[-1]):
+        assert TRITON in runner.export_step(num_tokens, num_seqs, "cuda").mlir_module()
