@@ -184,3 +184,40 @@ def test_gemma2_step_with_traced_windows_and_soft_caps_exports_for_cuda(make_tin
     shapes = runner.buckets.all_shapes()
     for num_tokens, num_seqs in (shapes[0], shapes[-1]):
         assert TRITON in runner.export_step(num_tokens, num_seqs, "cuda").mlir_module()
+
+
+_TP_SCRIPT = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+tokens = {}
+for tp in (1, 2):
+    llm = LLM(model_dir, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=16, kv_cache_memory_bytes=2 << 20)
+    tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+print("TOKENS" + json.dumps(tokens))
+"""
+
+
+def test_gemma2_tensor_parallel_greedy_tokens_equal_one_device(make_tiny_model):
+    # Megatron rules from the family, the per-layer window and the soft cap through
+    # shard_map: tp = 2 on two simulated CPU devices gives tp = 1's greedy tokens.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model_dir = make_tiny_model(GEMMA2[0], **GEMMA2[1])
+    prompts = [[11, 23, 98], list(range(40, 77)), [301, 5, 44, 9, 120, 77, 6, 3, 8, 9, 10]]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(model_dir), json.dumps(prompts)],
+                          env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS")]
+    assert lines, proc.stderr[-3000:]
+    tokens = json.loads(lines[-1][len("TOKENS"):])
+    assert tokens["2"] == tokens["1"]
+    assert all(len(t) == 12 for t in tokens["1"])
