@@ -221,3 +221,19 @@ def test_gemma2_tensor_parallel_greedy_tokens_equal_one_device(make_tiny_model):
     tokens = json.loads(lines[-1][len("TOKENS"):])
     assert tokens["2"] == tokens["1"]
     assert all(len(t) == 12 for t in tokens["1"])
+
+
+def test_gemma2_greedy_tokens_equal_on_every_cpu_runnable_backend(make_tiny_model):
+    # Parity above runs the `cpu` (C++) backend; the jnp reference and the Pallas kernel
+    # (interpret mode) must give the same tokens with per-layer windows and soft caps.
+    model = str(make_tiny_model(GEMMA2[0], **GEMMA2[1]))
+    prompts = [[11, 23, 98, 421, 77], list(range(5, 27)), [300, 301]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = {}
+    for backend in ("cpu", "reference", "pallas-interpret"):
+        llm = LLM(model, attention_backend=backend, max_model_len=64, max_num_seqs=4,
+                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
+        outputs[backend] = [o.outputs[0].token_ids
+                            for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["reference"] == outputs["cpu"]
+    assert outputs["pallas-interpret"] == outputs["cpu"]
