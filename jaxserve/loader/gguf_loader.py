@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from jaxserve.loader.weights import StackedWeights, parse_name
-from jaxserve.models.llama import unpermute_rows  # noqa: F401  (re-exported for tests)
 from jaxserve.models.registry import gguf_family, read_arch
 
 logger = logging.getLogger(__name__)
