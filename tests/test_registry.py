@@ -68,3 +68,22 @@ def test_dummy_weights_have_the_checkpoint_layout_for_every_architecture(
     family = registry.family_for(architecture)
     params = family.params_from_weights(dummy.weights, arch)["params"]
     assert set(params["layers"]) >= {"q_proj", "o_proj", "down_proj"}
+
+
+@pytest.mark.parametrize("config_class, architecture, overrides", [
+    ("Gemma2Config", "Gemma2ForCausalLM", {}),
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16,
+                                         "max_window_layers": 2}),
+    ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16})])
+def test_windows_without_layer_types_follow_the_older_transformers_rules(config_class,
+                                                                       architecture, overrides):
+    # transformers >= 4.45 is allowed; before 5 configs had no layer_types.
+    import transformers
+
+    config = getattr(transformers, config_class)(num_hidden_layers=7, **overrides)
+    config.architectures = [architecture]
+    windows = registry.read_arch(config).layer_windows
+    assert any(windows) and (not all(windows) or architecture == "MistralForCausalLM")
+    config.layer_types = None
+    assert registry.read_arch(config).layer_windows == windows

@@ -16,6 +16,7 @@ through this interface (registry.family_for).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,9 +154,16 @@ def stacked_layer_shapes(arch: ModelArch, per_layer: dict[str, tuple[int, ...]]
     return {f"layers.{name}": (arch.num_layers, *shape) for name, shape in per_layer.items()}
 
 
-def hf_layer_types(config: Any, window: int | None) -> tuple[int, ...]:
-    """Per-layer windows from HF's `layer_types` ("sliding_attention" / "full_attention")."""
+def hf_layer_types(config: Any, window: int | None,
+                   sliding_by_default: Callable[[int], bool] = lambda i: False
+                   ) -> tuple[int, ...]:
+    """Per-layer windows from HF's `layer_types` ("sliding_attention" / "full_attention");
+    configs from transformers < 5 may lack them: then layer i slides if
+    sliding_by_default(i) (the rule that version's modeling code applied)."""
+    layers = config.num_hidden_layers
+    if not window:
+        return (0,) * layers
     types = getattr(config, "layer_types", None)
-    if not window or not types:
-        return (0,) * config.num_hidden_layers
-    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    if types:
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return tuple(int(window) if sliding_by_default(i) else 0 for i in range(layers))

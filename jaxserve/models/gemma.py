@@ -133,7 +133,12 @@ class GemmaFamily(ModelFamily):
                              f"{', '.join(ACTIVATIONS)}")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        windows = hf_layer_types(config, getattr(config, "sliding_window", None))
+        # Without layer_types (transformers < 5): Gemma 2 slides on even layers, Gemma 3
+        # on all but every sliding_window_pattern-th.
+        pattern = int(getattr(config, "sliding_window_pattern", 6) or 6)
+        windows = hf_layer_types(
+            config, getattr(config, "sliding_window", None),
+            (lambda i: bool((i + 1) % pattern)) if is_gemma3 else (lambda i: i % 2 == 0))
         if is_gemma3:
             ropes = _gemma3_ropes(config)
             layer_rope = tuple(0 if w else 1 for w in windows)   # local : global

@@ -112,10 +112,11 @@ class LlamaFamily(ModelFamily):
         if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and \
                 not getattr(config, "use_sliding_window", False):
             window = None
-        if getattr(config, "layer_types", None):
-            windows = hf_layer_types(config, window)
-        else:   # Mistral: one window for every layer
+        if architecture == "MistralForCausalLM":   # one window for every layer
             windows = (int(window or 0),) * config.num_hidden_layers
+        else:   # Qwen: the layers from max_window_layers on
+            first = int(getattr(config, "max_window_layers", 0) or 0)
+            windows = hf_layer_types(config, window, lambda i: i >= first)
         num_heads = config.num_attention_heads
         return ModelArch(
             architecture=architecture,
