@@ -21,6 +21,10 @@ rows the step must read once (live context only). Results and the machine
 
   python benchmarks/bench_kernels.py                      # no GPU: the CPU sweep
   python benchmarks/bench_kernels.py --cpu --batch 64 --context 256 --json /tmp/k.json
+
+--sliding-window 0,256 crosses every case with those windows (0 = full attention), passed
+as a traced int32 as the model's layer scan does; with a window the cost should follow the
+window, not the context (the CPU JSON then gets a `sliding_window_cost` summary).
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--kernel-knobs", type=kernel_knobs, default={}, help="e.g. block_kv=64,num_kv_splits=4"
     )
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--sliding-window", type=int_list, default=[0],
+                        help="CPU mode: windows to cross every case with (0 = none)")
     parser.add_argument(
         "--interpret", action="store_true", help="Pallas interpret mode (CPU); implies --tiny"
     )
@@ -256,17 +262,21 @@ def cpu_main(args) -> list[dict]:
           f"block_size={args.block_size} dtype={args.dtype}; kernel {lib.name}")
     copy_gbs = copy_bandwidth(1 << 28, 5, 2)
     print(f"copy baseline (256 MiB, read + write): {copy_gbs:.1f} GB/s")
-    kernel = jax.jit(paged_attention)
-    kernel_1t = jax.jit(functools.partial(paged_attention, max_threads=1))
-    reference = jax.jit(ragged_paged_attention_reference)
-    header = (f"{'mode':7} {'seqs':>5} {'context':>8} {'cpu ms':>8} {'cpu 1t ms':>10} "
+    # The window is the last input, traced (as a per-layer window under the layer scan).
+    def windowed(fn, **kw):
+        return jax.jit(lambda *a: fn(*a[:7], sliding_window=a[7], **kw))
+
+    kernel = windowed(paged_attention)
+    kernel_1t = windowed(paged_attention, max_threads=1)
+    reference = windowed(ragged_paged_attention_reference)
+    header = (f"{'mode':7} {'seqs':>5} {'context':>8} {'window':>6} {'cpu ms':>8} {'cpu 1t ms':>10} "
               f"{'ref ms':>8} {'speedup':>8} {'cpu GB/s':>9} {'1t GB/s':>8} {'ref GB/s':>9} "
               f"{'max diff':>9}")
     print(header)
     print("-" * len(header))
     rows = []
     key = jax.random.key(0)
-    for case in all_cases:
+    for case, window in [(c, w) for c in all_cases for w in args.sliding_window]:
         pages = -(-case.context // args.block_size)
         cache_bytes = 2 * (case.num_seqs * pages + 1) * args.block_size * args.num_kv_heads * \
             args.head_dim * jnp.dtype(args.dtype).itemsize
@@ -276,7 +286,7 @@ def cpu_main(args) -> list[dict]:
             continue
         max_blocks = -(-(args.max_model_len or case.context) // args.block_size)
         key, sub = jax.random.split(key)
-        inputs = make_inputs(case, args, max_blocks, sub)
+        inputs = make_inputs(case, args, max_blocks, sub) + (jnp.int32(window),)
         num_bytes = kv_read_bytes(case, args)
         cpu_s = time_adaptive(kernel, inputs)
         cpu_1t_s = time_adaptive(kernel_1t, inputs)
@@ -287,14 +297,15 @@ def cpu_main(args) -> list[dict]:
                                          - reference(*inputs).astype(jnp.float32))))
         del inputs
         row = {**dataclasses.asdict(case), "num_tokens": case.num_tokens,
-               "cpu_ms": cpu_s * 1e3, "cpu_1thread_ms": cpu_1t_s * 1e3,
+               "sliding_window": window, "cpu_ms": cpu_s * 1e3, "cpu_1thread_ms": cpu_1t_s * 1e3,
                "reference_ms": None if ref_s is None else ref_s * 1e3,
                "cpu_gbs": num_bytes / cpu_s / 1e9, "cpu_1thread_gbs": num_bytes / cpu_1t_s / 1e9,
                "reference_gbs": None if ref_s is None else num_bytes / ref_s / 1e9,
                "kv_bytes_read": num_bytes, "cache_bytes": cache_bytes, "max_abs_diff": diff}
         rows.append(row)
         fmt = lambda x, spec: "-" if x is None else format(x, spec)
-        print(f"{case.mode:7} {case.num_seqs:>5} {case.context:>8} {cpu_s * 1e3:>8.3f} "
+        print(f"{case.mode:7} {case.num_seqs:>5} {case.context:>8} {window:>6} "
+              f"{cpu_s * 1e3:>8.3f} "
               f"{cpu_1t_s * 1e3:>10.3f} {fmt(row['reference_ms'], '>8.3f')} "
               f"{fmt(ref_s and ref_s / cpu_s, '>8.1f')} {row['cpu_gbs']:>9.1f} "
               f"{row['cpu_1thread_gbs']:>8.1f} {fmt(row['reference_gbs'], '>9.1f')} "
@@ -306,12 +317,40 @@ def cpu_main(args) -> list[dict]:
     result = {"machine": info, "backend": jax.default_backend(), "kernel_library": lib.name,
               "config": {k: v for k, v in vars(args).items() if k not in ("json", "save")},
               "copy_gbs": copy_gbs, "rows": rows}
+    summary = sliding_window_cost(rows)
+    if summary:
+        result["sliding_window_cost"] = summary
+        for line in summary:
+            print(f"window {line['sliding_window']} at context {line['context']} vs no window at "
+                  f"context {line['sliding_window']} ({line['num_seqs']} seqs): cpu "
+                  f"{line['cpu_ratio']:.2f}x, cpu 1 thread {line['cpu_1thread_ratio']:.2f}x, "
+                  f"reference {line['reference_ratio'] or float('nan'):.2f}x")
     path = args.json or (None if args.no_json else RESULTS_DIR / "kernels-cpu.json")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(f"wrote {path}")
     return rows
+
+
+def sliding_window_cost(rows: list[dict]) -> list[dict]:
+    """For each windowed row: its time over the time of the unwindowed row whose context
+    equals the window (same batch), i.e. how far cost follows the window, not the context."""
+    full = {(r["mode"], r["num_seqs"], r["context"]): r for r in rows if not r["sliding_window"]}
+    out = []
+    for r in rows:
+        base = full.get((r["mode"], r["num_seqs"], r["sliding_window"]))
+        if not r["sliding_window"] or base is None or r["context"] <= r["sliding_window"]:
+            continue
+
+        def ratio(key):
+            return None if r[key] is None or base[key] is None else r[key] / base[key]
+
+        out.append({"mode": r["mode"], "num_seqs": r["num_seqs"], "context": r["context"],
+                    "sliding_window": r["sliding_window"], "cpu_ratio": ratio("cpu_ms"),
+                    "cpu_1thread_ratio": ratio("cpu_1thread_ms"),
+                    "reference_ratio": ratio("reference_ms")})
+    return out
 
 
 def main(argv=None) -> list[dict]:

@@ -68,6 +68,8 @@ def _kernel(
     token_end_ref,
     position_offset_ref,
     kv_end_ref,
+    kv_start_ref,
+    window_ref,
     block_tables_ref,
     # data
     q_ref,  # [T * Hq, D]
@@ -89,6 +91,7 @@ def _kernel(
     block_kv: int,
     num_kv_splits: int,
     scale_log2: float,
+    soft_cap: float,
     precision,
 ):
     block_idx = pl.program_id(0)
@@ -100,6 +103,8 @@ def _kernel(
     token_end = token_end_ref[block_idx]
     position_offset = position_offset_ref[block_idx]
     kv_end = kv_end_ref[block_idx]
+    kv_lo = kv_start_ref[block_idx]  # first key a query of this block can see
+    window = window_ref[block_idx]
 
     # Row r of the tile is token token_start + r // G_pad, head kv_head * G + r % G_pad.
     row = jnp.arange(rows, dtype=jnp.int32)
@@ -130,9 +135,10 @@ def _kernel(
 
     q = plgpu.load(q_ref.at[q_rows[:, None], col], mask=row_col_mask(row_valid), other=0)
 
-    # This split's slice of [0, kv_end), in whole block_kv steps.
-    split_len = pl.cdiv(pl.cdiv(kv_end, num_kv_splits), block_kv) * block_kv
-    kv_start = split * split_len
+    # This split's slice of [kv_lo, kv_end), in whole block_kv steps: with a sliding
+    # window the keys before kv_lo are never visited, so cost follows the window.
+    split_len = pl.cdiv(pl.cdiv(jnp.maximum(kv_end - kv_lo, 0), num_kv_splits), block_kv) * block_kv
+    kv_start = kv_lo + split * split_len
     kv_stop = jnp.minimum(kv_end, kv_start + split_len)
     num_steps = pl.cdiv(jnp.maximum(kv_stop - kv_start, 0), block_kv)
 
@@ -146,8 +152,13 @@ def _kernel(
         slot = block_id * block_size + key_pos % block_size
         kv_mask = row_col_mask(key_valid)
         k = plgpu.load(k_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
-        logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2
+        logits = plgpu.dot(q, k, trans_b=True, precision=precision)
+        if soft_cap:
+            logits = soft_cap * jnp.tanh(logits * (scale_log2 / _LOG2_E / soft_cap)) * _LOG2_E
+        else:
+            logits = logits * scale_log2
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+        visible &= (window <= 0) | (query_pos[:, None] - key_pos[None, :] < window)
         logits = jnp.where(visible, logits, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=1))
         correction = jnp.exp2(m_prev - m_next)
@@ -195,6 +206,7 @@ def _auto_num_kv_splits(num_programs: int) -> int:
         "num_warps",
         "num_stages",
         "interpret",
+        "logits_soft_cap",
     ),
 )
 def ragged_paged_attention(
@@ -213,6 +225,8 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | jax.Array = 0,
+    logits_soft_cap: float = 0.0,
 ) -> jax.Array:
     """Causal attention of ragged query tokens over a paged KV cache (Pallas).
 
@@ -226,7 +240,14 @@ def ragged_paged_attention(
     power of two >= 16), num_kv_splits (split-K over the context; default
     chosen from the static grid size, 1 for prefill-sized T), num_warps and
     num_stages (Triton).
+
+    sliding_window > 0 (may be traced: a per-layer window scanned over layers): a query
+    at position p sees keys k with p - sliding_window < k <= p; each query block starts
+    its key loop at its first visible key. logits_soft_cap > 0 (static): logits =
+    cap * tanh(logits / cap) after sm_scale. Both 0 = off, as in the reference.
     """
+    if logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be >= 0 (0 = off)")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
     num_padded_seqs, max_blocks = block_tables.shape
@@ -274,6 +295,12 @@ def ragged_paged_attention(
         num_q_blocks=num_q_blocks,
     )
 
+    window = jnp.asarray(sliding_window, jnp.int32)
+    first_pos = blocks.token_start + blocks.position_offset
+    kv_start = jnp.where((window > 0) & (blocks.kv_end > 0),
+                         jnp.maximum(first_pos - window + 1, 0), 0).astype(jnp.int32)
+    windows = jnp.broadcast_to(window, kv_start.shape)  # read per program like the metadata
+
     num_rows = num_tokens * num_q_heads
     q_flat = q.reshape(num_rows, head_dim)
     k_flat = k_cache.reshape(num_blocks * block_size, num_kv_heads * head_dim)
@@ -302,6 +329,7 @@ def ragged_paged_attention(
         block_kv=block_kv,
         num_kv_splits=num_kv_splits,
         scale_log2=scale * _LOG2_E,
+        soft_cap=float(logits_soft_cap),
         # f32 inputs: exact f32 dots (no TF32) so the kernel matches the reference.
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )
@@ -318,6 +346,8 @@ def ragged_paged_attention(
         blocks.token_end,
         blocks.position_offset,
         blocks.kv_end,
+        kv_start,
+        windows,
         block_tables.astype(jnp.int32),
         q_flat,
         k_flat,

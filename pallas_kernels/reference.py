@@ -125,7 +125,7 @@ def ragged_paged_attention_reference(
     block_q: int | None = None,
     kv_chunk_blocks: int | None = None,
     interpret: bool = False,
-    sliding_window: int = 0,
+    sliding_window: int | jax.Array = 0,
     logits_soft_cap: float = 0.0,
 ) -> jax.Array:
     """Causal attention of ragged query tokens over a paged KV cache.
@@ -141,11 +141,14 @@ def ragged_paged_attention_reference(
 
     Optional, off by default (0), as in the CPU kernel (jaxserve.attention.cpu):
     sliding_window > 0: a query at position p sees only keys at positions
-      k with p - k < sliding_window (and k <= p);
+      k with p - k < sliding_window (and k <= p). It may be a traced int32 scalar
+      (a per-layer window scanned over layers); each query block's loop then starts
+      at the page holding its first visible key, so cost follows the window, not the
+      context;
     logits_soft_cap > 0: logits = cap * tanh(logits / cap), after sm_scale.
     """
     del interpret
-    if sliding_window < 0 or logits_soft_cap < 0:
+    if logits_soft_cap < 0 or (isinstance(sliding_window, int) and sliding_window < 0):
         raise ValueError("sliding_window and logits_soft_cap must be >= 0 (0 = off)")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -179,14 +182,15 @@ def ragged_paged_attention_reference(
     positions = jnp.where(row_valid & (positions < blocks.kv_end[:, None]), positions, -1)
     tokens = jnp.clip(tokens, 0, num_tokens - 1)
 
-    # Pad the width to whole chunks so the dynamic slice below never clamps
-    # (a clamped slice would silently re-read earlier blocks).
-    num_chunks_max = -(-max_blocks // kv_chunk_blocks)
-    pad = num_chunks_max * kv_chunk_blocks - max_blocks
-    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
-    num_chunks = jnp.minimum(
-        (jnp.max(blocks.kv_end) + chunk_tokens - 1) // chunk_tokens, num_chunks_max
-    )
+    # Each query block walks its own page range: from the page of its first visible key
+    # (0 without a window) to its causal end, chunk_tokens at a time.
+    window = jnp.asarray(sliding_window, jnp.int32)
+    first_pos = blocks.token_start + blocks.position_offset
+    first_key = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first_page = jnp.where(blocks.kv_end > 0, first_key // block_size, 0)  # [P]
+    span = jnp.maximum(blocks.kv_end - first_page * block_size, 0)
+    num_chunks = (jnp.max(span) + chunk_tokens - 1) // chunk_tokens
+    block_tables = block_tables.astype(jnp.int32)
 
     shape = (num_q_blocks, block_q, num_kv_heads, group)
     qf = q.astype(jnp.float32)[tokens].reshape(*shape, head_dim) * scale
@@ -196,20 +200,22 @@ def ragged_paged_attention_reference(
 
     def body(chunk, carry):
         m, l, acc = carry
-        first_page = chunk * kv_chunk_blocks
-        pages = lax.dynamic_slice_in_dim(block_tables, first_page, kv_chunk_blocks, axis=1)
-        pages = jnp.clip(pages[blocks.seq_ids], 0, num_blocks - 1)  # [P, chunk_blocks]
+        page_idx = first_page[:, None] + chunk * kv_chunk_blocks + jnp.arange(kv_chunk_blocks)
+        # Pages past the table width are clamped; their keys lie past every position
+        # (>= max_blocks * block_size > kv_end) and are masked below.
+        pages = block_tables[blocks.seq_ids[:, None], jnp.minimum(page_idx, max_blocks - 1)]
+        pages = jnp.clip(pages, 0, num_blocks - 1)  # [P, chunk_blocks]
         kv_shape = (num_q_blocks, chunk_tokens, num_kv_heads, head_dim)
         k = k_cache[pages].reshape(kv_shape).astype(jnp.float32)
         v = v_cache[pages].reshape(kv_shape).astype(jnp.float32)
         logits = jnp.einsum("pqhgd,pchd->pqhgc", qf, k, preferred_element_type=jnp.float32)
         if logits_soft_cap:
             logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-        key_pos = first_page * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        key_pos = (page_idx[:, :, None] * block_size
+                   + jnp.arange(block_size, dtype=jnp.int32)).reshape(num_q_blocks, 1, -1)
         # key_pos <= position implies key_pos < kv_len; padding rows see nothing.
         visible = key_pos <= positions[..., None]  # [P, bq, C]
-        if sliding_window:
-            visible &= positions[..., None] - key_pos < sliding_window
+        visible &= (window <= 0) | (positions[..., None] - key_pos < window)
         logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         # Rows that have seen no visible key keep m = -inf; shift by 0 instead.

@@ -75,9 +75,13 @@ def _tiny_config(arch: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
         "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
         "llama3": ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": llama3_rope}),
     }
-    if arch not in per_arch:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")
-    class_name, arch_kwargs = per_arch[arch]
+    if arch in per_arch:
+        class_name, arch_kwargs = per_arch[arch]
+    elif arch.endswith("Config") and hasattr(transformers, arch):
+        class_name, arch_kwargs = arch, {}   # any transformers config class, tiny sizes
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS} or a "
+                         "transformers config class name")
     return getattr(transformers, class_name)(**{**common, **arch_kwargs, **overrides})
 
 
@@ -97,7 +101,9 @@ def _randomize_norms_and_biases(model: Any) -> None:
 def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: ``make_tiny_model(arch, **config_overrides) -> Path``, cached per arguments.
 
-    arch: one of TINY_ARCHS. Weights are float32, seeded (same arguments, same weights).
+    arch: one of TINY_ARCHS, or a transformers config class name ("Gemma2Config"): a model
+    module's own test brings its architecture's overrides. Weights are float32, seeded
+    (same arguments, same weights).
     """
     import torch
     import transformers

@@ -146,6 +146,17 @@ def test_sliding_window_and_soft_cap_match_reference_and_oracle(window, cap):
     assert np.abs(to_f32(out) - naive(batch)).max() > 1e-3
 
 
+def test_sliding_window_is_a_traced_operand_one_compile_for_every_window():
+    # A per-layer window scanned over layers reaches the kernel as a traced int32.
+    batch = mixed_batch(np.random.default_rng(5), block_size=8)
+    # A function of our own: jit caches are per function, and other tests jit paged_attention.
+    traced = jax.jit(lambda *args: paged_attention(*args[:7], sliding_window=args[7]))
+    for window in (23, 0, 1):
+        check(traced(*batch.args(), jnp.int32(window)),
+              naive(batch, sliding_window=window), batch, atol=1e-5)
+    assert traced._cache_size() == 1
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 80, 128, 256])
 def test_head_dims_on_simd_and_scalar_paths(head_dim):
     batch = mixed_batch(np.random.default_rng(head_dim), num_q_heads=4, num_kv_heads=2,

@@ -151,8 +151,12 @@ def random_batch(
     )
 
 
-def naive_attention(batch: Batch, sm_scale: float | None = None) -> np.ndarray:
-    """Dense per-sequence causal attention in float64; padding rows are left 0."""
+def naive_attention(batch: Batch, sm_scale: float | None = None, sliding_window: int = 0,
+                    logits_soft_cap: float = 0.0) -> np.ndarray:
+    """Dense per-sequence causal attention in float64; padding rows are left 0.
+
+    sliding_window > 0: position p sees keys k with p - sliding_window < k <= p;
+    logits_soft_cap > 0: logits = cap * tanh(logits / cap) after the scale."""
     q = batch.q.astype(np.float64)
     _num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = batch.k_cache.shape
@@ -171,6 +175,10 @@ def naive_attention(batch: Batch, sm_scale: float | None = None) -> np.ndarray:
         for j, t in enumerate(range(start, end)):
             pos = kv_len - (end - start) + j
             logits = np.einsum("hd,lhd->hl", q[t], k[: pos + 1]) * scale
+            if logits_soft_cap:
+                logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+            if sliding_window:
+                logits[:, : max(0, pos + 1 - sliding_window)] = -np.inf
             p = np.exp(logits - logits.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
             out[t] = np.einsum("hl,lhd->hd", p, v[: pos + 1])
@@ -389,10 +397,10 @@ def test_kernel_pads_non_power_of_two_head_dim():
 
 
 @pytest.mark.parametrize(
-    "dtype, head_dim, num_kv_splits",
-    [(jnp.bfloat16, 128, 1), (jnp.bfloat16, 128, 4), (jnp.float32, 80, None)],
+    "dtype, head_dim, num_kv_splits, soft_cap",
+    [(jnp.bfloat16, 128, 1, 0.0), (jnp.bfloat16, 128, 4, 50.0), (jnp.float32, 80, None, 0.0)],
 )
-def test_kernel_lowers_through_pallas_triton_for_cuda(dtype, head_dim, num_kv_splits):
+def test_kernel_lowers_through_pallas_triton_for_cuda(dtype, head_dim, num_kv_splits, soft_cap):
     # No GPU here: exporting for the cuda platform runs the Pallas -> Triton IR
     # lowering, which rejects unsupported ops and non-power-of-two tiles.
     # An engine-sized multi-layer cache (> 4 GiB: 64-bit offsets) and a 512-wide table.
@@ -405,15 +413,91 @@ def test_kernel_lowers_through_pallas_triton_for_cuda(dtype, head_dim, num_kv_sp
         ((num_seqs, max_blocks), jnp.int32),
         ((num_seqs + 1,), jnp.int32),
         ((), jnp.int32),
+        ((), jnp.int32),   # a traced sliding window
     )
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
-    fn = jax.jit(lambda *a: ragged_paged_attention(*a, num_kv_splits=num_kv_splits))
+    fn = jax.jit(lambda *a: ragged_paged_attention(
+        *a[:-1], sliding_window=a[-1], num_kv_splits=num_kv_splits, logits_soft_cap=soft_cap))
     exported = export.export(
         fn,
         platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(*args)
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+# ---- sliding window and soft cap: reference and kernel against the dense oracle -----------
+
+
+def windowed_batch(rng, window: int, garbage_before_window: float = 0.0) -> Batch:
+    """Ragged batch around a window of `window` keys (block_size 16): a chunk whose window
+    starts mid-block, a long decode, a prefill from scratch longer than the window, a chunk
+    straddling the window edge (first query inside it, last past it), a short decode.
+    garbage_before_window: value for every cache row older than any query of its sequence
+    can see (rows a windowed kernel must never read)."""
+    q_lens, kv_lens = [10, 1, 50, 5, 1], [40, 100, 50, max(window + 3, 8), 3]
+    batch = make_batch(rng, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=16, pad_seqs=1, pad_tokens=4)
+    if garbage_before_window:
+        for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+            for key in range(max(0, kv_len - q_len - window + 1)):
+                page = batch.block_tables[i, key // 16]
+                batch.k_cache[page, key % 16] = garbage_before_window
+                batch.v_cache[page, key % 16] = garbage_before_window
+    return batch
+
+
+@pytest.mark.parametrize("window", [1, 7, 24, 33])
+def test_sliding_window_reference_and_kernel_match_dense_oracle(window):
+    # The window is a traced value: one compile serves every window (a per-layer window
+    # scanned over layers); chunk sizes of one page put window edges on chunk edges too.
+    batch = windowed_batch(np.random.default_rng(window), window)
+    expected = naive_attention(batch, sliding_window=window)
+    assert np.abs(expected - naive_attention(batch)).max() > 1e-3   # the window matters
+    w = jnp.int32(window)
+    for knobs in ({}, {"kv_chunk_blocks": 1, "block_q": 2}):
+        out = reference(*batch.args(), sliding_window=w, **knobs)
+        assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+    assert_close_on_valid_rows(kernel(batch, sliding_window=w), expected, batch, atol=1e-5)
+    assert_close_on_valid_rows(kernel(batch, sliding_window=w, num_kv_splits=3, block_kv=16),
+                               expected, batch, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mha_d64_bs16", "gqa4to1_d128_bs16_long"])
+def test_sliding_window_on_random_ragged_batches(name):
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 1)
+    for batch in sweep_batches(name, 3):
+        window = int(rng.integers(1, 60))
+        expected = naive_attention(batch, sliding_window=window)
+        out = reference(*batch.args(), sliding_window=jnp.int32(window), **REFERENCE_KNOBS[name])
+        assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+        assert_close_on_valid_rows(kernel(batch, sliding_window=jnp.int32(window)), expected,
+                                   batch, atol=1e-5)
+
+
+def test_kernel_never_reads_keys_before_the_window():
+    # Every row older than its sequence's window is NaN: the kernel must skip them (so its
+    # cost follows the window), not read and mask them.
+    expected = naive_attention(windowed_batch(np.random.default_rng(9), 24), sliding_window=24)
+    batch = windowed_batch(np.random.default_rng(9), 24, garbage_before_window=np.nan)
+    assert_close_on_valid_rows(kernel(batch, sliding_window=24), expected, batch, atol=1e-5)
+    # The reference reads whole pages and masks: finite garbage must not leak into it.
+    batch = windowed_batch(np.random.default_rng(9), 24, garbage_before_window=1e4)
+    out = reference(*batch.args(), sliding_window=24, kv_chunk_blocks=1)
+    assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, cap", [(0, 5.0), (24, 30.0)])
+def test_logits_soft_cap_reference_and_kernel_match_dense_oracle(window, cap):
+    batch = windowed_batch(np.random.default_rng(11), 24)
+    batch.q *= 4.0   # logits large enough for the cap to bite
+    expected = naive_attention(batch, sliding_window=window, logits_soft_cap=cap)
+    assert np.abs(expected - naive_attention(batch, sliding_window=window)).max() > 1e-3
+    out = ragged_paged_attention_reference(*batch.args(), sliding_window=window,
+                                           logits_soft_cap=cap)
+    assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+    out = kernel(batch, sliding_window=window, logits_soft_cap=cap)
+    assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
 
 
 # ---- write_kv ---------------------------------------------------------------------------

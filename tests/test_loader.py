@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.loader import SUPPORTED_ARCHITECTURES, head_dim, load_model, resolve_model
-from jaxserve.loader.gguf_loader import unpermute_rows
+from jaxserve.models.llama import unpermute_rows
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.arch import ModelArch
-from jaxserve.parallel import partition
 from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.models.arch import ModelArch
+from jaxserve.models.llama import FAMILY as LLAMA
+from jaxserve.parallel import partition
 from jaxserve.parallel.data_parallel import DataParallelEngine
 from jaxserve.parallel.mesh import make_mesh
 
@@ -19,10 +20,7 @@ from jaxserve.parallel.mesh import make_mesh
 def _arch(**overrides) -> ModelArch:
     base = {"architecture": "LlamaForCausalLM", "vocab_size": 512, "hidden_size": 64,
             "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-            "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 128,
-            "tie_word_embeddings": False, "qkv_bias": True, "o_bias": False, "qk_norm": False,
-            "sliding_window": None, "rope_theta": 10000.0, "rope_type": "default",
-            "rope_params": ()}
+            "head_dim": 16, "max_position_embeddings": 128, "tie_word_embeddings": False}
     return ModelArch(**{**base, **overrides})
 
 
@@ -42,7 +40,8 @@ def test_kv_head_replication_puts_each_query_heads_kv_head_on_its_device():
     k = rng.standard_normal((layers, hidden, arch.num_kv_heads * d)).astype(np.float32)
     bias = rng.standard_normal((layers, arch.num_kv_heads * d)).astype(np.float32)
     weights = partition.replicate_kv_heads(
-        {"layers.k_proj.kernel": k.copy(), "layers.k_proj.bias": bias.copy()}, arch, tp)
+        {"layers.k_proj.kernel": k.copy(), "layers.k_proj.bias": bias.copy()}, arch, tp,
+        LLAMA.kv_head_weights)
     sharded = partition.arch_for_tp(arch, tp)
     assert sharded.num_kv_heads == 4 and sharded.num_heads == 4
     k4 = weights["layers.k_proj.kernel"].reshape(layers, hidden, 4, d)
@@ -58,7 +57,7 @@ def test_kv_head_replication_puts_each_query_heads_kv_head_on_its_device():
 
 def test_partition_specs_are_megatron_style():
     def spec(*path, shape=(2, 64, 64)):
-        return partition.param_spec(path, shape, 2)
+        return LLAMA.param_spec(path, shape, 2)
 
     for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         assert spec("layers", name, "kernel") == P(None, None, "model")

@@ -39,13 +39,24 @@ def _check_parity(llm: LLM, hf_model, prompts: list[list[int]], logits_tol: floa
     return worst
 
 
+# Sliding windows of 8 tokens: shorter than all prompts but the first, and far shorter than
+# prompt + 32 generated tokens (max_model_len 128 is not capped at the window).
+SLIDING = [("mistral", {"sliding_window": 8}),
+           ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})]
+
+
 @pytest.mark.parametrize("arch, overrides", [*((a, {}) for a in TINY_ARCHS),
-                                             ("llama", {"attention_bias": True})])
+                                             ("llama", {"attention_bias": True}), *SLIDING])
 def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch, overrides):
     model_dir = make_tiny_model(arch, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
               kv_cache_memory_bytes=2 << 20)
+    window = overrides.get("sliding_window")
+    if window:
+        windows = llm.llm_engine.setup.arch.layer_windows
+        assert windows == ((8, 8) if arch == "mistral" else (0, 8))
+        assert llm.llm_engine.setup.max_model_len == 128
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
     worst = _check_parity(llm, hf, prompts, logits_tol=1e-4)

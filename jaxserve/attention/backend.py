@@ -2,7 +2,9 @@
 
 A backend is two pure functions with the `pallas_kernels` signatures:
 ``write_kv(k_cache, v_cache, k, v, slot_mapping)`` and
-``attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)``.
+``attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
+sliding_window=0, sm_scale=None, logits_soft_cap=0.0)``: the window may be a traced int32
+(models pass each layer's through their layer scan); scale and soft cap are static.
 `reference` is the pure-jnp implementation (lowers on every platform; the test oracle);
 `cpu` is the C++ kernel of `jaxserve.attention.cpu` through the XLA FFI (compiled on first
 use; CPU only); `pallas` runs our Pallas/Triton kernels and needs a GPU; `pallas-interpret`

@@ -19,7 +19,7 @@ import numpy as np
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.llama import params_from_weights
+from jaxserve.models.registry import family_for, read_arch
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
@@ -68,11 +68,8 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
+    # Sliding-window layers need no cap: attention bounds what they read per layer.
     limit = arch.max_position_embeddings
-    if arch.sliding_window and arch.sliding_window < limit:
-        logger.warning("sliding-window attention is not implemented; capping max_model_len at the "
-                       "window (%d)", arch.sliding_window)
-        limit = arch.sliding_window
     if requested is None:
         return limit
     if requested < 1 or requested > limit:
@@ -114,7 +111,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     t0 = time.perf_counter()
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
                         load_format=mc.load_format)
-    arch = ModelArch.from_hf_config(loaded.hf_config)
+    arch = read_arch(loaded.hf_config)
+    family = family_for(arch.architecture)
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
     if not sc.enable_chunked_prefill:
         sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
@@ -125,7 +123,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     # shard of every weight and its KV heads; with one device this is a plain device_put.
     placement = ModelPlacement.create(config.parallel_config, arch, mesh)
     arch = placement.arch
-    params = placement.place(params_from_weights(placement.prepare(loaded.weights), arch))
+    params = placement.place(family.params_from_weights(placement.prepare(loaded.weights), arch))
     del loaded.weights
     weight_bytes = placement.weight_bytes_per_device(params, num_params * np.dtype(dtype).itemsize)
     load_seconds = time.perf_counter() - t0

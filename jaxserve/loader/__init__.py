@@ -20,13 +20,11 @@ import numpy as np
 from jaxserve.loader.dummy import dummy_weights
 from jaxserve.loader.resolve import ResolvedModel, default_gguf_path, resolve_model
 from jaxserve.loader.weights import as_numpy_dtype, head_dim
+from jaxserve.models.registry import resolve_architecture, supported_architectures
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = supported_architectures()   # the registry's, not a second list
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -50,19 +48,6 @@ class LoadedModel:
     architecture: str = ""
 
 
-def check_architecture(architectures: list[str] | None, model_type: str | None, source: str) -> str:
-    """The one supported architecture a config names; ValueError listing the supported ones."""
-    names = list(architectures or [])
-    if not names and model_type in _ARCHITECTURE_BY_MODEL_TYPE:
-        names = [_ARCHITECTURE_BY_MODEL_TYPE[model_type]]
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    found = names or f"model_type {model_type!r}"
-    raise ValueError(f"{source}: unsupported architecture {found}; supported architectures: "
-                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
 def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     """Defaults from ``generation_config.json`` (temperature, top_p, eos_token_id ...), or {}."""
     path = Path(model_dir) / "generation_config.json"
@@ -83,8 +68,8 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str]:
         raw = json.loads(config_path.read_text())
     except ValueError as e:
         raise ValueError(f"{config_path}: invalid JSON ({e})") from None
-    architecture = check_architecture(raw.get("architectures"), raw.get("model_type"),
-                                      str(config_path))
+    architecture = resolve_architecture(raw.get("architectures"), raw.get("model_type"),
+                                        str(config_path))
     return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True), architecture
 
 

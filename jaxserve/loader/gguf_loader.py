@@ -3,9 +3,9 @@
 Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants``.
 GGUF lists dimensions fastest-moving first (ggml's ``ne``); the reader's numpy
 arrays are already in row-major order, i.e. Hugging Face's ``[out, in]``.
-llama.cpp's converter permutes the rows of Llama's q and k projections (it
-interleaves the two rotary halves of each head); `unpermute_rows` undoes that
-so the weights match Hugging Face's rotate-half RoPE.
+What llama.cpp's converter changed per architecture (Llama's q/k row permutation,
+Gemma's norm + 1) the model's family undoes (`ModelFamily.from_gguf`); which GGUF
+architectures exist, and their tensor names, is the registry's.
 """
 
 from __future__ import annotations
@@ -17,21 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.weights import (
-    StackedWeights,
-    expected_shapes,
-    optional_tensors_present,
-    parse_name,
-)
+from jaxserve.loader.weights import StackedWeights, parse_name
+from jaxserve.models.registry import gguf_family, read_arch
 
 logger = logging.getLogger(__name__)
 
-# GGUF general.architecture -> (Hugging Face architecture, config class name)
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig"),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
-}
 # GGUF key (after "{arch}.") -> config attribute
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -85,19 +75,17 @@ def metadata_value(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_architecture(reader: Any, path: str) -> str:
     arch = metadata_value(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        supported = ", ".join(f"{name} ({hf})" for name, (hf, _) in GGUF_ARCHITECTURES.items())
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported "
-                         f"architectures: {supported}")
+    gguf_family(arch, path)   # raises, listing the supported ones, if no family reads it
     return arch
 
 
 def gguf_config(reader: Any, path: str) -> Any:
-    """The transformers config (LlamaConfig / Qwen2Config / Qwen3Config) a GGUF file describes."""
+    """The transformers config (LlamaConfig, Gemma2Config, ...) a GGUF file describes."""
     import transformers
 
     arch = gguf_architecture(reader, path)
-    hf_architecture, config_class = GGUF_ARCHITECTURES[arch]
+    family = gguf_family(arch, path)
+    hf_architecture, config_class = family.gguf_architectures[arch]
     kwargs: dict[str, Any] = {}
     for key, attribute in _CONFIG_KEYS.items():
         value = metadata_value(reader, f"{arch}.{key}")
@@ -110,6 +98,8 @@ def gguf_config(reader: Any, path: str) -> Any:
         rope_dims = metadata_value(reader, f"{arch}.rope.dimension_count")
         kwargs["head_dim"] = rope_dims or kwargs["hidden_size"] // kwargs["num_attention_heads"]
     kwargs["rope_parameters"] = _rope_parameters(reader, arch, path)
+    kwargs |= family.gguf_config(
+        arch, lambda key, default=None: metadata_value(reader, f"{arch}.{key}", default))
     names = {t.name for t in reader.tensors}
     kwargs["tie_word_embeddings"] = "output.weight" not in names  # llama.cpp omits a tied head
     for special in ("bos", "eos"):
@@ -142,34 +132,20 @@ def _rope_parameters(reader: Any, arch: str, path: str) -> dict[str, Any]:
     raise ValueError(f"{path}: rope scaling type {scaling!r} is not supported (linear, yarn)")
 
 
-def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: ``weight: [num_heads * D, in]`` -> same shape.
-
-    llama.cpp reshapes each head's D rows as (2, D/2) and swaps the axes, interleaving
-    the halves that HF's rotate-half pairs; here the inverse: rows as (D/2, 2), swapped.
-    """
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
                       path: str) -> dict[str, np.ndarray]:
     """All weights of a GGUF file, dequantized into our stacked layout and `dtype`."""
     from gguf.quants import dequantize
 
-    arch = gguf_architecture(reader, path)
-    names = [t.name for t in reader.tensors]
-    tied = bool(hf_config.tie_word_embeddings)
-    stacked = StackedWeights(
-        expected_shapes(hf_config, optional_tensors_present(names, "gguf"), with_lm_head=not tied),
-        dtype, source=path)
-    num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
+    gguf_arch = gguf_architecture(reader, path)
+    family = gguf_family(gguf_arch, path)
+    arch = read_arch(hf_config)
+    stacked = StackedWeights(family.weight_shapes(arch), dtype, source=path)
     unexpected, wanted = [], []
     for tensor in reader.tensors:
-        parsed = parse_name(tensor.name, "gguf")
+        parsed = parse_name(tensor.name, "gguf", family)
         if parsed is None or not stacked.wants(parsed[0]):
-            if tensor.name != "output.weight" or not tied:
+            if tensor.name != "output.weight" or not arch.tie_word_embeddings:
                 unexpected.append(tensor.name)
             continue
         wanted.append((tensor, parsed))
@@ -181,10 +157,7 @@ def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
         except NotImplementedError as e:
             raise ValueError(f"{path}: cannot dequantize {tensor.name} of type "
                              f"{tensor.tensor_type.name}: {e}") from None
-        if arch == "llama" and name == "layers.q_proj.kernel":
-            weight = unpermute_rows(weight, hf_config.num_attention_heads)
-        elif arch == "llama" and name == "layers.k_proj.kernel":
-            weight = unpermute_rows(weight, num_kv_heads)
+        weight = family.from_gguf(name, weight, arch, gguf_arch)
         stacked.put(name, layer, weight, origin=f"{tensor.name} in {path}")
 
     # numpy releases the GIL in dequantization and the transposing copies, so threads

@@ -19,13 +19,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxserve.loader.weights import (
-    StackedWeights,
-    expected_shapes,
-    is_ignorable,
-    optional_tensors_present,
-    parse_name,
-)
+from jaxserve.loader.weights import StackedWeights, is_ignorable, parse_name
+from jaxserve.models.registry import family_for, read_arch
 
 logger = logging.getLogger(__name__)
 
@@ -128,16 +123,14 @@ def load_safetensors_weights(model_dir: str | os.PathLike, hf_config: Any,
                              dtype: np.dtype) -> dict[str, np.ndarray]:
     """All weights of a Hugging Face checkpoint directory, in our stacked layout and `dtype`."""
     files = [SafetensorsFile(path) for path in checkpoint_files(model_dir)]
-    names = [name for name, _ in _iter_tensors(files)]
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    stacked = StackedWeights(
-        expected_shapes(hf_config, optional_tensors_present(names, "hf"), with_lm_head=not tied),
-        dtype, source=str(model_dir))
+    arch = read_arch(hf_config)
+    family = family_for(arch.architecture)
+    stacked = StackedWeights(family.weight_shapes(arch), dtype, source=str(model_dir))
     unexpected = []
     for name, file in _iter_tensors(files):
-        parsed = parse_name(name, "hf")
+        parsed = parse_name(name, "hf", family)
         if parsed is None or not stacked.wants(parsed[0]):
-            if name == "lm_head.weight" and tied:
+            if name == "lm_head.weight" and arch.tie_word_embeddings:
                 continue  # tied: the output head is the embedding, whatever the file holds
             if not is_ignorable(name):
                 unexpected.append(name)

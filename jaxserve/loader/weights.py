@@ -2,7 +2,9 @@
 
 Every per-layer tensor is stacked on a leading layer axis ``L`` (so the model
 can run its layers under ``jax.lax.scan``), and every projection is a kernel
-``[in, out]`` so that ``y = x @ W``::
+``[in, out]`` so that ``y = x @ W``. Which tensors a model has, and their checkpoint
+names, are its family's (models/family.py: `weight_shapes`, `layer_tensors`); a
+Llama-family model, for example::
 
     embed_tokens                  [V, H]
     layers.input_layernorm        [L, H]
@@ -30,33 +32,6 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-
-# our per-layer name -> (Hugging Face suffix after "model.layers.N.", GGUF suffix after "blk.N.")
-LAYER_TENSORS: dict[str, tuple[str, str]] = {
-    "input_layernorm": ("input_layernorm.weight", "attn_norm.weight"),
-    "q_proj.kernel": ("self_attn.q_proj.weight", "attn_q.weight"),
-    "q_proj.bias": ("self_attn.q_proj.bias", "attn_q.bias"),
-    "k_proj.kernel": ("self_attn.k_proj.weight", "attn_k.weight"),
-    "k_proj.bias": ("self_attn.k_proj.bias", "attn_k.bias"),
-    "v_proj.kernel": ("self_attn.v_proj.weight", "attn_v.weight"),
-    "v_proj.bias": ("self_attn.v_proj.bias", "attn_v.bias"),
-    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-    "o_proj.kernel": ("self_attn.o_proj.weight", "attn_output.weight"),
-    "o_proj.bias": ("self_attn.o_proj.bias", "attn_output.bias"),
-    "post_attention_layernorm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
-    "gate_proj.kernel": ("mlp.gate_proj.weight", "ffn_gate.weight"),
-    "up_proj.kernel": ("mlp.up_proj.weight", "ffn_up.weight"),
-    "down_proj.kernel": ("mlp.down_proj.weight", "ffn_down.weight"),
-}
-# our whole-model name -> (Hugging Face name, GGUF name)
-GLOBAL_TENSORS: dict[str, tuple[str, str]] = {
-    "embed_tokens": ("model.embed_tokens.weight", "token_embd.weight"),
-    "norm": ("model.norm.weight", "output_norm.weight"),
-    "lm_head": ("lm_head.weight", "output.weight"),
-}
-OPTIONAL_LAYER_TENSORS = ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "q_norm",
-                          "k_norm")
 
 _DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32), "float": np.dtype(np.float32),
@@ -87,67 +62,24 @@ def head_dim(hf_config: Any) -> int:
     return int(explicit) if explicit else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def expected_shapes(hf_config: Any, optional: set[str], with_lm_head: bool) -> dict[str, tuple]:
-    """The shape of every tensor of our layout for this config.
-
-    optional: which of `OPTIONAL_LAYER_TENSORS` the checkpoint has (biases, q/k norms).
-    """
-    c = hf_config
-    L, H, V, I = c.num_hidden_layers, c.hidden_size, c.vocab_size, c.intermediate_size
-    D = head_dim(c)
-    q_width = c.num_attention_heads * D
-    kv_width = (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * D
-    shapes = {
-        "embed_tokens": (V, H),
-        "layers.input_layernorm": (L, H),
-        "layers.q_proj.kernel": (L, H, q_width),
-        "layers.k_proj.kernel": (L, H, kv_width),
-        "layers.v_proj.kernel": (L, H, kv_width),
-        "layers.o_proj.kernel": (L, q_width, H),
-        "layers.post_attention_layernorm": (L, H),
-        "layers.gate_proj.kernel": (L, H, I),
-        "layers.up_proj.kernel": (L, H, I),
-        "layers.down_proj.kernel": (L, I, H),
-        "norm": (H,),
-    }
-    optional_shapes = {"q_proj.bias": (L, q_width), "k_proj.bias": (L, kv_width),
-                       "v_proj.bias": (L, kv_width), "o_proj.bias": (L, H), "q_norm": (L, D),
-                       "k_norm": (L, D)}
-    for name in OPTIONAL_LAYER_TENSORS:
-        if name in optional:
-            shapes[f"layers.{name}"] = optional_shapes[name]
-    if with_lm_head:
-        shapes["lm_head"] = (H, V)
-    return shapes
-
-
-def parse_name(name: str, fmt: str) -> tuple[str, int | None] | None:
+def parse_name(name: str, fmt: str, family: Any) -> tuple[str, int | None] | None:
     """A checkpoint tensor name -> (our name, layer index or None); None if not ours.
 
     fmt: "hf" (``model.layers.3.self_attn.q_proj.weight``) or "gguf" (``blk.3.attn_q.weight``).
+    family: the model's family (models/family.py), which owns the name tables.
     """
     column = 0 if fmt == "hf" else 1
     match = (_HF_LAYER if fmt == "hf" else _GGUF_LAYER).fullmatch(name)
     if match:
         suffix = match.group(2)
-        for ours, names in LAYER_TENSORS.items():
+        for ours, names in family.layer_tensors.items():
             if names[column] == suffix:
                 return f"layers.{ours}", int(match.group(1))
         return None
-    for ours, names in GLOBAL_TENSORS.items():
+    for ours, names in family.global_tensors.items():
         if names[column] == name:
             return ours, None
     return None
-
-
-def optional_tensors_present(names: list[str], fmt: str) -> set[str]:
-    """Which of `OPTIONAL_LAYER_TENSORS` appear among these checkpoint tensor names."""
-    found = set()
-    for name in names:
-        parsed = parse_name(name, fmt)
-        if parsed and parsed[1] is not None and parsed[0][len("layers."):] in OPTIONAL_LAYER_TENSORS:
-            found.add(parsed[0][len("layers."):])
-    return found
 
 
 def is_ignorable(name: str) -> bool:

@@ -1,180 +1,191 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+"""Llama-family decoders: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2, Qwen3, SmolLM.
 
-Flax linen modules; layers are stacked and run under `nn.scan`, so one
-compile covers every layer. The whole forward works on one flat ("ragged")
-token axis: prefill chunks and decodes of many sequences share it.
-
-KV cache layout: ``[num_layers * num_blocks, block_size, Hkv, D]`` for K and
-for V. All layers live in one array so the scan can carry it and update it in
-place; layer ``l`` owns blocks ``[l * num_blocks, (l + 1) * num_blocks)``, and
-the attention backend sees that layer through block tables and slot mappings
-offset by ``l * num_blocks`` — no per-layer slice is ever copied.
+Pre-norm layers: x += o_proj(attn(norm(x))); x += down(silu(gate) * up)(norm(x)). Qwen2
+adds q/k/v biases, Qwen3 q/k RMSNorms, Llama with attention_bias q/k/v/o biases.
+Mistral slides a window over every layer; Qwen2/Qwen3 with use_sliding_window over the
+layers their `layer_types` name.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxserve.attention.backend import AttentionBackend
 from jaxserve.models.arch import ModelArch
-from jaxserve.runner.step_inputs import AttentionMetadata
+from jaxserve.models.decoder import CausalLM, layer_constants, layer_inputs
+from jaxserve.models.family import (
+    MEGATRON_RULES,
+    ArchitectureInfo,
+    ModelFamily,
+    hf_layer_types,
+    stacked_layer_shapes,
+)
+from jaxserve.models.layers import (
+    AttentionConfig,
+    PagedCache,
+    RMSNorm,
+    gated_mlp,
+    paged_self_attention,
+)
+from jaxserve.models.rope import Rope, hf_rope_parameters
 
 
-class RMSNorm(nn.Module):
-    eps: float
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return weight * xf.astype(self.dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention). x: [T, H, D]; cos, sin: [T, D/2] float32."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+@dataclass(frozen=True)
+class LlamaOptions:
+    rms_norm_eps: float
+    qkv_bias: bool          # Qwen2; Llama with attention_bias
+    o_bias: bool            # Llama with attention_bias
+    qk_norm: bool           # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    rope: Rope
+    norm_offset: float = 0.0
+    embed_scale: float | None = None
+    final_logit_soft_cap: float = 0.0
 
 
-class DecoderLayer(nn.Module):
+class LlamaDecoderLayer(nn.Module):
     arch: ModelArch
-    backend: AttentionBackend
-    num_blocks: int        # blocks per layer in the shared cache
-    block_size: int
+    cache: PagedCache
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, carry, layer_idx, cos, sin, meta: AttentionMetadata):
+    def __call__(self, carry, xs, cos, sin, meta):
         x, k_cache, v_cache = carry
-        a, dt = self.arch, self.dtype
-        num_tokens = x.shape[0]
-
-        def dense(features, name, bias=False):
-            return nn.Dense(features, use_bias=bias, dtype=dt, param_dtype=dt, name=name)
-
-        h = RMSNorm(a.rms_norm_eps, dt, name="input_layernorm")(x)
-        q = dense(a.q_size, "q_proj", a.qkv_bias)(h).reshape(num_tokens, a.num_heads, a.head_dim)
-        k = dense(a.kv_size, "k_proj", a.qkv_bias)(h).reshape(num_tokens, a.num_kv_heads,
-                                                               a.head_dim)
-        v = dense(a.kv_size, "v_proj", a.qkv_bias)(h).reshape(num_tokens, a.num_kv_heads,
-                                                               a.head_dim)
-        if a.qk_norm:
-            q = RMSNorm(a.rms_norm_eps, dt, name="q_norm")(q)
-            k = RMSNorm(a.rms_norm_eps, dt, name="k_norm")(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        block_offset = layer_idx * self.num_blocks
-        slots = jnp.where(meta.slot_mapping >= 0,
-                          meta.slot_mapping + block_offset * self.block_size, -1)
-        k_cache, v_cache = self.backend.write_kv(k_cache, v_cache, k, v, slots)
-        attn = self.backend.attention(q, k_cache, v_cache, meta.kv_lens,
-                                      meta.block_tables + block_offset, meta.query_start_loc,
-                                      meta.num_seqs)
-        x = x + dense(a.hidden_size, "o_proj", a.o_bias)(attn.reshape(num_tokens, a.q_size))
-
-        h = RMSNorm(a.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        gate = dense(a.intermediate_size, "gate_proj")(h)
-        up = dense(a.intermediate_size, "up_proj")(h)
-        x = x + dense(a.hidden_size, "down_proj")(nn.silu(gate) * up)
+        a, o, dt = self.arch, self.arch.options, self.dtype
+        layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
+        attn = AttentionConfig(a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
+                               qkv_bias=o.qkv_bias, o_bias=o.o_bias,
+                               qk_norm_eps=o.rms_norm_eps if o.qk_norm else None)
+        h = RMSNorm(o.rms_norm_eps, dt, name="input_layernorm")(x)
+        out, k_cache, v_cache = paged_self_attention(h, attn, self.cache, k_cache, v_cache,
+                                                     layer_idx, window, cos, sin, meta, dt)
+        x = x + out
+        h = RMSNorm(o.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        x = x + gated_mlp(h, a.intermediate_size, a.hidden_size, "silu", dt)
         return (x, k_cache, v_cache), None
 
 
-class CausalLM(nn.Module):
-    """Embeddings → scanned decoder layers → hidden states; `logits` applies the final norm and
-    the LM head to the rows the caller picks (sampling rows, prompt positions)."""
-    arch: ModelArch
-    backend: AttentionBackend
-    num_blocks: int
-    block_size: int
-    dtype: Any = jnp.float32
+class LlamaFamily(ModelFamily):
+    name = "llama"
+    architectures = {
+        "LlamaForCausalLM": ArchitectureInfo("Llama 2, Llama 3.x, SmolLM2"),
+        "MistralForCausalLM": ArchitectureInfo("Mistral 7B",
+                                               sliding_window="all layers, if configured"),
+        "Qwen2ForCausalLM": ArchitectureInfo("Qwen2, Qwen2.5",
+                                             sliding_window="if use_sliding_window"),
+        "Qwen3ForCausalLM": ArchitectureInfo("Qwen3 (dense)",
+                                             sliding_window="if use_sliding_window"),
+    }
+    model_types = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    gguf_architectures = {"llama": ("LlamaForCausalLM", "LlamaConfig"),
+                          "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+                          "qwen3": ("Qwen3ForCausalLM", "Qwen3Config")}
+    layer_tensors = {
+        "input_layernorm": ("input_layernorm.weight", "attn_norm.weight"),
+        "q_proj.kernel": ("self_attn.q_proj.weight", "attn_q.weight"),
+        "q_proj.bias": ("self_attn.q_proj.bias", "attn_q.bias"),
+        "k_proj.kernel": ("self_attn.k_proj.weight", "attn_k.weight"),
+        "k_proj.bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+        "v_proj.kernel": ("self_attn.v_proj.weight", "attn_v.weight"),
+        "v_proj.bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+        "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+        "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+        "o_proj.kernel": ("self_attn.o_proj.weight", "attn_output.weight"),
+        "o_proj.bias": ("self_attn.o_proj.bias", "attn_output.bias"),
+        "post_attention_layernorm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        "gate_proj.kernel": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        "up_proj.kernel": ("mlp.up_proj.weight", "ffn_up.weight"),
+        "down_proj.kernel": ("mlp.down_proj.weight", "ffn_down.weight"),
+    }
+    partition_rules = MEGATRON_RULES
 
-    def setup(self) -> None:
-        # Attribute names are the parameter tree's names (embed_tokens, layers, norm, lm_head).
-        a, dt = self.arch, self.dtype
-        self.embed_tokens = nn.Embed(a.vocab_size, a.hidden_size, dtype=dt, param_dtype=dt)
-        self.layers = nn.scan(
-            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=a.num_layers,
-        )(a, self.backend, self.num_blocks, self.block_size, dt)
-        self.norm = RMSNorm(a.rms_norm_eps, dt)
-        if not a.tie_word_embeddings:
-            self.lm_head = nn.Dense(a.vocab_size, use_bias=False, dtype=dt, param_dtype=dt)
+    def read_config(self, config: Any, architecture: str) -> ModelArch:
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        window = getattr(config, "sliding_window", None)
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and \
+                not getattr(config, "use_sliding_window", False):
+            window = None
+        if architecture == "MistralForCausalLM":   # one window for every layer
+            windows = (int(window or 0),) * config.num_hidden_layers
+        else:   # Qwen: the layers from max_window_layers on
+            first = int(getattr(config, "max_window_layers", 0) or 0)
+            windows = hf_layer_types(config, window, lambda i: i >= first)
+        num_heads = config.num_attention_heads
+        return ModelArch(
+            architecture=architecture,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            layer_windows=windows,
+            options=LlamaOptions(
+                rms_norm_eps=float(config.rms_norm_eps),
+                qkv_bias=is_qwen2 or attention_bias,
+                o_bias=attention_bias and not is_qwen2,
+                qk_norm=architecture == "Qwen3ForCausalLM",
+                rope=Rope.from_dict(hf_rope_parameters(config))))
 
-    def __call__(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
-                 inv_freq):
-        """token_ids, positions: [T] → hidden states [T, H] (before the final norm)."""
-        x = self.embed_tokens(token_ids)
-        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-        (x, k_cache, v_cache), _ = self.layers(
-            (x, k_cache, v_cache), jnp.arange(self.arch.num_layers, dtype=jnp.int32), cos, sin,
-            meta)
-        return x, k_cache, v_cache
+    def weight_shapes(self, arch: ModelArch) -> dict[str, tuple[int, ...]]:
+        H, I, o = arch.hidden_size, arch.intermediate_size, arch.options
+        base = {
+            "input_layernorm": (H,), "post_attention_layernorm": (H,),
+            "q_proj.kernel": (H, arch.q_size), "k_proj.kernel": (H, arch.kv_size),
+            "v_proj.kernel": (H, arch.kv_size), "o_proj.kernel": (arch.q_size, H),
+            "gate_proj.kernel": (H, I), "up_proj.kernel": (H, I), "down_proj.kernel": (I, H),
+        }
+        optional: dict[str, tuple[int, ...]] = {}
+        if o.qkv_bias:
+            optional |= {"q_proj.bias": (arch.q_size,), "k_proj.bias": (arch.kv_size,),
+                         "v_proj.bias": (arch.kv_size,)}
+        if o.o_bias:
+            optional["o_proj.bias"] = (H,)
+        if o.qk_norm:
+            optional |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
+        # (this order fixes which random values --load-format dummy gives each tensor)
+        shapes = {"embed_tokens": (arch.vocab_size, H), "norm": (H,),
+                  **stacked_layer_shapes(arch, base)}
+        if not arch.tie_word_embeddings:
+            shapes["lm_head"] = (H, arch.vocab_size)
+        return shapes | stacked_layer_shapes(arch, optional)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden: [N, H] rows of `__call__`'s output → logits [N, V] float32."""
-        x = self.norm(hidden)
-        if self.arch.tie_word_embeddings:
-            logits = self.embed_tokens.attend(x)
-        else:
-            logits = self.lm_head(x)
-        return logits.astype(jnp.float32)
+    def from_gguf(self, name: str, weight: np.ndarray, arch: ModelArch,
+                  gguf_arch: str) -> np.ndarray:
+        # llama.cpp's converter permutes the rows of Llama's q and k (not Qwen's).
+        if gguf_arch == "llama" and name == "layers.q_proj.kernel":
+            return unpermute_rows(weight, arch.num_heads)
+        if gguf_arch == "llama" and name == "layers.k_proj.kernel":
+            return unpermute_rows(weight, arch.num_kv_heads)
+        return weight
 
-    def forward_logits(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
-                       logits_indices, inv_freq):
-        """Forward, then logits of the tokens at ``logits_indices`` [S] → [S, V] (init, checks)."""
-        hidden, k_cache, v_cache = self(token_ids, positions, meta, k_cache, v_cache, inv_freq)
-        return self.logits(hidden[logits_indices]), k_cache, v_cache
+    def build(self, arch, backend, num_blocks, block_size, dtype):
+        return CausalLM(arch, LlamaDecoderLayer, PagedCache(backend, num_blocks, block_size),
+                        dtype)
 
-
-def params_from_weights(weights: dict[str, Any], arch: ModelArch) -> dict[str, Any]:
-    """Map the loader's flat stacked layout (``layers.q_proj.kernel``) onto the linen tree."""
-    layers: dict[str, dict[str, Any]] = {}
-    params: dict[str, Any] = {"layers": layers}
-    for name, value in weights.items():
-        if name == "embed_tokens":
-            params["embed_tokens"] = {"embedding": value}
-        elif name == "norm":
-            params["norm"] = {"weight": value}
-        elif name == "lm_head":
-            if not arch.tie_word_embeddings:
-                params["lm_head"] = {"kernel": value}
-        elif name.startswith("layers."):
-            parts = name.split(".")[1:]
-            module, leaf = parts[0], (parts[1] if len(parts) > 1 else "weight")
-            layers.setdefault(module, {})[leaf] = value
-        else:
-            raise ValueError(f"unexpected weight {name!r}")
-    missing = [k for k in ("embed_tokens", "norm") if k not in params]
-    if not arch.tie_word_embeddings and "lm_head" not in params:
-        missing.append("lm_head")
-    if missing:
-        raise ValueError(f"checkpoint is missing weights: {missing}")
-    return {"params": params}
+    def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
+        return layer_constants(arch, [arch.options.rope.inv_freq(arch.head_dim)])
 
 
-def random_params(arch: ModelArch, dtype: Any, seed: int = 0) -> dict[str, Any]:
-    """Random weights of the right shapes (for benchmarks of models we cannot download)."""
-    from jaxserve.attention.backend import get_attention_backend
-    from jaxserve.runner.step_inputs import dummy_metadata
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: ``weight: [num_heads * D, in]`` -> same shape.
 
-    model = CausalLM(arch, get_attention_backend("reference"), 1, 16, dtype)
-    meta = dummy_metadata(num_tokens=1, num_seqs=1, max_blocks=1)
-    cache = jnp.zeros((arch.num_layers, 16, arch.num_kv_heads, arch.head_dim), dtype)
-    init = jax.jit(lambda key: model.init(key, jnp.zeros((1,), jnp.int32),
-                                          jnp.zeros((1,), jnp.int32), meta, cache, cache,
-                                          jnp.zeros((1,), jnp.int32),
-                                          jnp.ones((arch.head_dim // 2,), jnp.float32),
-                                          method=CausalLM.forward_logits))
-    params = init(jax.random.key(seed))
-    # Linen's default init is too large for a deep random net to stay finite; rescale.
-    return jax.tree.map(lambda p: p * 0.02 if p.ndim >= 2 else p, params)
+    llama.cpp reshapes each head's D rows as (2, D/2) and swaps the axes, interleaving
+    the halves that HF's rotate-half pairs; here the inverse: rows as (D/2, 2), swapped.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+FAMILY = LlamaFamily()

@@ -1,6 +1,8 @@
 """Tensor parallelism as data: a PartitionSpec for every parameter and for the KV cache.
 
-Megatron-style, on the mesh axis ``model`` (tp devices):
+Megatron-style, on the mesh axis ``model`` (tp devices). Which parameter is split how is
+the model's (its family's `partition_rules` / `param_spec`, models/family.py); for the
+Llama and Gemma families:
 
     layers.{q,k,v,gate,up}_proj.kernel  [L, H, out]  by output columns  P(None, None, 'model')
     layers.{q,k,v}_proj.bias            [L, out]     with its columns   P(None, 'model')
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,8 +48,6 @@ from jaxserve.parallel.mesh import MODEL_AXIS
 logger = logging.getLogger(__name__)
 
 M = MODEL_AXIS
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
 KV_CACHE_SPEC = P(None, None, M, None)        # [L*num_blocks, block_size, Hkv, D]
 HEADS_SPEC = P(None, M, None)                 # q, k, v, attention output: [T, heads, D]
 
@@ -81,11 +83,12 @@ def arch_for_tp(arch: ModelArch, tp: int) -> ModelArch:
     return dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * copies)
 
 
-def replicate_kv_heads(weights: dict[str, np.ndarray], arch: ModelArch,
-                       tp: int) -> dict[str, np.ndarray]:
-    """Copy each KV head of k_proj/v_proj (kernel and bias) `kv_replication` times, in place.
+def replicate_kv_heads(weights: dict[str, np.ndarray], arch: ModelArch, tp: int,
+                       kv_head_weights: Sequence[str]) -> dict[str, np.ndarray]:
+    """Copy each KV head of the named tensors `kv_replication` times, in place.
 
-    weights: the loader's flat layout (``layers.k_proj.kernel`` [L, H, Hkv*D]). Head j of
+    weights: the loader's flat layout (``layers.k_proj.kernel`` [L, H, Hkv*D]);
+    kv_head_weights: which of them hold KV heads on their last axis (the family's). Head j of
     the result is original head j // copies, so query head h (which reads KV head
     h // (Hq / Hkv)) finds its head on the same device after the split.
     """
@@ -93,8 +96,7 @@ def replicate_kv_heads(weights: dict[str, np.ndarray], arch: ModelArch,
     if copies == 1:
         return weights
     hkv, d = arch.num_kv_heads, arch.head_dim
-    for name in ("layers.k_proj.kernel", "layers.v_proj.kernel", "layers.k_proj.bias",
-                 "layers.v_proj.bias"):
+    for name in kv_head_weights:
         if name in weights:
             w = weights[name]
             heads = w.reshape(*w.shape[:-1], hkv, d)
@@ -105,34 +107,7 @@ def replicate_kv_heads(weights: dict[str, np.ndarray], arch: ModelArch,
 
 
 # -- partition specs -----------------------------------------------------------------------------
-def _vocab_or_hidden(shape: tuple[int, ...], vocab_axis: int, tp: int) -> P:
-    """Split a [V, H] / [H, V] matrix on vocab if it divides, else on hidden, else replicate."""
-    spec: list[Any] = [None, None]
-    if shape[vocab_axis] % tp == 0:
-        spec[vocab_axis] = M
-    elif shape[1 - vocab_axis] % tp == 0:
-        spec[1 - vocab_axis] = M
-    return P(*spec)
-
-
-def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
-    """PartitionSpec of one parameter, by its path in the linen tree (without 'params')."""
-    if tp == 1:
-        return P()
-    if path == ("embed_tokens", "embedding"):
-        return _vocab_or_hidden(shape, 0, tp)
-    if path == ("lm_head", "kernel"):
-        return _vocab_or_hidden(shape, 1, tp)
-    if path[0] == "layers" and len(path) == 3:
-        module, leaf = path[1], path[2]
-        if module in COLUMN_PARALLEL:
-            return P(None, None, M) if leaf == "kernel" else P(None, M)
-        if module in ROW_PARALLEL:
-            return P(None, M, None) if leaf == "kernel" else P()   # bias: after the all-reduce
-    if path[-1] == "weight":
-        return P()                              # RMSNorm weights: [H], [L, H], q/k_norm [L, D]
-    raise ValueError(f"no partition spec for parameter {'/'.join(path)} {shape}; add one in "
-                     "jaxserve/parallel/partition.py")
+SpecFn = Callable[[tuple[str, ...], tuple[int, ...], int], P]
 
 
 def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
@@ -140,17 +115,18 @@ def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
     return names[1:] if names and names[0] == "params" else names
 
 
-def param_specs(params: Any, tp: int) -> Any:
-    """The tree of PartitionSpecs matching a params tree (arrays or shape structs)."""
+def param_specs(params: Any, tp: int, param_spec: SpecFn) -> Any:
+    """The tree of PartitionSpecs matching a params tree (arrays or shape structs).
+    param_spec(path, shape, tp): the model family's rule for one parameter."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: param_spec(_path_names(path), tuple(x.shape), tp), params)
 
 
-def shard_params(params: Any, mesh: Mesh) -> Any:
+def shard_params(params: Any, mesh: Mesh, param_spec: SpecFn) -> Any:
     """Place a params tree of host (numpy) arrays onto `mesh`, each device getting only its
     shard (`jax.make_array_from_callback`; works unchanged across processes)."""
     tp = mesh.shape[M]
-    specs = param_specs(params, tp)
+    specs = param_specs(params, tp, param_spec)
 
     def place(value: np.ndarray, spec: P) -> jax.Array:
         value = np.asarray(value)
@@ -190,9 +166,19 @@ def shard_backend(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
         backend.write_kv, mesh=mesh,
         in_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC, HEADS_SPEC, HEADS_SPEC, replicated),
         out_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False)
-    attention = jax.shard_map(
-        backend.attention, mesh=mesh,
-        in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC) + (replicated,) * 4,
-        out_specs=HEADS_SPEC, check_vma=False)
+    def attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+                  sliding_window=0, **static):
+        # The window (a traced per-layer value) is one more replicated operand; scale and
+        # soft cap are static and bound before shard_map.
+        def per_shard(*args):
+            return backend.attention(*args[:7], sliding_window=args[7], **static)
+
+        return jax.shard_map(
+            per_shard, mesh=mesh,
+            in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC) + (replicated,) * 5,
+            out_specs=HEADS_SPEC, check_vma=False,
+        )(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+          jnp.asarray(sliding_window, jnp.int32))
+
     return AttentionBackend(f"{backend.name} (shard_map over {tp} devices)", write_kv,
                             attention)

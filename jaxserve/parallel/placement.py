@@ -4,7 +4,7 @@
 
     placement = ModelPlacement.create(config.parallel_config, arch, mesh)
     arch = placement.arch                                   # KV heads replicated if tp needs it
-    params = placement.place(params_from_weights(placement.prepare(weights), arch))
+    params = placement.place(family.params_from_weights(placement.prepare(weights), arch))
     kv_plan = placement.agree(plan_kv_cache(..., tp_size=placement.tp, device=placement.device))
     backend = placement.shard_backend(backend)              # attention per shard (shard_map)
 
@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.config import ParallelConfig
 from jaxserve.models.arch import ModelArch
+from jaxserve.models.registry import family_for
 from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import MODEL_AXIS, describe, make_mesh, replicated
 
@@ -88,13 +89,16 @@ class ModelPlacement:
 
     def prepare(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The loader's flat weights with KV heads replicated when tp > num_kv_heads."""
-        return partition.replicate_kv_heads(weights, self.source_arch, self.tp)
+        family = family_for(self.source_arch.architecture)
+        return partition.replicate_kv_heads(weights, self.source_arch, self.tp,
+                                            family.kv_head_weights)
 
     def place(self, params: Any) -> Any:
         """Host params → device arrays: one device, or each device only its own shard."""
         if self.mesh is None:
             return jax.device_put(params)
-        params = partition.shard_params(params, self.mesh)
+        family = family_for(self.arch.architecture)   # its partition rules
+        params = partition.shard_params(params, self.mesh, family.param_spec)
         total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
         logger.info("parameters: %.1f MiB in total, %.1f MiB on each device",
                     total / 2**20, partition.per_device_bytes(params) / 2**20)

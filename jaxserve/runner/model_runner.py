@@ -32,7 +32,7 @@ from jaxserve.engine.step_contract import (
     SchedulerOutput,
 )
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.llama import CausalLM
+from jaxserve.models.registry import family_for
 from jaxserve.parallel.mesh import put_replicated
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, StepInputs
@@ -49,7 +49,7 @@ StepOutputs = tuple[SamplerOutput, PromptLogprobsOutput | None]
 
 
 def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
-          bias_values, grammar_bitmask, *, model: CausalLM, inv_freq, layout: StepLayout,
+          bias_values, grammar_bitmask, *, model: Any, model_constants, layout: StepLayout,
           num_top_logprobs: int,
           logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token
@@ -61,10 +61,10 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
     f = layout.unpack(packed)
     token_ids = resolve_token_ids(f["token_ids"], last_tokens)
     hidden, k_cache, v_cache = model.apply(params, token_ids, f["positions"],
-                                           layout.metadata(f), k_cache, v_cache, inv_freq)
+                                           layout.metadata(f), k_cache, v_cache, model_constants)
 
     def logits_of(rows):
-        logits = model.apply(params, rows, method=CausalLM.logits)
+        logits = model.apply(params, rows, method="logits")
         for sharding in logits_shardings:   # tensor parallel: keep the lm_head local (logits
             logits = jax.lax.with_sharding_constraint(logits, sharding)   # split on vocab),
         return logits                                                      # then gather
@@ -148,13 +148,14 @@ class ModelRunner:
         self.buckets = BucketPolicy(max_num_batched_tokens, max_num_seqs)
         self.num_top_logprobs = max_logprobs
         self.prompt_logprobs_cap = prompt_logprobs_cap
-        self.model = CausalLM(arch, backend, num_blocks, block_size, dtype)
+        family = family_for(arch.architecture)   # the registry's model module for this arch
+        self.model = family.build(arch, backend, num_blocks, block_size, dtype)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
         # device). step_channel: set on a multi-host leader (jaxserve/parallel/distributed.py).
         self.input_sharding = input_sharding
         self.logits_shardings = tuple(logits_shardings)
         self.step_channel: Any = None
-        self.inv_freq = self._put(arch.inv_freq())
+        self.model_constants = self._put(family.constants(arch))   # rope tables, windows
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
                                 eos_token_ids=list(eos_token_ids),
                                 prompt_logprobs_cap=prompt_logprobs_cap,
@@ -169,7 +170,7 @@ class ModelRunner:
     # -- compilation ---------------------------------------------------------------------------
     def _jitted(self, layout: StepLayout):
         return jax.jit(functools.partial(
-            _step, model=self.model, inv_freq=self.inv_freq, layout=layout,
+            _step, model=self.model, model_constants=self.model_constants, layout=layout,
             num_top_logprobs=self.num_top_logprobs, logits_shardings=self.logits_shardings),
             donate_argnums=(1, 2, 3))
 
@@ -311,7 +312,7 @@ class ModelRunner:
             f = layout.unpack(packed)
             return self.model.apply(params, f["token_ids"], f["positions"], layout.metadata(f),
                                     k_cache, v_cache, jnp.arange(t, dtype=jnp.int32),
-                                    self.inv_freq, method=CausalLM.forward_logits)
+                                    self.model_constants, method="forward_logits")
 
         logits, self.k_cache, self.v_cache = jax.jit(forward, donate_argnums=(1, 2))(
             self.params, self.k_cache, self.v_cache, self._put(buf))

@@ -36,7 +36,7 @@ def paged_attention(
     num_seqs: jax.Array | int,
     *,
     sm_scale: float | None = None,
-    sliding_window: int = 0,
+    sliding_window: int | jax.Array = 0,
     logits_soft_cap: float = 0.0,
     max_threads: int = 0,
 ) -> jax.Array:
@@ -47,7 +47,8 @@ def paged_attention(
     int32[S + 1]; num_seqs: int32 scalar (may be traced). Returns [T, Hq, D] in
     q's dtype; rows of tokens outside the first num_seqs sequences are 0.
     Dtypes: float32, bfloat16, float16; accumulation is float32.
-    sliding_window > 0: a query at position p sees keys at p - sliding_window < pos <= p.
+    sliding_window > 0: a query at position p sees keys at p - sliding_window < pos <= p;
+    an int32 operand, so it may be traced (a per-layer window scanned over layers).
     logits_soft_cap > 0: logits = cap * tanh(logits / cap) after scaling.
     max_threads > 0 caps the threads of XLA's intra-op pool this call uses (0: all of them).
     """
@@ -63,7 +64,7 @@ def paged_attention(
     if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"dtypes q={q.dtype}, k={k_cache.dtype}, v={v_cache.dtype}: the CPU "
                          f"kernel takes float32/bfloat16/float16 with k and v alike")
-    if sliding_window < 0 or logits_soft_cap < 0:
+    if logits_soft_cap < 0 or (isinstance(sliding_window, int) and sliding_window < 0):
         raise ValueError("sliding_window and logits_soft_cap must be >= 0 (0 = off)")
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     num_seqs_arr = jnp.asarray(num_seqs, jnp.int32).reshape(())
@@ -72,6 +73,7 @@ def paged_attention(
         q, k_cache, v_cache,
         kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
         query_start_loc.astype(jnp.int32), num_seqs_arr,
-        sm_scale=np.float32(scale), sliding_window=np.int64(sliding_window),
-        logits_soft_cap=np.float32(logits_soft_cap), max_threads=np.int64(max_threads),
+        jnp.asarray(sliding_window, jnp.int32).reshape(()),
+        sm_scale=np.float32(scale), logits_soft_cap=np.float32(logits_soft_cap),
+        max_threads=np.int64(max_threads),
     )

@@ -4,9 +4,11 @@
 //   q               [T, Hq, D]                       f32 | bf16 | f16
 //   k_cache/v_cache [num_blocks, block_size, Hkv, D] f32 | bf16 | f16 (same dtype)
 //   kv_lens         int32[S], block_tables int32[S, max_blocks],
-//   query_start_loc int32[S + 1], num_seqs int32[] (sequences >= num_seqs are padding)
+//   query_start_loc int32[S + 1], num_seqs int32[] (sequences >= num_seqs are padding),
+//   sliding_window  int32[] (0 = off; an operand, not an attribute, so a per-layer window
+//                   can be a traced value scanned over layers)
 //   out             [T, Hq, D] in q's dtype; rows of tokens outside live sequences are 0.
-// Attributes: sm_scale (f32), sliding_window (i64, 0 = off), logits_soft_cap (f32, 0 = off),
+// Attributes: sm_scale (f32), logits_soft_cap (f32, 0 = off),
 //   max_threads (i64, 0 = XLA's intra-op pool; benchmarks pass 1 to time one core).
 //
 // Query token i of sequence s (q_len = qsl[s+1] - qsl[s]) has position
@@ -648,9 +650,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> query_start_loc,
-                              ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Result<ffi::AnyBuffer> out,
-                              float sm_scale, int64_t sliding_window, float logits_soft_cap,
-                              int64_t max_threads) {
+                              ffi::Buffer<ffi::S32> num_seqs_buf,
+                              ffi::Buffer<ffi::S32> sliding_window_buf,
+                              ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                              float logits_soft_cap, int64_t max_threads) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   const auto btd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || dims_str(kd) != dims_str(vd))
@@ -666,16 +669,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   if (out->element_type() != q.element_type() || dims_str(out->dimensions()) != dims_str(qd))
     return ffi::Error::InvalidArgument("paged_attention: output must match q");
   if (btd.size() != 2 || kv_lens.element_count() != size_t(btd[0]) ||
-      query_start_loc.element_count() != size_t(btd[0]) + 1 || num_seqs_buf.element_count() != 1)
+      query_start_loc.element_count() != size_t(btd[0]) + 1 || num_seqs_buf.element_count() != 1 ||
+      sliding_window_buf.element_count() != 1)
     return ffi::Error::InvalidArgument("paged_attention: want kv_lens [S], block_tables [S, W], "
-                                       "query_start_loc [S+1], num_seqs []");
+                                       "query_start_loc [S+1], num_seqs [], sliding_window []");
 
   Problem p;
   p.T = qd[0]; p.Hq = qd[1]; p.D = qd[2];
   p.num_blocks = kd[0]; p.block_size = kd[1]; p.Hkv = kd[2];
   p.S = btd[0]; p.max_blocks = btd[1];
   p.group = p.Hq / p.Hkv;
-  p.scale = sm_scale; p.cap = logits_soft_cap; p.window = sliding_window;
+  p.scale = sm_scale; p.cap = logits_soft_cap; p.window = std::max<int64_t>(sliding_window_buf.typed_data()[0], 0);
   p.kv_lens = kv_lens.typed_data();
   p.block_tables = block_tables.typed_data();
   p.qsl = query_start_loc.typed_data();
@@ -716,8 +720,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sliding_window
                                   .Ret<ffi::AnyBuffer>()       // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
                                   .Attr<float>("logits_soft_cap")
                                   .Attr<int64_t>("max_threads"));

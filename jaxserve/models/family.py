@@ -1,0 +1,171 @@
+"""What a model module provides, and the parts most families share.
+
+A family (one module under jaxserve/models/) owns, in one place:
+  * config reading: `read_config(hf_config, architecture) -> ModelArch` (family facts in `arch.options`);
+  * its weight layout: `weight_shapes(arch)`, every tensor stacked on a layer axis
+    (``layers.q_proj.kernel [L, H, Hq*D]``, kernels ``[in, out]``; loader/weights.py);
+  * its checkpoint mapping: `layer_tensors` / `global_tensors` (our name → (HF safetensors
+    name, GGUF name)) and `from_gguf` (llama.cpp's q/k permutation, Gemma's norm + 1);
+  * its parameter tree (`params_from_weights`) and partition specs for tensor
+    parallelism (`partition_rules`, Megatron-style: see `param_spec`);
+  * its forward pass: `build(...)` returns the linen module, `constants(arch)` its
+    per-step constant arrays (rotary tables, per-layer windows).
+The runner, the loaders, the dummy loader and parallel/ only ever talk to a family
+through this interface (registry.family_for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.models.arch import ModelArch
+from jaxserve.parallel.mesh import MODEL_AXIS
+
+# Partition rule kinds (Megatron-style on the `model` axis):
+COLUMN = "column"         # [L, in, out] kernels split by output columns, biases with them
+ROW = "row"               # [L, in, out] kernels split by input rows; bias after the all-reduce
+VOCAB_ROWS = "vocab_rows"  # embedding [V, H]: on vocab if it divides, else hidden
+VOCAB_COLS = "vocab_cols"  # lm_head [H, V]: the same, transposed
+REPLICATED = "replicated"
+
+
+@dataclass(frozen=True)
+class ArchitectureInfo:
+    """One row of the README's supported-architecture table (checked by a test)."""
+    examples: str
+    sliding_window: str = "no"
+    soft_cap: str = "no"
+    moe: str = "no"
+    expert_parallel: str = "no"
+
+
+class ModelFamily:
+    name: str = ""
+    architectures: dict[str, ArchitectureInfo] = {}   # HF architectures[0] -> README row
+    model_types: dict[str, str] = {}                   # HF model_type -> architecture
+    gguf_architectures: dict[str, tuple[str, str]] = {}  # GGUF arch -> (HF arch, config class)
+    # our per-layer name -> (HF suffix after "model.layers.N.", GGUF suffix after "blk.N.")
+    layer_tensors: dict[str, tuple[str, str]] = {}
+    # our whole-model name -> (HF name, GGUF name)
+    global_tensors: dict[str, tuple[str, str]] = {
+        "embed_tokens": ("model.embed_tokens.weight", "token_embd.weight"),
+        "norm": ("model.norm.weight", "output_norm.weight"),
+        "lm_head": ("lm_head.weight", "output.weight"),
+    }
+    # module name (second path element under "layers", else the first) -> rule kind
+    partition_rules: dict[str, str] = {}
+    # tensors holding KV heads on their last axis (replicated when tp > num_kv_heads)
+    kv_head_weights: tuple[str, ...] = ("layers.k_proj.kernel", "layers.v_proj.kernel",
+                                        "layers.k_proj.bias", "layers.v_proj.bias")
+    norm_center: float = 1.0   # random (dummy) norm weights are this + noise
+
+    # -- config ------------------------------------------------------------------------------
+    def read_config(self, hf_config: Any, architecture: str) -> ModelArch:
+        """architecture: which of `architectures` the config is (the registry resolved it)."""
+        raise NotImplementedError
+
+    def gguf_config(self, gguf_arch: str, value: Any) -> dict[str, Any]:
+        """Config kwargs beyond the common ones a GGUF file of this family carries.
+        value(key, default): one metadata value of the file."""
+        return {}
+
+    # -- weights -----------------------------------------------------------------------------
+    def weight_shapes(self, arch: ModelArch) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def from_gguf(self, name: str, weight: np.ndarray, arch: ModelArch,
+                  gguf_arch: str) -> np.ndarray:
+        """A GGUF tensor (HF orientation) → what the HF checkpoint holds (undo converter edits)."""
+        return weight
+
+    def params_from_weights(self, weights: dict[str, Any], arch: ModelArch) -> dict[str, Any]:
+        """Map the flat stacked layout (``layers.q_proj.kernel``) onto the linen tree."""
+        layers: dict[str, dict[str, Any]] = {}
+        params: dict[str, Any] = {"layers": layers}
+        expected = self.weight_shapes(arch)
+        for name, value in weights.items():
+            if name not in expected:
+                raise ValueError(f"unexpected weight {name!r} for {arch.architecture}")
+            if name.startswith("layers."):
+                parts = name.split(".")[1:]
+                module, leaf = parts[0], (parts[1] if len(parts) > 1 else "weight")
+                layers.setdefault(module, {})[leaf] = value
+            else:
+                params[name] = {{"embed_tokens": "embedding", "lm_head": "kernel"}.get(
+                    name, "weight"): value}
+        missing = sorted(set(expected) - set(weights))
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing}")
+        return {"params": params}
+
+    # -- tensor parallelism ------------------------------------------------------------------
+    def param_spec(self, path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
+        """PartitionSpec of one parameter, by its path in the linen tree (without 'params')."""
+        if tp == 1:
+            return P()
+        module = path[1] if path[0] == "layers" and len(path) == 3 else path[0]
+        kind = self.partition_rules.get(module)
+        leaf = path[-1]
+        if kind == COLUMN:
+            return P(None, None, MODEL_AXIS) if leaf == "kernel" else P(None, MODEL_AXIS)
+        if kind == ROW:
+            return P(None, MODEL_AXIS, None) if leaf == "kernel" else P()
+        if kind in (VOCAB_ROWS, VOCAB_COLS):
+            return _vocab_or_hidden(shape, 0 if kind == VOCAB_ROWS else 1, tp)
+        if kind == REPLICATED or (kind is None and leaf == "weight"):
+            return P()                      # norms: [H], [L, H], q/k norms [L, D]
+        raise ValueError(f"no partition spec for parameter {'/'.join(path)} {shape}; add one "
+                         f"to partition_rules of {type(self).__module__}")
+
+    # -- forward -----------------------------------------------------------------------------
+    def build(self, arch: ModelArch, backend: Any, num_blocks: int, block_size: int,
+              dtype: Any) -> Any:
+        """The linen module (models/decoder.py's CausalLM contract): apply(params, token_ids,
+        positions, meta, k_cache, v_cache, constants) -> (hidden [T, H], k_cache, v_cache);
+        method `logits(hidden rows)` -> [N, V] f32; `forward_logits(..., logits_indices,
+        constants)` -> (logits [S, V], caches)."""
+        raise NotImplementedError
+
+    def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+def _vocab_or_hidden(shape: tuple[int, ...], vocab_axis: int, tp: int) -> P:
+    """Split a [V, H] / [H, V] matrix on vocab if it divides, else on hidden, else replicate."""
+    spec: list[Any] = [None, None]
+    if shape[vocab_axis] % tp == 0:
+        spec[vocab_axis] = MODEL_AXIS
+    elif shape[1 - vocab_axis] % tp == 0:
+        spec[1 - vocab_axis] = MODEL_AXIS
+    return P(*spec)
+
+
+MEGATRON_RULES = {"q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "gate_proj": COLUMN,
+                  "up_proj": COLUMN, "o_proj": ROW, "down_proj": ROW,
+                  "embed_tokens": VOCAB_ROWS, "lm_head": VOCAB_COLS}
+
+
+def stacked_layer_shapes(arch: ModelArch, per_layer: dict[str, tuple[int, ...]]
+                         ) -> dict[str, tuple[int, ...]]:
+    """``{"q_proj.kernel": (H, Hq*D)}`` → ``{"layers.q_proj.kernel": (L, H, Hq*D)}``."""
+    return {f"layers.{name}": (arch.num_layers, *shape) for name, shape in per_layer.items()}
+
+
+def hf_layer_types(config: Any, window: int | None,
+                   sliding_by_default: Callable[[int], bool] = lambda i: False
+                   ) -> tuple[int, ...]:
+    """Per-layer windows from HF's `layer_types` ("sliding_attention" / "full_attention");
+    configs from transformers < 5 may lack them: then layer i slides if
+    sliding_by_default(i) (the rule that version's modeling code applied)."""
+    layers = config.num_hidden_layers
+    if not window:
+        return (0,) * layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return tuple(int(window) if sliding_by_default(i) else 0 for i in range(layers))

@@ -1,0 +1,132 @@
+"""Building blocks every decoder family shares: RMSNorm variants, rotary embeddings,
+paged self-attention (the call into the attention backend) and the gated MLP.
+
+The block functions (`paged_self_attention`, `gated_mlp`) are called from inside a
+linen `@nn.compact` method and create their projections in the caller's scope, so a
+layer's parameters stay flat (``layers/q_proj/kernel``, not ``layers/attn/q_proj/...``):
+that flat tree is the layout the loaders fill and the partition rules name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention.backend import AttentionBackend
+from jaxserve.runner.step_inputs import AttentionMetadata
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": nn.silu,
+    # HF's gelu_pytorch_tanh (Gemma) is the tanh approximation of GELU.
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm. weight_offset 0: ``w * norm(x)`` (Llama); 1: ``(1 + w) * norm(x)`` computed
+    in float32 before the cast (Gemma stores w around 0)."""
+    eps: float
+    dtype: Any = jnp.float32
+    weight_offset: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.zeros if self.weight_offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.weight_offset:
+            return (xf * (self.weight_offset + weight.astype(jnp.float32))).astype(self.dtype)
+        return weight * xf.astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention). x: [T, H, D]; cos, sin: [T, D/2] float32."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap): Gemma 2's attention and final-logit soft capping."""
+    return cap * jnp.tanh(x / cap)
+
+
+def dense(features: int, name: str, dtype: Any, bias: bool = False) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm_eps: float | None = None    # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0            # of those q/k norms (1.0: Gemma's (1 + w))
+    sm_scale: float | None = None       # None: head_dim ** -0.5
+    logits_soft_cap: float = 0.0        # 0: off (Gemma 2: attn_logit_softcapping)
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """Where a layer's KV lives: the shared [L * num_blocks, ...] arrays, layer l at blocks
+    [l * num_blocks, (l + 1) * num_blocks), seen through offset tables and slots."""
+    backend: AttentionBackend
+    num_blocks: int     # blocks per layer
+    block_size: int
+
+
+def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
+                         k_cache: jax.Array, v_cache: jax.Array, layer_idx: jax.Array,
+                         window: jax.Array | int, cos: jax.Array, sin: jax.Array,
+                         meta: AttentionMetadata, dtype: Any):
+    """q/k/v projections, optional q/k norms, RoPE, KV write, paged attention, o_proj.
+
+    h: [T, hidden]; window: this layer's sliding window (0 = full; traced under the scan).
+    Returns (out [T, hidden], k_cache, v_cache).
+    """
+    num_tokens = h.shape[0]
+    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
+    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
+    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
+    q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm_eps is not None:
+        q = RMSNorm(cfg.qk_norm_eps, dtype, cfg.norm_offset, name="q_norm")(q)
+        k = RMSNorm(cfg.qk_norm_eps, dtype, cfg.norm_offset, name="k_norm")(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    block_offset = layer_idx * cache.num_blocks
+    slots = jnp.where(meta.slot_mapping >= 0,
+                      meta.slot_mapping + block_offset * cache.block_size, -1)
+    k_cache, v_cache = cache.backend.write_kv(k_cache, v_cache, k, v, slots)
+    static = {}
+    if cfg.sm_scale is not None:
+        static["sm_scale"] = cfg.sm_scale
+    if cfg.logits_soft_cap:
+        static["logits_soft_cap"] = cfg.logits_soft_cap
+    attn = cache.backend.attention(q, k_cache, v_cache, meta.kv_lens,
+                                   meta.block_tables + block_offset, meta.query_start_loc,
+                                   meta.num_seqs, sliding_window=window, **static)
+    out = dense(cfg.hidden_size, "o_proj", dtype, cfg.o_bias)(
+        attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim))
+    return out, k_cache, v_cache
+
+
+def gated_mlp(h: jax.Array, intermediate_size: int, hidden_size: int, activation: str,
+              dtype: Any) -> jax.Array:
+    """down(act(gate(h)) * up(h)); activation: a key of ACTIVATIONS."""
+    gate = dense(intermediate_size, "gate_proj", dtype)(h)
+    up = dense(intermediate_size, "up_proj", dtype)(h)
+    return dense(hidden_size, "down_proj", dtype)(ACTIVATIONS[activation](gate) * up)
