@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,7 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 # (transformers config class, overrides); make_tiny_model adds hidden 64, 4 heads, 2 KV heads.
 MIXTRAL = ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
                              "intermediate_size": 64, "tie_word_embeddings": False})
-CONFIGS = {"mixtral": MIXTRAL}
+QWEN3_MOE = ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 64, "head_dim": 16,
+                                "norm_topk_prob": True, "tie_word_embeddings": True})
+CONFIGS = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
 
 
 # -- the block's parts, against their references ------------------------------------------------
@@ -133,13 +137,89 @@ def test_checkpoint_missing_an_expert_names_the_layer_and_expert(make_tiny_model
         load_model(str(model_dir))
 
 
+@pytest.mark.parametrize("field, value", [("mlp_only_layers", [1]),
+                                          ("decoder_sparse_step", 2)])
+def test_qwen3_moe_with_dense_layers_is_rejected_naming_the_field(field, value):
+    from jaxserve.models.registry import read_arch
+
+    config = transformers.Qwen3MoeConfig(num_hidden_layers=2, **{field: value})
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    with pytest.raises(ValueError, match=f"{field}={re.escape(str(value))}"):
+        read_arch(config)
+
+
+def write_qwen3_moe_gguf(model_dir: Path, path: Path) -> None:
+    """A float32 GGUF of a tiny Qwen3-MoE as llama.cpp's converter writes it: its tensor
+    names, each layer's experts stacked [E, out, in], the expert counts in the metadata."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from jaxserve.models.qwen3_moe import FAMILY
+
+    c = transformers.AutoConfig.from_pretrained(model_dir)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    tensors = load_file(model_dir / "model.safetensors")
+    writer.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
+    writer.add_tensor("output_norm.weight", tensors.pop("model.norm.weight"))
+    tensors.pop("lm_head.weight", None)     # tied
+    hf_to_gguf = {hf: g for hf, g in FAMILY.layer_tensors.values()}
+    for layer in range(c.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        for hf, g in hf_to_gguf.items():
+            if "{expert}" in hf:
+                stacked = np.stack([tensors.pop(prefix + hf.format(expert=e))
+                                    for e in range(c.num_experts)])
+                writer.add_tensor(f"blk.{layer}.{g}", stacked)
+            elif prefix + hf in tensors:
+                writer.add_tensor(f"blk.{layer}.{g}", tensors.pop(prefix + hf))
+    assert not tensors, sorted(tensors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_moe_gguf_written_like_llama_cpp_loads_like_the_safetensors(make_tiny_model,
+                                                                          tmp_path):
+    from jaxserve.loader import load_model
+    from jaxserve.models.registry import read_arch
+
+    model_dir = make_tiny_model(QWEN3_MOE[0], **QWEN3_MOE[1])
+    path = tmp_path / "qwen3moe.gguf"
+    write_qwen3_moe_gguf(model_dir, path)
+    from_gguf = load_model(str(path), tokenizer=str(model_dir))
+    from_safetensors = load_model(str(model_dir))
+    assert from_gguf.architecture == "Qwen3MoeForCausalLM"
+    assert sorted(from_gguf.weights) == sorted(from_safetensors.weights)
+    for name, value in from_safetensors.weights.items():
+        np.testing.assert_array_equal(from_gguf.weights[name], value, err_msg=name)
+    ours, theirs = read_arch(from_gguf.hf_config), read_arch(from_safetensors.hf_config)
+    assert ours.options.moe == theirs.options.moe
+    assert (ours.intermediate_size, ours.head_dim) == (theirs.intermediate_size, theirs.head_dim)
+
+
 # -- sharded: tp, ep over simulated devices (one subprocess) ------------------------------------
 PROMPTS = [[11, 23, 98], [7] + list(range(40, 77)), [301, 5, 44, 9, 120, 77, 6], [250],
            list(range(100, 140)), [12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 MAX_TOKENS = 12
 # (name, model, tensor_parallel_size, enable_expert_parallel)
 RUNS = [("mixtral_tp1", "mixtral", 1, False), ("mixtral_tp2", "mixtral", 2, False),
-        ("mixtral_ep2", "mixtral", 2, True), ("mixtral_ep4", "mixtral", 4, True)]
+        ("mixtral_ep2", "mixtral", 2, True), ("mixtral_ep4", "mixtral", 4, True),
+        ("qwen3_moe_tp1", "qwen3_moe", 1, False), ("qwen3_moe_ep4", "qwen3_moe", 4, True)]
 NUM_DEVICES = 4
 
 
@@ -248,7 +328,7 @@ def _section(results: dict, name: str) -> dict:
 @pytest.mark.parametrize("name", [r[0] for r in RUNS if not r[0].endswith("_tp1")])
 def test_tensor_and_expert_parallel_greedy_tokens_equal_one_device(sharded, name):
     result = _section(sharded, name)
-    reference = _section(sharded, name.split("_")[0] + "_tp1")
+    reference = _section(sharded, name.rsplit("_", 1)[0] + "_tp1")
     assert result["tokens"] == reference["tokens"]
     assert all(len(t) == MAX_TOKENS for t in result["tokens"])
     for ours, theirs in zip(result["logprobs"], reference["logprobs"]):
@@ -259,7 +339,7 @@ def test_tensor_and_expert_parallel_greedy_tokens_equal_one_device(sharded, name
 @pytest.mark.parametrize("name, ep", [(r[0], r[2]) for r in RUNS if r[3]])
 def test_each_device_holds_one_ep_th_of_the_expert_weights(sharded, name, ep):
     result = _section(sharded, name)
-    assert result["expert_bytes"] == _section(sharded, name.split("_")[0] + "_tp1")[
+    assert result["expert_bytes"] == _section(sharded, name.rsplit("_", 1)[0] + "_tp1")[
         "expert_bytes"]
     assert result["expert_bytes_per_device"] * ep == result["expert_bytes"]
 

@@ -12,7 +12,7 @@ import pytest
 from jaxserve.loader import SUPPORTED_ARCHITECTURES, load_model
 from jaxserve.models import registry
 from tests.test_gemma import GEMMA2, GEMMA3
-from tests.test_moe import MIXTRAL
+from tests.test_moe import MIXTRAL, QWEN3_MOE
 
 # A tiny test model per registered architecture (make_tiny_model arguments): registering an
 # architecture without one fails test_every_registered_architecture_has_a_tiny_test_model.
@@ -25,6 +25,7 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     "Gemma2ForCausalLM": GEMMA2,
     "Gemma3ForCausalLM": GEMMA3,
     "MixtralForCausalLM": MIXTRAL,
+    "Qwen3MoeForCausalLM": QWEN3_MOE,
 }
 
 
