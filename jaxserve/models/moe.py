@@ -1,8 +1,8 @@
 """The mixture-of-experts block Mixtral and Qwen3-MoE share: a softmax top-k router, and the
 experts as grouped matmuls (`jax.lax.ragged_dot`) over the (token, choice) pairs sorted by
 expert. No per-expert Python loop: one ragged_dot per projection covers every expert
-(on GPU/TPU it lowers to a grouped GEMM; on CPU XLA decomposes it into a masked dense
-batched matmul, so the CPU pays E / top_k times the useful FLOPs).
+(on GPU/TPU it lowers to a grouped GEMM; on CPU jax decomposes it into a matmul of every
+row with every expert, masked, so the CPU pays E times the useful FLOPs).
 
 Parameters (created in the calling layer's scope, so the tree stays flat; loader names
 in the model module):
