@@ -86,6 +86,20 @@ def test_grouped_experts_equal_every_expert_on_every_token_however_split():
     np.testing.assert_allclose(by_columns, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("sizes, tile", [([0, 9, 0, 20, 3], 8), ([2, 0, 0, 5], 32),
+                                         ([37, 0], 16), ([0, 0, 0], 4)])
+def test_cpu_grouped_matmul_equals_ragged_dot(sizes, tile):
+    # Groups with no rows, rows past the groups (zeros), tiles straddling group edges.
+    from jaxserve.models.grouped_matmul import tiled_grouped_matmul
+
+    rng = np.random.default_rng(len(sizes) + tile)
+    lhs = jnp.asarray(rng.standard_normal((37, 6)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), 6, 5)), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(tiled_grouped_matmul, static_argnums=3)(lhs, rhs, group_sizes, tile)
+    np.testing.assert_allclose(got, jax.lax.ragged_dot(lhs, rhs, group_sizes), atol=1e-5)
+
+
 # -- whole models against HF ----------------------------------------------------------------------
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def moe_model(request, make_tiny_model):

@@ -1,8 +1,8 @@
 """The mixture-of-experts block Mixtral and Qwen3-MoE share: a softmax top-k router, and the
-experts as grouped matmuls (`jax.lax.ragged_dot`) over the (token, choice) pairs sorted by
-expert. No per-expert Python loop: one ragged_dot per projection covers every expert
-(on GPU/TPU it lowers to a grouped GEMM; on CPU jax decomposes it into a matmul of every
-row with every expert, masked, so the CPU pays E times the useful FLOPs).
+experts as grouped matmuls over the (token, choice) pairs sorted by expert. No per-expert
+Python loop: one grouped matmul per projection covers every expert (models/grouped_matmul.py:
+`jax.lax.ragged_dot`, a grouped GEMM on GPU/TPU; on CPU a loop over the (row tile, expert)
+items that exist, because jax's CPU ragged_dot multiplies every row by every expert).
 
 Parameters (created in the calling layer's scope, so the tree stays flat; loader names
 in the model module):
@@ -21,8 +21,8 @@ Either way a device's result is a partial sum of each token's output and one all
 need no dispatch: between layers every device already holds all T tokens (attention is
 tensor parallel and ends in an all-reduce), and the router runs replicated. An all_to_all
 dispatch pays off when tokens are sharded across devices (data-parallel attention with
-EP, as DeepSeek-style serving does); ours are not, so it would only add a second collective
-(see tests/test_moe.py for the HLO this produces).
+EP, as DeepSeek-style serving does); ours are not, so it would move ~5x the bytes
+(benchmarks/bench_moe_dispatch.py; docs/parallel.md). tests/test_moe.py reads the HLO.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models.grouped_matmul import grouped_matmul
 from jaxserve.models.layers import ACTIVATIONS, dense
 from jaxserve.parallel.mesh import MODEL_AXIS
 
@@ -100,9 +101,9 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate
                           dtype=jnp.int32)                          # [E_here]
     token_of_pair = order // top_k
     xs = x[token_of_pair]                                           # [T*k, H], sorted by expert
-    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    out = jax.lax.ragged_dot(ACTIVATIONS[activation](gate) * up, w_down, group_sizes)
+    gate = grouped_matmul(xs, w_gate, group_sizes)
+    up = grouped_matmul(xs, w_up, group_sizes)
+    out = grouped_matmul(ACTIVATIONS[activation](gate) * up, w_down, group_sizes)
     # Rows past the groups (pairs routed elsewhere) are not computed: select them away
     # rather than trust their contents.
     pair_weight = jnp.where(here, weights.reshape(-1), 0.0)[order]
