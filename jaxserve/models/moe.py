@@ -57,10 +57,6 @@ class ExpertSharding:
     mesh: Mesh
     expert_parallel: bool        # True: E/tp whole experts per device; False: I/tp of each
 
-    @property
-    def size(self) -> int:
-        return self.mesh.shape[MODEL_AXIS]
-
     def weight_specs(self) -> tuple[P, P, P]:
         """Specs of one layer's gate, up, down [E, H, I] / [E, I, H] (without the L axis)."""
         if self.expert_parallel:
