@@ -98,6 +98,10 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = opt(1, "Devices that shard each layer (Megatron-style).")
     data_parallel_size: int = opt(1, "Model replicas, each with its own KV cache.")
+    enable_expert_parallel: bool = opt(
+        False, "Mixture-of-experts models: shard the experts over the tensor-parallel devices "
+        "(each holds num_experts / tp whole experts) instead of splitting every expert's "
+        "intermediate dimension (vLLM's flag). Ignored by dense models.")
     num_processes: int = opt(1, "Processes in a multi-host run (jax.distributed).")
     process_id: int = opt(0, "This process's index in a multi-host run.")
     coordinator_address: str | None = opt(None, "HOST:PORT of process 0 in a multi-host run.")

@@ -12,6 +12,7 @@ import pytest
 from jaxserve.loader import SUPPORTED_ARCHITECTURES, load_model
 from jaxserve.models import registry
 from tests.test_gemma import GEMMA2, GEMMA3
+from tests.test_moe import MIXTRAL, QWEN3_MOE
 
 # A tiny test model per registered architecture (make_tiny_model arguments): registering an
 # architecture without one fails test_every_registered_architecture_has_a_tiny_test_model.
@@ -23,6 +24,8 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     "Qwen3ForCausalLM": ("qwen3", {}),
     "Gemma2ForCausalLM": GEMMA2,
     "Gemma3ForCausalLM": GEMMA3,
+    "MixtralForCausalLM": MIXTRAL,
+    "Qwen3MoeForCausalLM": QWEN3_MOE,
 }
 
 
@@ -67,7 +70,8 @@ def test_dummy_weights_have_the_checkpoint_layout_for_every_architecture(
     arch = registry.read_arch(dummy.hf_config)
     family = registry.family_for(architecture)
     params = family.params_from_weights(dummy.weights, arch)["params"]
-    assert set(params["layers"]) >= {"q_proj", "o_proj", "down_proj"}
+    assert set(params["layers"]) >= {"q_proj", "o_proj"}
+    assert set(params["layers"]) & {"down_proj", "experts_down_proj"}   # dense MLP or experts
 
 
 @pytest.mark.parametrize("config_class, architecture, overrides", [

@@ -62,8 +62,10 @@ def head_dim(hf_config: Any) -> int:
     return int(explicit) if explicit else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def parse_name(name: str, fmt: str, family: Any) -> tuple[str, int | None] | None:
-    """A checkpoint tensor name -> (our name, layer index or None); None if not ours.
+def parse_name(name: str, fmt: str, family: Any) -> tuple[str, int | tuple[int, int] | None] | None:
+    """A checkpoint tensor name -> (our name, index) or None if not ours. The index is the
+    layer, None for a whole-model tensor, or (layer, expert) for a per-expert tensor (a
+    family's checkpoint name with ``{expert}``, stacked here on an expert axis after L).
 
     fmt: "hf" (``model.layers.3.self_attn.q_proj.weight``) or "gguf" (``blk.3.attn_q.weight``).
     family: the model's family (models/family.py), which owns the name tables.
@@ -71,10 +73,16 @@ def parse_name(name: str, fmt: str, family: Any) -> tuple[str, int | None] | Non
     column = 0 if fmt == "hf" else 1
     match = (_HF_LAYER if fmt == "hf" else _GGUF_LAYER).fullmatch(name)
     if match:
-        suffix = match.group(2)
+        layer, suffix = int(match.group(1)), match.group(2)
         for ours, names in family.layer_tensors.items():
-            if names[column] == suffix:
-                return f"layers.{ours}", int(match.group(1))
+            pattern = names[column]
+            if "{expert}" in pattern:
+                head, tail = pattern.split("{expert}")
+                expert = suffix[len(head):len(suffix) - len(tail)]
+                if suffix.startswith(head) and suffix.endswith(tail) and expert.isdigit():
+                    return f"layers.{ours}", (layer, int(expert))
+            elif pattern == suffix:
+                return f"layers.{ours}", layer
         return None
     for ours, names in family.global_tensors.items():
         if names[column] == name:
@@ -101,29 +109,47 @@ class StackedWeights:
     def wants(self, name: str) -> bool:
         return name in self.arrays
 
-    def put(self, name: str, layer: int | None, hf_array: np.ndarray, origin: str) -> None:
-        """Store one checkpoint tensor (HF orientation: projections ``[out, in]``, lm_head ``[V, H]``).
+    def put(self, name: str, layer: int | tuple[int, int] | None, hf_array: np.ndarray,
+            origin: str) -> None:
+        """Store one checkpoint tensor (HF orientation: projections ``[out, in]``, lm_head
+        ``[V, H]``; a stack of experts' projections ``[E, out, in]``).
 
-        origin: the tensor's name in the checkpoint, for error messages.
+        layer: parse_name's index (a layer, (layer, expert), or None). origin: the tensor's
+        name in the checkpoint, for error messages.
         """
         stacked = self.arrays[name]
-        if layer is not None and not 0 <= layer < stacked.shape[0]:
-            raise ValueError(f"{self.source}: tensor {origin} has layer index {layer}, but the config "
-                             f"has num_hidden_layers={stacked.shape[0]}")
-        target = stacked if layer is None else stacked[layer]
-        source = hf_array.T if (name.endswith(".kernel") or name == "lm_head") else hf_array
+        index = (layer,) if isinstance(layer, int) else (layer or ())
+        if index and not 0 <= index[0] < stacked.shape[0]:
+            raise ValueError(f"{self.source}: tensor {origin} has layer index {index[0]}, but the "
+                             f"config has num_hidden_layers={stacked.shape[0]}")
+        if len(index) == 2 and not 0 <= index[1] < stacked.shape[1]:
+            raise ValueError(f"{self.source}: tensor {origin} has expert index {index[1]}, but the "
+                             f"config has {stacked.shape[1]} experts")
+        target = stacked[index] if index else stacked
+        # kernels are [in, out]: swap the last two axes (of each expert, for a stack of them)
+        source = np.swapaxes(hf_array, -1, -2) if (name.endswith(".kernel") or name == "lm_head") \
+            else hf_array
         if source.shape != target.shape:
-            expected = target.shape[::-1] if source is not hf_array else target.shape
+            expected = (*target.shape[:-2], *target.shape[:-3:-1]) if source is not hf_array \
+                else target.shape
             raise ValueError(f"{self.source}: tensor {origin} has shape {tuple(hf_array.shape)}, "
                              f"expected {tuple(expected)} from the model config")
         target[...] = source  # numpy casts (float32/bf16/f16) while copying
-        self._filled[name][0 if layer is None else layer] = True
+        filled = self._filled[name]
+        if len(index) == 2 and filled.ndim == 1:
+            # per-expert tensors are counted per (layer, expert) from their first one on
+            filled = self._filled[name] = np.zeros(stacked.shape[:2], bool)
+        filled[index or 0] = True
 
     def finish(self) -> dict[str, np.ndarray]:
         """The filled arrays; raises if any tensor (or any layer of one) was never stored."""
         missing = []
         for name, filled in self._filled.items():
             if not filled.all():
+                if filled.ndim == 2:   # (layer, expert)
+                    where = [tuple(i) for i in np.argwhere(~filled).tolist()]
+                    missing.append(f"{name} ((layer, expert) {where[:8]})")
+                    continue
                 layers = np.flatnonzero(~filled).tolist()
                 missing.append(name if not name.startswith("layers.") else f"{name} (layers {layers})")
         if missing:

@@ -122,6 +122,16 @@ class ModelFamily:
         raise ValueError(f"no partition spec for parameter {'/'.join(path)} {shape}; add one "
                          f"to partition_rules of {type(self).__module__}")
 
+    def param_spec_for(self, arch: ModelArch) -> Callable[[tuple[str, ...], tuple[int, ...], int], P]:
+        """The spec function for one (sharded) arch: `param_spec` unless the family's specs
+        depend on more than tp (mixture of experts: expert vs tensor parallel)."""
+        return self.param_spec
+
+    def arch_for_mesh(self, arch: ModelArch, mesh: Any, expert_parallel: bool) -> ModelArch:
+        """The arch a model sharded on `mesh` (None: one device) runs; dense families ignore
+        expert_parallel, as vLLM does."""
+        return arch
+
     # -- forward -----------------------------------------------------------------------------
     def build(self, arch: ModelArch, backend: Any, num_blocks: int, block_size: int,
               dtype: Any) -> Any:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.models import gemma, llama
+from jaxserve.models import gemma, llama, mixtral, qwen3_moe
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.family import ArchitectureInfo, ModelFamily
 
-_FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma.FAMILY)
+_FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma.FAMILY, mixtral.FAMILY,
+                                      qwen3_moe.FAMILY)
 
 REGISTRY: dict[str, ModelFamily] = {
     architecture: family for family in _FAMILIES for architecture in family.architectures}

@@ -55,7 +55,11 @@ class ModelPlacement:
                 mesh = make_mesh(tp, 1)
         if mesh is not None:
             logger.info("tensor parallel %d on a %s", tp, describe(mesh))
-        return cls(mesh=mesh, arch=partition.arch_for_tp(arch, tp), source_arch=arch)
+        # The family may record the mesh in its arch (mixture of experts: which experts or
+        # which slice of each expert a device holds, and the mesh its shard_map runs on).
+        sharded = family_for(arch.architecture).arch_for_mesh(
+            partition.arch_for_tp(arch, tp), mesh, parallel.enable_expert_parallel)
+        return cls(mesh=mesh, arch=sharded, source_arch=arch)
 
     @property
     def tp(self) -> int:
@@ -98,7 +102,7 @@ class ModelPlacement:
         if self.mesh is None:
             return jax.device_put(params)
         family = family_for(self.arch.architecture)   # its partition rules
-        params = partition.shard_params(params, self.mesh, family.param_spec)
+        params = partition.shard_params(params, self.mesh, family.param_spec_for(self.arch))
         total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
         logger.info("parameters: %.1f MiB in total, %.1f MiB on each device",
                     total / 2**20, partition.per_device_bytes(params) / 2**20)

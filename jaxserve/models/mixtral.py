@@ -1,0 +1,209 @@
+"""Mixtral (MixtralForCausalLM): a Llama/Mistral decoder whose MLP is a sparse mixture of
+experts (models/moe.py): 8 experts, top-2, the top-2 router weights renormalised (a softmax
+over the top-k logits). Attention as Mistral's, with its sliding window on every layer
+when configured. Qwen3-MoE (models/qwen3_moe.py) is this family with other names.
+
+Checkpoints name each expert's projections separately (``block_sparse_moe.experts.3.w1``);
+the loader stacks them on an expert axis after the layer axis: ``layers.experts_gate_proj
+.kernel [L, E, H, I]`` (w1), ``experts_up_proj`` (w3), ``experts_down_proj [L, E, I, H]``
+(w2); the router ``block_sparse_moe.gate`` is ``layers.router.kernel [L, H, E]``.
+
+GGUF: llama.cpp writes Mixtral as architecture "llama" with an expert count (tensors
+``blk.N.ffn_{gate,up,down}_exps``, ``ffn_gate_inp``); the names are listed below, but the
+"llama" GGUF architecture belongs to the Llama family, which does not route those files
+here yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.models.arch import ModelArch
+from jaxserve.models.decoder import CausalLM, layer_constants, layer_inputs
+from jaxserve.models.family import (
+    MEGATRON_RULES,
+    REPLICATED,
+    ArchitectureInfo,
+    ModelFamily,
+    stacked_layer_shapes,
+)
+from jaxserve.models.layers import AttentionConfig, PagedCache, RMSNorm, paged_self_attention
+from jaxserve.models.moe import ExpertSharding, MoEConfig, moe_block
+from jaxserve.models.rope import Rope, hf_rope_parameters
+from jaxserve.parallel.mesh import MODEL_AXIS
+
+EXPERT_WEIGHTS = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    rms_norm_eps: float
+    rope: Rope
+    moe: MoEConfig
+    qk_norm: bool = False              # Qwen3-MoE
+    attention_bias: bool = False       # Qwen3-MoE with attention_bias (q/k/v/o)
+    experts: ExpertSharding | None = None   # set by arch_for_mesh when sharded
+    norm_offset: float = 0.0
+    embed_scale: float | None = None
+    final_logit_soft_cap: float = 0.0
+
+
+class MoEDecoderLayer(nn.Module):
+    """x += o_proj(attn(norm(x))); x += moe(norm(x))."""
+    arch: ModelArch
+    cache: PagedCache
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, carry, xs, cos, sin, meta):
+        x, k_cache, v_cache = carry
+        a, o, dt = self.arch, self.arch.options, self.dtype
+        layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
+        attn = AttentionConfig(a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
+                               qkv_bias=o.attention_bias, o_bias=o.attention_bias,
+                               qk_norm_eps=o.rms_norm_eps if o.qk_norm else None)
+        h = RMSNorm(o.rms_norm_eps, dt, name="input_layernorm")(x)
+        out, k_cache, v_cache = paged_self_attention(h, attn, self.cache, k_cache, v_cache,
+                                                     layer_idx, window, cos, sin, meta, dt)
+        x = x + out
+        h = RMSNorm(o.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        x = x + moe_block(h, o.moe, o.experts, dt)
+        return (x, k_cache, v_cache), None
+
+
+def attention_tensors(hf_prefix: str = "self_attn") -> dict[str, tuple[str, str]]:
+    """Norms and attention projections, Llama's checkpoint names (q/k norms for Qwen3-MoE)."""
+    names = {"input_layernorm": ("input_layernorm.weight", "attn_norm.weight"),
+             "post_attention_layernorm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+             "q_norm": (f"{hf_prefix}.q_norm.weight", "attn_q_norm.weight"),
+             "k_norm": (f"{hf_prefix}.k_norm.weight", "attn_k_norm.weight")}
+    for p, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+        names[f"{p}_proj.kernel"] = (f"{hf_prefix}.{p}_proj.weight", f"{g}.weight")
+        names[f"{p}_proj.bias"] = (f"{hf_prefix}.{p}_proj.bias", f"{g}.bias")
+    return names
+
+
+class MixtralFamily(ModelFamily):
+    name = "mixtral"
+    architectures = {
+        "MixtralForCausalLM": ArchitectureInfo(
+            "Mixtral 8x7B / 8x22B", sliding_window="all layers, if configured",
+            moe="softmax top-k, renormalised", expert_parallel="yes (--enable-expert-parallel)"),
+    }
+    model_types = {"mixtral": "MixtralForCausalLM"}
+    layer_tensors = {
+        **attention_tensors(),
+        "router.kernel": ("block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
+        "experts_gate_proj.kernel": ("block_sparse_moe.experts.{expert}.w1.weight",
+                                     "ffn_gate_exps.weight"),
+        "experts_up_proj.kernel": ("block_sparse_moe.experts.{expert}.w3.weight",
+                                   "ffn_up_exps.weight"),
+        "experts_down_proj.kernel": ("block_sparse_moe.experts.{expert}.w2.weight",
+                                     "ffn_down_exps.weight"),
+    }
+    partition_rules = {**MEGATRON_RULES, "router": REPLICATED}
+
+    # -- config ------------------------------------------------------------------------------
+    def read_config(self, config: Any, architecture: str) -> ModelArch:
+        window = int(getattr(config, "sliding_window", None) or 0)
+        return self._arch(config, architecture, (window,) * config.num_hidden_layers,
+                          MoEConfig(num_experts=int(config.num_local_experts),
+                                    top_k=int(config.num_experts_per_tok),
+                                    intermediate_size=int(config.intermediate_size),
+                                    renormalize=True,
+                                    activation=getattr(config, "hidden_act", "silu")))
+
+    def _arch(self, config: Any, architecture: str, windows: tuple[int, ...], moe: MoEConfig,
+              **options: Any) -> ModelArch:
+        if moe.activation != "silu":
+            raise ValueError(f"hidden_act={moe.activation!r} is not supported for "
+                             f"{architecture}; supported: silu")
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(f"num_experts_per_tok={moe.top_k} must be in [1, "
+                             f"{moe.num_experts}] (the number of experts)")
+        num_heads = config.num_attention_heads
+        return ModelArch(
+            architecture=architecture,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=moe.intermediate_size,   # one expert's (what tp splits)
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            max_position_embeddings=int(getattr(config, "max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            layer_windows=windows,
+            options=MoEOptions(rms_norm_eps=float(config.rms_norm_eps),
+                               rope=Rope.from_dict(hf_rope_parameters(config)), moe=moe,
+                               **options))
+
+    # -- weights -----------------------------------------------------------------------------
+    def weight_shapes(self, arch: ModelArch) -> dict[str, tuple[int, ...]]:
+        H, o = arch.hidden_size, arch.options
+        E, I = o.moe.num_experts, o.moe.intermediate_size
+        per_layer = {
+            "input_layernorm": (H,), "post_attention_layernorm": (H,),
+            "q_proj.kernel": (H, arch.q_size), "k_proj.kernel": (H, arch.kv_size),
+            "v_proj.kernel": (H, arch.kv_size), "o_proj.kernel": (arch.q_size, H),
+            "router.kernel": (H, E),
+            "experts_gate_proj.kernel": (E, H, I), "experts_up_proj.kernel": (E, H, I),
+            "experts_down_proj.kernel": (E, I, H),
+        }
+        if o.qk_norm:
+            per_layer |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
+        if o.attention_bias:
+            per_layer |= {"q_proj.bias": (arch.q_size,), "k_proj.bias": (arch.kv_size,),
+                          "v_proj.bias": (arch.kv_size,), "o_proj.bias": (H,)}
+        shapes = {"embed_tokens": (arch.vocab_size, H), "norm": (H,),
+                  **stacked_layer_shapes(arch, per_layer)}
+        if not arch.tie_word_embeddings:
+            shapes["lm_head"] = (H, arch.vocab_size)
+        return shapes
+
+    # -- tensor / expert parallelism ---------------------------------------------------------
+    def arch_for_mesh(self, arch: ModelArch, mesh: Any, expert_parallel: bool) -> ModelArch:
+        if mesh is None or mesh.shape[MODEL_AXIS] == 1:
+            return arch
+        tp, moe = mesh.shape[MODEL_AXIS], arch.options.moe
+        if expert_parallel and moe.num_experts % tp:
+            raise ValueError(f"--enable-expert-parallel needs the number of experts "
+                             f"({moe.num_experts}) to be a multiple of tensor_parallel_size "
+                             f"({tp})")
+        if not expert_parallel and moe.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' "
+                             f"intermediate size ({moe.intermediate_size}); try "
+                             f"--enable-expert-parallel")
+        sharding = ExpertSharding(mesh, expert_parallel)
+        return dataclasses.replace(arch, options=dataclasses.replace(arch.options,
+                                                                     experts=sharding))
+
+    def param_spec_for(self, arch: ModelArch):
+        sharding: ExpertSharding | None = arch.options.experts
+
+        def spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
+            module = path[1] if path[0] == "layers" and len(path) == 3 else path[0]
+            if tp > 1 and module in EXPERT_WEIGHTS:
+                one_layer = sharding.weight_specs()[EXPERT_WEIGHTS.index(module)]
+                return P(None, *one_layer)               # [L, E, ...]: the layer axis whole
+            return self.param_spec(path, shape, tp)
+
+        return spec
+
+    # -- forward -----------------------------------------------------------------------------
+    def build(self, arch, backend, num_blocks, block_size, dtype):
+        return CausalLM(arch, MoEDecoderLayer, PagedCache(backend, num_blocks, block_size),
+                        dtype)
+
+    def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
+        return layer_constants(arch, [arch.options.rope.inv_freq(arch.head_dim)])
+
+
+FAMILY = MixtralFamily()
