@@ -30,6 +30,10 @@ class EngineSnapshot:
     num_prompt_tokens: int = 0           # totals since start
     num_generation_tokens: int = 0
     num_steps: int = 0
+    spec_decode_num_drafts: int = 0          # speculative decoding: rows that had drafts,
+    spec_decode_num_draft_tokens: int = 0    # draft tokens verified, and accepted
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()   # accepted drafts at position j
 
 
 class EngineCore(Protocol):

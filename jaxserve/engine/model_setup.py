@@ -136,7 +136,11 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
     # logits of S rows and of the prompt-logprobs positions; leave generous room for them.
     t_max = sc.max_num_batched_tokens
-    logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step
+    spec = config.spec_decode
+    num_spec_tokens = spec.num_speculative_tokens if spec else 0
+    max_spec_rows = min(spec.disable_by_batch_size, sc.max_num_seqs) if spec else 0
+    logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step + \
+        max_spec_rows * (num_spec_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
     kv_plan = placement.agree(plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes,
@@ -155,7 +159,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         block_size=kv_plan.block_size, max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
         max_logprobs=mc.max_logprobs, eos_token_ids=eos,
-        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, kv_sharding=placement.kv_sharding,
+        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
+        max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings)
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
