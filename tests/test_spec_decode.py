@@ -179,37 +179,74 @@ def test_greedy_outputs_and_logprobs_are_identical_with_speculation(engines):
 
 def test_seeded_sampling_reproduces_and_matches_no_speculation(engines):
     off, on = engines
-    prompts = _prompts(6, seed=5)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=30, seed=i, max_tokens=24,
-                             presence_penalty=0.3, repetition_penalty=1.1, logprobs=1,
-                             ignore_eos=True) for i in range(6)]
-    a = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
-    b = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
-    c = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    # Prompts that end inside the model's own greedy loops: drafts get accepted.
+    prompts = [p + o.outputs[0].token_ids for p, o in zip(_prompts(6, seed=5), off.generate(
+        _prompts(6, seed=5), _greedy(40, ignore_eos=True), use_tqdm=False))]
+    # Low temperatures keep the tiny model in its loops (drafts get accepted); the others
+    # carry every penalty, so drafts count as output tokens at later positions.
+    params = [SamplingParams(temperature=0.1 if i % 2 else 0.2, top_p=0.9, top_k=100 * (i % 3),
+                             seed=i, max_tokens=40, logprobs=1, ignore_eos=True,
+                             **({} if i % 2 else dict(presence_penalty=0.1,
+                                                      frequency_penalty=0.05,
+                                                      repetition_penalty=1.05)))
+              for i in range(6)]
+    before = on.llm_engine.snapshot()
+
+    def run(llm):
+        # Same schedule each time: a prefix hit would chunk the prompts differently, and
+        # XLA's CPU results differ in the last bits between chunkings (enough to move a
+        # token across the top-p edge now and then).
+        assert llm.llm_engine.block_manager.reset_prefix_cache()
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    a, b, c = run(on), run(on), run(off)
+    after = on.llm_engine.snapshot()
+    assert after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens > 10
     assert a == b
     # Each output index is sampled with the same uniforms with or without drafts.
     assert a == c
 
 
-def test_sampled_first_tokens_follow_the_same_distribution_with_speculation(engines):
-    """Chi-square (on vs off) of the tokens at output positions 1..3 after a prompt whose
-    n-gram continuation is proposed, temperature 1 with top-p, unseeded."""
+def _chi_square_on_vs_off(engines, prompt, params, n):
+    """Sample n completions with and without speculation; chi-square test of independence
+    per output position (cells with < 5 draws pooled away). Returns the draft counters."""
     off, on = engines
-    prompt = [40, 41, 42, 43] * 5
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, ignore_eos=True)
-    n = 300
+    before = on.llm_engine.snapshot()
     samples = {}
     for name, llm in (("off", off), ("on", on)):
         outs = llm.generate([prompt] * n, params, use_tqdm=False)
         samples[name] = np.array([o.outputs[0].token_ids for o in outs])
-    assert on.llm_engine.snapshot().spec_decode_num_drafts > 0
-    for pos in range(1, 4):
+    after = on.llm_engine.snapshot()
+    for pos in range(samples["off"].shape[1]):
         values = np.union1d(samples["off"][:, pos], samples["on"][:, pos])
         table = np.array([[np.sum(samples[k][:, pos] == v) for v in values]
                           for k in ("off", "on")])
-        table = table[:, table.sum(0) >= 5]              # chi-square needs filled cells
+        table = table[:, table.sum(0) >= 5]
         if table.shape[1] > 1:
             assert stats.chi2_contingency(table).pvalue > 1e-3, pos
+    return (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+            after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
+
+
+def test_sampled_tokens_follow_the_same_distribution_with_bad_and_good_drafts(engines):
+    """Temperature 1 with top-p, unseeded; logit bias confines the random model to a few
+    tokens, so the proposer finds n-grams in the history. Bad drafts: twelve tokens (the
+    history rarely predicts the next); good ones: three; perfect: one token (p is a point
+    mass: acceptance ~100%, the draft-equals-target case)."""
+    dozen = list(range(40, 52))
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, ignore_eos=True,
+                            logit_bias={t: 30.0 + 0.1 * (t % 5) for t in dozen})
+    drafted, accepted = _chi_square_on_vs_off(engines, dozen * 2, params, 200)
+    assert drafted > 80 and accepted < 0.2 * drafted
+    trio = {40: 30.0, 41: 30.5, 42: 29.5}
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, ignore_eos=True,
+                            logit_bias=trio)
+    drafted, accepted = _chi_square_on_vs_off(engines, [40, 41, 42] * 6, params, 200)
+    assert drafted > 200 and 0.2 * drafted < accepted < 0.9 * drafted
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True,
+                            logit_bias={41: 60.0})
+    drafted, accepted = _chi_square_on_vs_off(engines, [40, 41] * 6, params, 20)
+    assert drafted > 40 and accepted >= 0.99 * drafted
 
 
 def test_speculation_compiles_nothing_after_warmup(engines):
