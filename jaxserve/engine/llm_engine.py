@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.engine.engine_core import EngineSnapshot, PositionCounts
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
@@ -258,7 +258,7 @@ class LLMEngine:
             spec_decode_num_drafts=stats.spec_num_drafts,
             spec_decode_num_draft_tokens=stats.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=stats.spec_num_accepted_tokens,
-            spec_decode_accepted_per_pos=tuple(stats.spec_accepted_per_pos))
+            spec_decode_accepted_per_pos=PositionCounts(stats.spec_accepted_per_pos))
 
     def add_metrics(self, registry: Any, model_name: str) -> None:
         """One replica has no series beyond the snapshot's."""
