@@ -125,9 +125,9 @@ def test_speculative_config_is_validated_with_clear_errors():
 
 
 def test_cli_and_yaml_take_the_dict_as_json_and_as_a_mapping(tmp_path):
-    from jaxserve.entrypoints.cli import parse_serve_args
-
     import json
+
+    from jaxserve.entrypoints.cli import parse_serve_args
     args = parse_serve_args(["--speculative-config", json.dumps(SPEC)])
     assert args.engine.spec_decode.prompt_lookup_max == 4
     (tmp_path / "c.yaml").write_text("speculative-config:\n  method: ngram\n"
