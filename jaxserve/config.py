@@ -132,7 +132,8 @@ class SpeculativeConfig:
         "YAML): {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; optional "
         "\"disable_by_batch_size\" (no drafts above that many running sequences). "
-        "Off when unset. Only 'ngram' is implemented.")
+        "Off when unset. Or {\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": k}: a small model of the same tokenizer drafts.")
 
 
 class FlatOptions:

@@ -286,3 +286,41 @@ def test_prometheus_exports_vllm_spec_decode_counters():
     # Replicas' snapshots sum position by position (data parallelism sums every field).
     assert sum([snap.spec_decode_accepted_per_pos] * 2) == (10, 6, 2, 0)
     assert "spec_decode" not in ServerMetrics("m", EngineSnapshot).render().decode()
+
+
+# -- draft model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_engine(make_tiny_model):
+    """Target: the tiny Llama; draft: the same tiny Llama (the upper bound: its greedy
+    drafts are the target's greedy tokens, so greedy rows accept ~all of them; a one-layer
+    random draft agreed with it on nothing, which exercises only rejection)."""
+    draft = str(make_tiny_model("llama"))
+    return LLM(str(make_tiny_model("llama")), speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+        "disable_by_batch_size": 8}, **COMMON)
+
+
+def test_draft_model_greedy_and_seeded_outputs_equal_no_speculation(engines, draft_engine):
+    off, _ = engines
+    prompts = _prompts(8, seed=13) + [list(range(5, 70))]
+    params = [_greedy(int(5 + 9 * (i % 4)), ignore_eos=i % 2 == 0) for i in range(9)]
+    params[3] = SamplingParams(temperature=0.7, top_p=0.9, seed=4, max_tokens=30, logprobs=2)
+    for llm in (off, draft_engine):
+        assert llm.llm_engine.block_manager.reset_prefix_cache()
+    before = draft_engine.llm_engine.snapshot()
+    want = off.generate(prompts, params, use_tqdm=False)
+    got = draft_engine.generate(prompts, params, use_tqdm=False)
+    after = draft_engine.llm_engine.snapshot()
+    assert after.spec_decode_num_drafts - before.spec_decode_num_drafts > 10
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert accepted >= 0.8 * drafted      # all but the sampled row's misses
+    for a, b in zip(want, got):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        lp_a = [e[t].logprob for t, e in zip(a.token_ids, a.logprobs)]
+        lp_b = [e[t].logprob for t, e in zip(b.token_ids, b.logprobs)]
+        assert np.max(np.abs(np.subtract(lp_a, lp_b)), initial=0) <= 1e-4
+    proposer = draft_engine.llm_engine._proposer
+    proposer.block_manager.check_invariants([])
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks

@@ -91,9 +91,9 @@ class LLMEngine:
         if self.spec is not None:
             from jaxserve.spec_decode.ngram import NgramProposer
 
-            self._proposer = NgramProposer(self.spec.num_speculative_tokens,
-                                           self.spec.prompt_lookup_min,
-                                           self.spec.prompt_lookup_max)
+            self._proposer = s.draft_proposer or NgramProposer(
+                self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
+                self.spec.prompt_lookup_max)
             self.stats.enable_spec_decode(self.spec.num_speculative_tokens)
         self._drafting = True          # the last proposal found drafts (or none was made)
         self._steps_until_proposal = 0

@@ -74,5 +74,4 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpecDecodeSe
     model = value.get("model")
     if not isinstance(model, str) or not model:
         raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path)")
-    raise ValueError("speculative_config: method 'draft_model' is not implemented yet "
-                     "(only 'ngram' is); see issue 13")
+    return SpecDecodeSettings("draft_model", k, model=model, disable_by_batch_size=disable)
