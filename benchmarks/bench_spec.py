@@ -7,7 +7,9 @@ tokens, single stream and batch 8:
       the prompt, so n-gram drafts are mostly accepted;
   (b) open-ended chat — little to copy: the proposer mostly finds nothing and the
       per-request backoff keeps rejected drafts rare (what it costs is the point);
-  (c) draft model: not implemented (speculative_config method 'draft_model' raises).
+  (c) --draft-model: the default model drafting for itself (method draft_model, k=4): the
+      upper bound of a draft model — acceptance rate, speed-up, acceptance per position —
+      merged into the same results file.
 
 The box is shared and noisy: on/off runs are interleaved (off, on, off, on, ...) and the
 median of the repeats is reported. Greedy decoding, so the outputs must be identical on
@@ -15,7 +17,8 @@ and off (checked). "batch 8 forced" runs the spec engine with drafting allowed a
 to show where the cut (disable_by_batch_size, default 4) comes from; a benchmark-only
 override of the engine's settings, the runner was built to verify 8 rows.
 
-    python benchmarks/bench_spec.py            # writes results/spec-cpu.json
+    python benchmarks/bench_spec.py                 # writes results/spec-cpu.json
+    python benchmarks/bench_spec.py --draft-model   # adds the draft-model rows to it
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ CHAT = [
 def build(spec: dict | None):
     from jaxserve import LLM
 
-    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=1 << 30)
+    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=1 << 30,
+                  max_model_len=2048)
     if spec:
         kwargs["speculative_config"] = spec
     return LLM(None, **kwargs)
@@ -100,16 +104,28 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "spec-cpu.json"))
+    parser.add_argument("--draft-model", action="store_true",
+                        help="run only (c), the default model drafting for itself")
     args = parser.parse_args()
 
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2, "disable_by_batch_size": 8}
+    if args.draft_model:
+        from jaxserve.loader.resolve import default_gguf_path
+
+        spec = {"method": "draft_model", "model": str(default_gguf_path()),
+                "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2, "disable_by_batch_size": 8}
     off, on = build(None), build(spec)
     engine = on.llm_engine
     default_cut = dataclasses.replace(engine.spec, disable_by_batch_size=4)
     forced_cut = engine.spec
     cases = []
     for task, prompts in (("repetitive", REPETITIVE), ("chat", CHAT)):
+        if args.draft_model:
+            cases.append((task, "single", prompts[:1], default_cut))
+            cases.append((task, "batch8-forced", (prompts * 4)[:8], forced_cut))
+            continue
         cases.append((task, "single", prompts[:1], default_cut))
         cases.append((task, "batch8", (prompts * 4)[:8], default_cut))
         cases.append((task, "batch8-forced", (prompts * 4)[:8], forced_cut))
@@ -130,7 +146,7 @@ def main() -> None:
         accepted = sum(r["accepted"] for r in runs["on"])
         per_pos = [sum(r["accepted_per_pos"][j] for r in runs["on"])
                    for j in range(len(runs["on"][0]["accepted_per_pos"]))]
-        row = {"task": task, "shape": shape, "num_prompts": len(prompts),
+        row = {"method": spec["method"], "task": task, "shape": shape, "num_prompts": len(prompts),
                "disable_by_batch_size": cut.disable_by_batch_size,
                "off_tok_s": [round(r["tok_s"], 2) for r in runs["off"]],
                "on_tok_s": [round(r["tok_s"], 2) for r in runs["on"]],
@@ -145,12 +161,20 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
     engine.spec = forced_cut
+    if args.draft_model:                 # merge into the ngram run's file
+        report = json.loads(Path(args.out).read_text())
+        report["draft_model"] = {"speculative_config": spec, "results": results}
+        report["draft_model_note"] = ("the default model drafting for itself: the upper "
+                                      "bound of a draft model; a draft as costly as the "
+                                      "target cannot speed anything up")
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"merged into {args.out}")
+        return
     report = {"model": "SmolLM2-135M-Instruct (GGUF, float32)", "device": "cpu",
               "machine": platform.processor() or platform.machine(),
               "output_len": args.output_len, "repeats": args.repeats,
               "speculative_config": spec, "greedy": True,
               "note": "shared 2-core box: on/off interleaved, medians of the repeats",
-              "draft_model": "not implemented (method 'draft_model' raises ValueError)",
               "results": results}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
