@@ -190,8 +190,9 @@ class LLMEngine:
         step (with two, the scheduler skips such rows every other step: half their speed)."""
         if self.scheduler.num_constrained:
             return 1
-        if self.spec is not None and (self._drafting or self._steps_until_proposal == 0):
-            return 1
+        if self.spec is not None and (self._drafting or self._steps_until_proposal == 0) \
+                and self.scheduler.may_draft(self.spec.disable_by_batch_size):
+            return 1   # a batch too big to draft for keeps two in flight
         return self.max_steps_in_flight
 
     def _propose(self) -> dict[int, list[int]]:

@@ -274,6 +274,11 @@ class Scheduler:
         if sampling:
             seq.num_pending_tokens += 1
 
+    def may_draft(self, max_batch_size: int) -> bool:
+        """Whether the next step has at most ``max_batch_size`` rows, whatever is admitted."""
+        return len(self._running) + min(len(self._waiting), self.max_num_seqs
+                                        - len(self._running)) <= max_batch_size
+
     def draft_candidates(self, max_batch_size: int) -> list[Sequence]:
         """Running decodes that may be given drafts this step: none while more than
         ``max_batch_size`` sequences could run (a bigger step is compute-bound: verifying
@@ -281,9 +286,7 @@ class Scheduler:
         continue from the newest token), no grammar (its mask at a draft position would
         depend on the drafts before it), past min_tokens (whose EOS bans change within the
         drafts), and no backoff running (see `update_from_output`)."""
-        bound = len(self._running) + min(len(self._waiting),
-                                         self.max_num_seqs - len(self._running))
-        if bound > max_batch_size:
+        if not self.may_draft(max_batch_size):
             return []
         candidates = []
         for seq in self._running:
