@@ -219,7 +219,7 @@ def _load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str
         raise ValueError("speculative_config method 'draft_model' runs on one device; "
                          "tensor_parallel_size > 1 is not supported with it")
     loaded = load_model(spec.model, dtype=np.dtype(dtype))
-    draft_arch = ModelArch.from_hf_config(loaded.hf_config)
+    draft_arch = read_arch(loaded.hf_config)
     if draft_arch.vocab_size != arch.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary "
                          f"({draft_arch.vocab_size}) differs from the target's "
@@ -230,7 +230,8 @@ def _load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str
                          f"({draft_arch.max_position_embeddings}) is shorter than "
                          f"max_model_len + num_speculative_tokens ({draft_len})")
     num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
-    params = jax.device_put(params_from_weights(loaded.weights, draft_arch))
+    params = jax.device_put(
+        family_for(draft_arch.architecture).params_from_weights(loaded.weights, draft_arch))
     block_size = config.cache_config.block_size
     num_blocks = max_rows * (-(-draft_len // block_size) + 1)
     kv_bytes = num_blocks * bytes_per_block(draft_arch, block_size, dtype)
