@@ -129,6 +129,17 @@ class StructuredOutputsConfig:
         "disable_any_whitespace). Small models otherwise tend to emit whitespace forever.")
 
 
+@dataclass
+class SpeculativeConfig:
+    speculative_config: dict | None = opt(
+        None, "Speculative decoding, as vLLM's dict (JSON on the command line, a mapping in "
+        "YAML): {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; optional "
+        "\"disable_by_batch_size\" (no drafts above that many running sequences). "
+        "Off when unset. Or {\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": k}: a small model of the same tokenizer drafts.")
+
+
 class FlatOptions:
     """Flat, vLLM-named access to a tree of option sections."""
 
@@ -152,6 +163,14 @@ class EngineConfig(FlatOptions):
     runner_config: RunnerConfig = field(default_factory=RunnerConfig)
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    @property
+    def spec_decode(self):
+        """The parsed speculative settings (jaxserve/spec_decode/settings.py), None if off."""
+        from jaxserve.spec_decode.settings import parse_speculative_config
+
+        return parse_speculative_config(self.speculative_config.speculative_config)
 
     def finalize(self, platform: str) -> "EngineConfig":
         """Resolve platform-dependent defaults and check ranges. Returns self."""
@@ -184,6 +203,7 @@ class EngineConfig(FlatOptions):
         _check_range("data_parallel_size", p.data_parallel_size, 1, 4096)
         if c.block_size <= 0 or c.block_size & (c.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {c.block_size}")
+        self.spec_decode      # raises ValueError on a bad speculative_config
         if self.model_config.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.model_config.max_logprobs}")
         return self

@@ -68,6 +68,21 @@ class _EngineCollector(Collector):
                       snap.num_prompt_tokens)
         yield counter("jaxserve:generation_tokens", "Tokens generated.",
                       snap.num_generation_tokens)
+        if snap.spec_decode_accepted_per_pos:      # speculative decoding on
+            yield counter("jaxserve:spec_decode_num_drafts",
+                          "Sequence steps that verified draft tokens.",
+                          snap.spec_decode_num_drafts)
+            yield counter("jaxserve:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          snap.spec_decode_num_draft_tokens)
+            yield counter("jaxserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          snap.spec_decode_num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                "jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft.",
+                labels=["model_name", "position"])
+            for position, value in enumerate(snap.spec_decode_accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(position)], value)
+            yield per_pos
 
 
 class ServerMetrics:

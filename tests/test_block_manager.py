@@ -213,3 +213,27 @@ def test_block_filled_over_several_steps_is_cached_with_its_full_tokens():
     blocks, num_cached = bm.get_computed_blocks(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert num_cached == 8 and blocks == table[:2]
     bm.check_invariants([])
+
+
+def test_rollback_of_rejected_drafts_frees_their_blocks_and_never_caches_them():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(range(7))
+    run_prefill(bm, seq)                       # 7 computed; blocks 0-1 (block 0 cached)
+    seq.num_computed_tokens = 6                # the newest token (position 6) is not yet
+    seq.append_token(50)                       # ... a decode: newest + 4 drafts = 5 slots
+    assert bm.allocate_slots(seq, 5)           # positions 6..10 → a third block
+    seq.num_computed_tokens += 5
+    assert len(seq.block_table) == 3
+    tail = seq.block_table[2]
+    seq.num_computed_tokens -= 3               # 1 draft accepted of 4: computed = 8
+    bm.rollback(seq)
+    assert len(seq.block_table) == 2 and bm.ref_counts[tail] == 0
+    bm.check_invariants([seq])
+    seq.token_ids += [51, 52]                  # the accepted draft and the correction
+    bm.cache_full_blocks(seq)                  # block 1 (positions 4-7) is full: cached
+    other = make_seq(seq.token_ids[:8] + [99, 98, 97])
+    blocks, num_cached = bm.get_computed_blocks(other)
+    assert num_cached == 8 and blocks == seq.block_table[:2]
+    bm.free(seq)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 8

@@ -3,6 +3,7 @@ the scheduler -> runner contract (the runner's persistent batch) under async sch
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
 import numpy as np
@@ -301,9 +302,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(max_model_len=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]),
                 spare_blocks=st.integers(0, 2), max_num_seqs=st.integers(1, 4),
                 budget=st.integers(1, 12), chunked=st.booleans(), prefix_caching=st.booleans(),
-                steps_in_flight=st.sampled_from([1, 2]), prefill_cap=st.sampled_from([None, 0, 2]))
+                steps_in_flight=st.sampled_from([1, 2]), prefill_cap=st.sampled_from([None, 0, 2]),
+                speculate=st.booleans(), spec_seed=st.integers(0, 1 << 16))
     def setup(self, max_model_len, block_size, spare_blocks, max_num_seqs, budget, chunked,
-              prefix_caching, steps_in_flight, prefill_cap):
+              prefix_caching, steps_in_flight, prefill_cap, speculate, spec_seed):
         # Room for one max-length seq and hardly more, so preemption is common.
         num_blocks = -(-max_model_len // block_size) + spare_blocks
         self.max_model_len = max_model_len
@@ -325,6 +327,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live: list[Sequence] = []
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token id written
         self.num_requests = 0
+        # Speculative decoding: with nothing in flight, candidates get 1-3 drafts, a random
+        # prefix of them right (the fake model's true tokens), the rest wrong.
+        self.speculate = speculate
+        self.spec_rng = random.Random(spec_seed)
 
     @rule(data=st.data(), n=st.integers(1, 2))
     def add_request(self, data, n):
@@ -377,7 +383,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _dispatch(self) -> bool:
         scheduler, bm = self.scheduler, self.bm
         running_before = scheduler.num_running
-        out = scheduler.schedule()
+        proposed = {}
+        if self.speculate and not self.in_flight:
+            for seq in scheduler.draft_candidates(scheduler.max_num_seqs):
+                length = self.spec_rng.randint(1, 3)
+                right = self.spec_rng.randint(0, length)
+                proposed[seq.seq_id] = [
+                    self._true_token(seq, seq.num_tokens + j) + (0 if j < right else 10)
+                    for j in range(length)]
+        out = scheduler.schedule(proposed)
+        for seq_id, drafts in out.draft_token_ids.items():
+            assert drafts == proposed[seq_id][:len(drafts)] and drafts
+            event("drafts scheduled")
         assert len(set(out.seq_ids)) == out.num_rows, "a seq scheduled twice"
         assert not set(out.seq_ids) & set(out.preempted_seq_ids)
         assert all(n > 0 for n in out.num_scheduled_tokens)
@@ -403,9 +420,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert v["num_seqs"][0] == n and v["query_start_loc"][n] == live
         assert np.all(v["slot_mapping"][live:] == -1) and np.all(v["kv_lens"][n:] == 0)
         # The fake device: resolve tokens, check the prefix's KV, write the new tokens' KV.
-        sampled = []
+        sampled, emitted = [], []
         for i, seq_id in enumerate(out.seq_ids):
             seq = scheduler.get_seq(seq_id)
+            drafts = out.draft_token_ids.get(seq_id, [])
             start, end = v["query_start_loc"][i], v["query_start_loc"][i + 1]
             computed = out.num_computed_tokens[i]
             assert end - start == out.num_scheduled_tokens[i]
@@ -420,25 +438,51 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert -1 - token == rows[i] and pos == seq.num_tokens, "bad device token"
                     token = self.last_tokens[int(rows[i])]
                     event("token fed from the device")
-                assert token == self._true_token(seq, pos), (seq, pos)
+                if pos >= seq.num_tokens and drafts:      # a draft, right or wrong
+                    assert token == drafts[pos - seq.num_tokens], (seq, pos)
+                else:
+                    assert token == self._true_token(seq, pos), (seq, pos)
                 slot = int(v["slot_mapping"][t_index])
                 assert slot == table[pos // bm.block_size] * bm.block_size + pos % bm.block_size
                 self.kv[divmod(slot, bm.block_size)] = token
             kv_len = int(v["kv_lens"][i])
-            sampled.append(self._true_token(seq, kv_len) if out.is_sampling[i] else -7)
-        for row, token in zip(rows.tolist(), sampled):
-            self.last_tokens[row] = token              # garbage (-7) for mid-prefill rows
-        self.in_flight.append((out, rows, sampled))
+            first = kv_len - len(drafts)                # where the first new token goes
+            tokens = [self._true_token(seq, first)] if out.is_sampling[i] else [-7]
+            for j, draft in enumerate(drafts):          # accept the right prefix
+                if draft != tokens[-1]:
+                    break
+                tokens.append(self._true_token(seq, first + j + 1))
+                event("draft accepted")
+            assert v["num_drafts"][i] == len(drafts)
+            sampled.append(tokens[0])
+            emitted.append(tokens)
+        for row, tokens in zip(rows.tolist(), emitted):
+            self.last_tokens[row] = tokens[-1]         # garbage (-7) for mid-prefill rows
+        self.in_flight.append((out, rows, sampled, emitted if out.draft_token_ids else None))
         return True
 
     def _collect(self, stop) -> None:
-        out, rows, sampled = self.in_flight.popleft()
+        out, rows, sampled, emitted = self.in_flight.popleft()
         kv_lens = np.asarray(out.num_computed_tokens) + np.asarray(out.num_scheduled_tokens)
-        self.batch.record_sampled(out.seq_ids, rows, kv_lens, out.is_sampling, sampled)
-        for _, seq in self.scheduler.update_from_output(out, sampled):
-            if seq.num_tokens >= self.max_len[seq.request_id] or stop():
-                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-                self.live.remove(seq)
+        if emitted is None:
+            self.batch.record_sampled(out.seq_ids, rows, kv_lens, out.is_sampling, sampled)
+        else:
+            drafts = np.array([len(out.draft_token_ids.get(s, ())) for s in out.seq_ids])
+            grid = np.full((out.num_rows, 4), -1)
+            for i, tokens in enumerate(emitted):
+                grid[i, :len(tokens)] = tokens
+            self.batch.record_emitted(out.seq_ids, rows, kv_lens - drafts, out.is_sampling,
+                                      grid, np.array([len(t) for t in emitted]))
+        for row, seq in self.scheduler.update_from_output(out, sampled, emitted):
+            extra = emitted[row][1:] if emitted else []
+            while True:          # as the engine does: each token through the stop checks
+                if seq.num_tokens >= self.max_len[seq.request_id] or stop():
+                    self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+                    self.live.remove(seq)
+                    break
+                if not extra:
+                    break
+                seq.token_ids.append(extra.pop(0))
 
     @staticmethod
     def _true_token(seq: Sequence, pos: int) -> int:
@@ -471,8 +515,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert known == seq.num_tokens, (seq, known)   # collected tokens are recorded
             np.testing.assert_array_equal(batch.token_ids[row, :known], seq.token_ids)
             assert np.all(batch.token_ids[row, known:] == -1)
-            np.testing.assert_array_equal(batch.block_table[row, :batch.num_blocks[row]],
-                                          seq.block_table)
+            # A rollback of rejected drafts reaches the runner with the next step.
+            num_blocks = scheduler._rolled_back.get(seq.seq_id, batch.num_blocks[row])
+            np.testing.assert_array_equal(batch.block_table[row, :num_blocks], seq.block_table)
         for seq in scheduler.waiting:
             assert seq.status == SequenceStatus.WAITING
             assert seq.block_table == [] and seq.num_computed_tokens == 0

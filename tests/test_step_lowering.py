@@ -55,3 +55,14 @@ def test_pallas_needs_a_gpu_and_interpret_mode_is_only_on_request():
                                ("cuda", "pallas"), ("gpu", "pallas")):
         config = EngineConfig().finalize(platform)
         assert config.runner_config.attention_backend == expected, platform
+
+
+def test_speculative_verification_step_exports_for_cuda(make_tiny_model):
+    """With speculative decoding on, the step carries the draft verification (k+1 LM-head
+    positions per row, the rejection rule) behind a cond: it must lower for cuda too."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    _, runner = cuda_runner(make_tiny_model("qwen3"), speculative_config=spec)
+    assert runner.num_spec_tokens == 3
+    for num_tokens, num_seqs in runner.buckets.all_shapes()[::3]:
+        exported = runner.export_step(num_tokens, num_seqs, "cuda")
+        assert exported.platforms == ("cuda",)

@@ -151,6 +151,21 @@ class BlockManager:
             self._block_key[block] = (parent, self._block_tokens(seq, i))
         self._num_registered[seq.seq_id] = num_full
 
+    def rollback(self, seq: Sequence) -> None:
+        """Release ``seq``'s tail blocks past its computed tokens (after rejected draft
+        tokens were rolled back from ``seq.num_computed_tokens``). Such a block holds only
+        rejected tokens: it is the sequence's own (ref 1) and was never registered."""
+        num_needed = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > num_needed:
+            block = seq.block_table.pop()
+            assert self.ref_counts[block] == 1 and self._block_hash[block] is None, block
+            self.ref_counts[block] = 0
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        registered = self._num_registered.get(seq.seq_id)
+        if registered is not None and registered > len(seq.block_table):
+            self._num_registered[seq.seq_id] = len(seq.block_table)
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references and clear its block table. Safe to call twice."""
         # Reverse order: a sequence's tail blocks are the least likely to be shared

@@ -16,6 +16,20 @@ if TYPE_CHECKING:
     from jaxserve.sampling_params import SamplingParams
 
 
+class PositionCounts(tuple):
+    """Counts per draft position; adds elementwise, so replicas' snapshots sum field by
+    field like every other counter (jaxserve/parallel/data_parallel.py)."""
+
+    def __add__(self, other):
+        if not other:
+            return self
+        if not self:
+            return PositionCounts(other)
+        return PositionCounts(a + b for a, b in zip(self, other, strict=True))
+
+    __radd__ = __add__
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine gauges and counters at one moment (the server publishes one after each step)."""
@@ -30,6 +44,10 @@ class EngineSnapshot:
     num_prompt_tokens: int = 0           # totals since start
     num_generation_tokens: int = 0
     num_steps: int = 0
+    spec_decode_num_drafts: int = 0          # speculative decoding: rows that had drafts,
+    spec_decode_num_draft_tokens: int = 0    # draft tokens verified, and accepted
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: PositionCounts = PositionCounts()   # accepted at position j
 
 
 class EngineCore(Protocol):

@@ -12,6 +12,12 @@ Without async scheduling the same loop keeps one step in flight: it collects eac
 before scheduling the next, so both modes run the same code and give the same tokens.
 While a structured-output (grammar-constrained) sequence lives, the loop runs one step
 in flight too: its next bitmask needs the token of the step before.
+
+Speculative decoding (jaxserve/spec_decode): drafts continue from a sequence's newest
+token, so they are proposed only when no step is in flight, and a step with drafts is
+collected before the next is scheduled (its rows' accepted counts decide where they
+resume). While the proposer keeps finding nothing, the loop returns to two steps in flight
+and asks it again every few steps.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ if TYPE_CHECKING:
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.engine.engine_core import EngineSnapshot, PositionCounts
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
@@ -44,6 +50,10 @@ if TYPE_CHECKING:
     from jaxserve.structured_outputs.compiler import GrammarService
 
 logger = logging.getLogger(__name__)
+
+# Speculative decoding: after a proposal that found nothing, run this many steps with two in
+# flight (drafts need one) before proposing again.
+_STEPS_BETWEEN_IDLE_PROPOSALS = 4
 
 
 class LLMEngine:
@@ -76,6 +86,17 @@ class LLMEngine:
         self.vocab_size = s.runner.arch.vocab_size          # logits width: the bitmask's V
         self._grammars: GrammarService | None = None        # built on the first constrained request
         self._compiling: dict[str, Future] = {}             # request id → its grammar compiling
+        self.spec = config.spec_decode                       # None: speculation off
+        self._proposer = None
+        if self.spec is not None:
+            from jaxserve.spec_decode.ngram import NgramProposer
+
+            self._proposer = s.draft_proposer or NgramProposer(
+                self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
+                self.spec.prompt_lookup_max)
+            self.stats.enable_spec_decode(self.spec.num_speculative_tokens)
+        self._drafting = True          # the last proposal found drafts (or none was made)
+        self._steps_until_proposal = 0
 
     @property
     def grammars(self) -> GrammarService:
@@ -133,7 +154,7 @@ class LLMEngine:
             self._fail_unbuildable_grammars()
         max_in_flight = self._max_in_flight()
         if len(self._in_flight) < max_in_flight and self.scheduler.has_unfinished():
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule(self._propose())
             if self._grammars is not None:
                 out.grammar_bitmask = grammar_bitmask(out, self.scheduler.get_seq,
                                                       self.vocab_size)
@@ -167,7 +188,30 @@ class LLMEngine:
         """Steps to keep in flight now. A constrained row's next bitmask needs the token in
         flight, so while a constrained sequence lives, one: every row still advances every
         step (with two, the scheduler skips such rows every other step: half their speed)."""
-        return 1 if self.scheduler.num_constrained else self.max_steps_in_flight
+        if self.scheduler.num_constrained:
+            return 1
+        if self.spec is not None and (self._drafting or self._steps_until_proposal == 0) \
+                and self.scheduler.may_draft(self.spec.disable_by_batch_size):
+            return 1   # a batch too big to draft for keeps two in flight
+        return self.max_steps_in_flight
+
+    def _propose(self) -> dict[int, list[int]]:
+        """Drafts for this step (seq id -> tokens): only with no step in flight, since drafts
+        continue from each sequence's newest token."""
+        if self.spec is None:
+            return {}
+        if self._in_flight:
+            self._steps_until_proposal = max(0, self._steps_until_proposal - 1)
+            return {}
+        seqs = self.scheduler.draft_candidates(self.spec.disable_by_batch_size)
+        proposals = self._proposer.propose(
+            [seq.token_ids for seq in seqs],
+            [seq.max_num_tokens - seq.num_tokens - 1 for seq in seqs])
+        drafts = {seq.seq_id: tokens for seq, tokens in zip(seqs, proposals) if tokens}
+        self._drafting = bool(drafts)
+        if not drafts:
+            self._steps_until_proposal = _STEPS_BETWEEN_IDLE_PROPOSALS
+        return drafts
 
     def _collect(self, out: SchedulerOutput, pending: Any, dispatch_time: float) -> None:
         """Wait for a dispatched step; append its tokens and run output processing."""
@@ -177,14 +221,29 @@ class LLMEngine:
             seq = self.scheduler.get_seq(out.seq_ids[row])   # may finish with its prompt
             if seq is not None:
                 self.outputs.process_prompt_logprobs(seq, chunk)
-        received = self.scheduler.update_from_output(out, result.sampled_token_ids)
+        emitted = result.emitted_token_ids
+        received = self.scheduler.update_from_output(out, result.sampled_token_ids, emitted)
+        stride = result.logprobs_stride
+        num_generated = 0
         for row, seq in received:
-            status = self.outputs.process_token(seq, result, row, now)
+            status = self.outputs.process_token(seq, result, row * stride, now)
+            num_generated += 1
+            # Accepted drafts: one at a time, each through the stop checks (EOS, a stop
+            # string or max_tokens inside the drafts ends the sequence there).
+            for j, token in enumerate(emitted[row][1:] if emitted else (), start=1):
+                if status is not None:
+                    break
+                seq.token_ids.append(token)
+                status = self.outputs.process_token(seq, result, row * stride + j, now)
+                num_generated += 1
             if status is not None:
                 self.scheduler.finish_seq(seq, status)
+        if out.draft_token_ids and emitted is not None:
+            self.stats.record_drafts(out, emitted)
         self.stats.record_step(
-            num_prompt_tokens=out.total_num_scheduled_tokens - out.num_decode_tokens,
-            num_generation_tokens=len(received), num_preempted=len(out.preempted_seq_ids),
+            num_prompt_tokens=out.total_num_scheduled_tokens - out.num_decode_tokens
+            - sum(map(len, out.draft_token_ids.values())),
+            num_generation_tokens=num_generated, num_preempted=len(out.preempted_seq_ids),
             dispatch_time=dispatch_time, collect_time=time.perf_counter())
 
     def snapshot(self) -> EngineSnapshot:
@@ -196,7 +255,11 @@ class LLMEngine:
             prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
             num_prompt_tokens=stats.num_prompt_tokens,
-            num_generation_tokens=stats.num_generation_tokens, num_steps=stats.num_steps)
+            num_generation_tokens=stats.num_generation_tokens, num_steps=stats.num_steps,
+            spec_decode_num_drafts=stats.spec_num_drafts,
+            spec_decode_num_draft_tokens=stats.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=stats.spec_num_accepted_tokens,
+            spec_decode_accepted_per_pos=PositionCounts(stats.spec_accepted_per_pos))
 
     def add_metrics(self, registry: Any, model_name: str) -> None:
         """One replica has no series beyond the snapshot's."""

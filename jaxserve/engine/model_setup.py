@@ -6,6 +6,7 @@ person can read what the server is about to do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -44,6 +45,7 @@ class ModelSetup:
     num_params: int
     warmup_seconds: float
     load_seconds: float
+    draft_proposer: Any = None       # speculative decoding's draft model (DraftModelProposer)
 
 
 def resolve_dtype(name: str, platform: str):
@@ -136,12 +138,25 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
     # logits of S rows and of the prompt-logprobs positions; leave generous room for them.
     t_max = sc.max_num_batched_tokens
-    logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step
+    spec = config.spec_decode
+    num_spec_tokens = spec.num_speculative_tokens if spec else 0
+    max_spec_rows = min(spec.disable_by_batch_size, sc.max_num_seqs) if spec else 0
+    logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step + \
+        max_spec_rows * (num_spec_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        draft = _load_draft(config, arch, dtype, platform, max_model_len, max_spec_rows)
+        weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
     kv_plan = placement.agree(plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes,
                                             max_model_len, tp_size=placement.tp,
                                             device=placement.device))
+    if draft is not None and cc.kv_cache_memory_bytes and not cc.num_gpu_blocks_override:
+        # An explicit KV budget is the target's and the draft's together.
+        taken = -(-draft["kv_bytes"] // kv_plan.bytes_per_block)
+        kv_plan = dataclasses.replace(kv_plan, num_blocks=max(
+            kv_plan.num_blocks - taken, -(-max_model_len // kv_plan.block_size)))
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB; budget from %s); "
                 "max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
                 kv_plan.block_size, kv_plan.capacity_tokens, kv_plan.total_bytes / 2**30,
@@ -155,12 +170,29 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         block_size=kv_plan.block_size, max_model_len=max_model_len,
         max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
         max_logprobs=mc.max_logprobs, eos_token_ids=eos,
-        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, kv_sharding=placement.kv_sharding,
+        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
+        max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings)
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
     warmup_seconds = runner.warmup(progress=True) if warmup else 0.0
+    draft_proposer = None
+    if draft is not None:
+        from jaxserve.engine.block_manager import BlockManager
+        from jaxserve.spec_decode.draft_model import DraftModelProposer
+
+        draft_runner = ModelRunner(
+            draft["arch"], draft["params"], backend, dtype=dtype,
+            num_blocks=draft["num_blocks"], block_size=kv_plan.block_size,
+            max_model_len=draft["max_model_len"], max_num_seqs=max_spec_rows,
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_logprobs=0,
+            eos_token_ids=eos)
+        if warmup:
+            warmup_seconds += draft_runner.warmup(progress=True)
+        draft_proposer = DraftModelProposer(
+            draft_runner, BlockManager(draft["num_blocks"], kv_plan.block_size),
+            num_spec_tokens, sc.max_num_batched_tokens)
 
     overrides = {}
     if mc.generation_config != "vllm":
@@ -171,5 +203,42 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                       max_model_len=max_model_len, dtype=dtype, eos_token_ids=eos,
                       default_sampling_overrides=overrides, model_path=loaded.model_path,
                       num_params=num_params, warmup_seconds=warmup_seconds,
-                      load_seconds=load_seconds)
+                      load_seconds=load_seconds, draft_proposer=draft_proposer)
+
+
+def _load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str,
+                max_model_len: int, max_rows: int) -> dict[str, Any]:
+    """Speculative decoding's draft model: weights on the target's device, and the size of
+    its KV cache (enough for max_rows sequences of max_model_len + k, plus one spare block
+    each); one device only."""
+    from jaxserve.loader import load_model
+    from jaxserve.runner.memory import bytes_per_block
+
+    spec = config.spec_decode
+    if config.parallel_config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method 'draft_model' runs on one device; "
+                         "tensor_parallel_size > 1 is not supported with it")
+    loaded = load_model(spec.model, dtype=np.dtype(dtype))
+    draft_arch = read_arch(loaded.hf_config)
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary "
+                         f"({draft_arch.vocab_size}) differs from the target's "
+                         f"({arch.vocab_size}); it must share the tokenizer")
+    draft_len = max_model_len + spec.num_speculative_tokens
+    if draft_len > draft_arch.max_position_embeddings:
+        raise ValueError(f"speculative_config: the draft model's context "
+                         f"({draft_arch.max_position_embeddings}) is shorter than "
+                         f"max_model_len + num_speculative_tokens ({draft_len})")
+    num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
+    params = jax.device_put(
+        family_for(draft_arch.architecture).params_from_weights(loaded.weights, draft_arch))
+    block_size = config.cache_config.block_size
+    num_blocks = max_rows * (-(-draft_len // block_size) + 1)
+    kv_bytes = num_blocks * bytes_per_block(draft_arch, block_size, dtype)
+    logger.info("draft model %s: %s, %.1fM parameters; its KV cache: %d blocks (%.2f GiB)",
+                loaded.model_path, draft_arch.architecture, num_params / 1e6, num_blocks,
+                kv_bytes / 2**30)
+    return {"arch": draft_arch, "params": params, "num_blocks": num_blocks,
+            "max_model_len": draft_len, "kv_bytes": kv_bytes,
+            "bytes": kv_bytes + num_params * np.dtype(dtype).itemsize}
 

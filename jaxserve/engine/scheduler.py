@@ -76,6 +76,7 @@ class Scheduler:
         self._running: list[Sequence] = []   # in admission order; the last is the newest
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._finished_ids: list[int] = []    # rows the runner should drop next step
+        self._rolled_back: dict[int, int] = {}  # seq id -> block table length after rollback
         self.num_preemptions = 0
         self.num_constrained = 0              # unfinished sequences with a grammar
 
@@ -110,10 +111,19 @@ class Scheduler:
         self.num_constrained += seq.grammar is not None
 
     # ------------------------------------------------------------------- step
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's sequences and token counts, allocating their KV blocks."""
-        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's sequences and token counts, allocating their KV blocks.
+
+        drafts: seq id -> proposed tokens (speculative decoding; see `draft_candidates`).
+        A decode with drafts schedules its newest token plus as many drafts as the token
+        budget and the sequence's length limit allow; its KV slots are allocated for all of
+        them and `update_from_output` rolls back the rejected ones.
+        """
+        drafts = drafts or {}
+        out = SchedulerOutput(finished_seq_ids=self._finished_ids,
+                              block_table_lengths=self._rolled_back)
         self._finished_ids = []
+        self._rolled_back = {}
         budget = self.max_num_batched_tokens
         running = self._running
         # Decodes this step (running sequences past their prompt): the decode-aware prefill
@@ -138,6 +148,15 @@ class Scheduler:
                 i += 1
                 continue
             is_prefill = num_new > 1
+            proposed = drafts.get(seq.seq_id)
+            if proposed and not is_prefill and not seq.num_pending_tokens:
+                # Drafts fit the budget (the newest token first) and the length limit: the
+                # step emits at most one token more than it accepts.
+                room = min(budget - 1, seq.max_num_tokens - seq.num_tokens - 1)
+                proposed = proposed[:max(0, room)]
+                num_new += len(proposed)
+            else:
+                proposed = None
             if is_prefill:
                 num_new = min(num_new, self._chunk_cap(prefill_used, num_decodes))
             num_new = _fit_prompt_logprobs(seq, seq.num_computed_tokens,
@@ -147,8 +166,10 @@ class Scheduler:
                 continue
             prompt_logprobs_room -= _prompt_logprobs_positions(seq, seq.num_computed_tokens,
                                                                num_new)
-            if not self._allocate_running(seq, num_new, out):
+            if not self._allocate_running(seq, num_new, out, len(proposed or ())):
                 continue              # seq preempted itself; running[i] is now past the end
+            if proposed:
+                out.draft_token_ids[seq.seq_id] = list(proposed)
             budget -= num_new
             if is_prefill:
                 prefill_used += num_new
@@ -225,7 +246,8 @@ class Scheduler:
             cap = min(cap, limit - prefill_used)
         return cap
 
-    def _allocate_running(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_running(self, seq: Sequence, num_new: int, out: SchedulerOutput,
+                          num_drafts: int = 0) -> bool:
         """Allocate blocks for a running seq's next tokens, preempting the newest running
         sequences (never an earlier one: they are already planned) until they fit."""
         num_blocks_before = len(seq.block_table)
@@ -236,24 +258,59 @@ class Scheduler:
                 return False
         if len(seq.block_table) > num_blocks_before:
             out.new_block_ids[seq.seq_id] = seq.block_table[num_blocks_before:]
-        self._plan(seq, num_new, out)
+        self._plan(seq, num_new, out, num_drafts)
         return True
 
     @staticmethod
-    def _plan(seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        """Add seq's row to the step and count its tokens as computed."""
+    def _plan(seq: Sequence, num_new: int, out: SchedulerOutput, num_drafts: int = 0) -> None:
+        """Add seq's row to the step and count its tokens as computed (drafts included:
+        `update_from_output` rolls back the rejected ones)."""
         out.seq_ids.append(seq.seq_id)
         out.num_scheduled_tokens.append(num_new)
         out.num_computed_tokens.append(seq.num_computed_tokens)
         seq.num_computed_tokens += num_new
-        sampling = seq.num_computed_tokens == seq.num_tokens_with_pending
+        sampling = seq.num_computed_tokens - num_drafts == seq.num_tokens_with_pending
         out.is_sampling.append(sampling)
         if sampling:
             seq.num_pending_tokens += 1
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]
+    def may_draft(self, max_batch_size: int) -> bool:
+        """Whether the next step has at most ``max_batch_size`` rows, whatever is admitted."""
+        return len(self._running) + min(len(self._waiting), self.max_num_seqs
+                                        - len(self._running)) <= max_batch_size
+
+    def draft_candidates(self, max_batch_size: int) -> list[Sequence]:
+        """Running decodes that may be given drafts this step: none while more than
+        ``max_batch_size`` sequences could run (a bigger step is compute-bound: verifying
+        drafts costs more than it saves); otherwise those with no token in flight (drafts
+        continue from the newest token), no grammar (its mask at a draft position would
+        depend on the drafts before it), past min_tokens (whose EOS bans change within the
+        drafts), and no backoff running (see `update_from_output`)."""
+        if not self.may_draft(max_batch_size):
+            return []
+        candidates = []
+        for seq in self._running:
+            if seq.spec_skip_steps:
+                seq.spec_skip_steps -= 1
+                continue
+            if (not seq.num_pending_tokens and seq.grammar is None
+                    and seq.num_computed_tokens == seq.num_tokens - 1
+                    and seq.num_output_tokens >= seq.sampling_params.min_tokens
+                    and seq.num_tokens + 1 < seq.max_num_tokens):
+                candidates.append(seq)
+        return candidates
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int],
+                           emitted_token_ids: list[list[int]] | None = None
                            ) -> list[tuple[int, Sequence]]:
         """A step finished: append each sampling row's token; register newly full blocks.
+
+        With speculative decoding, ``emitted_token_ids[row]`` are the tokens a row emitted
+        (accepted drafts, then one more); the first is appended here like any sample, the
+        rest by the caller after each one's stop checks. A row with drafts gives back the
+        KV slots of its rejected drafts (`BlockManager.rollback`): they never reach the
+        prefix cache. A row whose drafts were all rejected stops drafting for a while
+        (doubling up to 16 steps), so text the proposer cannot predict costs little.
 
         Returns (row, seq) for every sequence that received a token (running, or preempted
         while the step ran: its sample is still valid). Rows of sequences finished or
@@ -266,6 +323,20 @@ class Scheduler:
             seq = seqs.get(seq_id)
             if seq is None:
                 continue                        # finished meanwhile
+            drafts = out.draft_token_ids.get(seq_id)
+            if drafts and emitted_token_ids is not None:
+                num_accepted = len(emitted_token_ids[row]) - 1
+                seq.num_computed_tokens -= len(drafts) - num_accepted
+                if seq.status == SequenceStatus.RUNNING:
+                    num_blocks = len(seq.block_table)
+                    self.block_manager.rollback(seq)
+                    if len(seq.block_table) < num_blocks:
+                        self._rolled_back[seq_id] = len(seq.block_table)
+                if num_accepted:
+                    seq.spec_backoff = 0
+                else:
+                    seq.spec_backoff = min(16, 2 * seq.spec_backoff or 1)
+                    seq.spec_skip_steps = seq.spec_backoff
             if out.is_sampling[row]:
                 seq.num_pending_tokens -= 1
                 if seq.max_num_tokens > seq.num_prompt_tokens:   # max_tokens=0: prefill only

@@ -38,7 +38,8 @@ class Sequence:
         "seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "seed",
         "arrival_time", "stop_reason", "cumulative_logprob", "logprobs", "num_preemptions",
-        "block_hashes", "num_pending_tokens", "max_num_tokens", "grammar",
+        "block_hashes", "num_pending_tokens", "max_num_tokens", "grammar", "spec_backoff",
+        "spec_skip_steps",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -70,6 +71,10 @@ class Sequence:
         self.num_preemptions = 0
         # Structured outputs: this sequence's matcher (a SeqGrammar), None when free.
         self.grammar: Any = None
+        # Speculative decoding: after a step whose drafts were all rejected, skip drafting
+        # for spec_skip_steps steps (spec_backoff doubles on each miss, resets on a hit).
+        self.spec_backoff = 0
+        self.spec_skip_steps = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

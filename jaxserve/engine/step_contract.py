@@ -9,9 +9,8 @@ batch (jaxserve/runner/input_batch.py) and never reads a `Sequence`.
 Rows are in *batch order*: ``seq_ids[i]`` is row i of the step, and row i of every
 per-row list here and of the `RunnerOutput` belongs to it.
 
-The fields the next features plug into are already here, empty until they land:
-``draft_token_ids`` (speculative decoding), ``grammar_bitmask`` (structured outputs),
-``NewSeqData.adapter_slot`` (LoRA).
+``draft_token_ids`` carries speculative decoding's drafts, ``grammar_bitmask`` structured
+outputs' masks; ``NewSeqData.adapter_slot`` is room for LoRA.
 """
 
 from __future__ import annotations
@@ -49,13 +48,18 @@ class SchedulerOutput:
     is_sampling: list[bool] = field(default_factory=list)
     new_seqs: list[NewSeqData] = field(default_factory=list)
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)   # running seqs only
+    # Running seqs whose block tables shrank since the last step (speculative decoding gave
+    # back blocks that held only rejected drafts): seq id -> new length, applied before
+    # new_block_ids.
+    block_table_lengths: dict[int, int] = field(default_factory=dict)
     # Sequences whose rows the runner drops before this step: finished or aborted since the
     # last step, and preempted in this one (a preempted sequence returns as a NewSeqData).
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     num_decode_tokens: int = 0      # rows that feed back one sampled token (the rest: prompt)
-    # Room for the features that plug in here.
+    # Speculative decoding: seq id -> the draft tokens scheduled after its newest token (the
+    # row's num_scheduled_tokens counts them); rows not here have none.
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None       # i32[rows, ceil(V / 32)], batch order
 
@@ -99,3 +103,8 @@ class RunnerOutput:
     logprobs: SampledLogprobs | None = None    # None when no row asked for logprobs
     # Batch row -> its prompt logprobs of this step (rows whose request asks, in the prompt).
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
+    # Speculative decoding on: per row, every token it emits this step (accepted drafts, then
+    # the correction or bonus token; sampled_token_ids[row] is the first). None when off.
+    emitted_token_ids: list[list[int]] | None = None
+    # Logprobs rows per batch row: token j of row r is logprobs row r * stride + j.
+    logprobs_stride: int = 1

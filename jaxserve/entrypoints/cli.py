@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -23,7 +24,7 @@ logger = logging.getLogger("jaxserve.cli")
 _SECTION_TITLES = {
     "ModelConfig": "model", "CacheConfig": "KV cache", "SchedulerConfig": "scheduler",
     "ParallelConfig": "parallelism", "RunnerConfig": "runner", "ServerConfig": "HTTP server",
-    "StructuredOutputsConfig": "structured outputs",
+    "StructuredOutputsConfig": "structured outputs", "SpeculativeConfig": "speculative decoding",
 }
 
 _DESCRIPTION = """\
@@ -43,6 +44,8 @@ def _field_kind(field: dataclasses.Field) -> tuple[type, bool]:
     """(scalar type, is_list) of a config field (annotations are strings here)."""
     text = str(field.type).replace(" ", "")
     is_list = text.startswith("list[")
+    if text.startswith("dict"):
+        return dict, False
     for name, kind in (("bool", bool), ("int", int), ("float", float)):
         if text.split("|")[0].removeprefix("list[").rstrip("]") == name:
             return kind, is_list
@@ -69,6 +72,9 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             help_text += f" (default: {'on' if default else 'off'})"
+        elif kind is dict:       # vLLM's dict-valued flags take JSON (--speculative-config)
+            kwargs["type"] = _json_object
+            kwargs["metavar"] = "JSON"
         else:
             kwargs["type"] = kind
             kwargs["metavar"] = name.split("_")[-1].upper() if "choices" not in meta else None
@@ -81,6 +87,16 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
         if "choices" in kwargs and kwargs.get("metavar") is None:
             kwargs.pop("metavar")
         group.add_argument(flag, help=help_text, **kwargs)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def config_from_args(config: Any, args: argparse.Namespace) -> Any:

@@ -124,6 +124,10 @@ class InputBatch:
     # -- diffs -----------------------------------------------------------------------------
     def apply(self, out: SchedulerOutput) -> np.ndarray:
         """Bring the rows up to date with ``out``; returns the step's rows in batch order."""
+        for seq_id, length in out.block_table_lengths.items():
+            row = self.row_of.get(seq_id)
+            if row is not None:
+                self.num_blocks[row] = length
         for seq_id in out.finished_seq_ids:
             self.remove(seq_id)
         for seq_id in out.preempted_seq_ids:
@@ -192,6 +196,23 @@ class InputBatch:
         self.token_ids[rows, positions] = np.asarray(tokens, np.int32)[mask][keep]
         self.num_known[rows] = np.maximum(self.num_known[rows], positions + 1)
 
+    def record_emitted(self, seq_ids: Seq[int], rows: np.ndarray, first_positions: np.ndarray,
+                       is_sampling: Seq[bool], tokens: np.ndarray, counts: np.ndarray) -> None:
+        """Speculative decoding's `record_sampled`: row i emitted tokens[i, :counts[i]],
+        the first at first_positions[i] (its newest token's position + 1)."""
+        mask = np.asarray(is_sampling, bool) & (self.seq_of_row[rows] == np.asarray(seq_ids))
+        if not mask.any():
+            return
+        rows, first, tokens, counts = rows[mask], first_positions[mask], tokens[mask], \
+            counts[mask]
+        column = np.arange(tokens.shape[1])
+        positions = first[:, None] + column[None, :]
+        keep = (column[None, :] < counts[:, None]) & (positions < self.max_model_len)
+        grid_rows = np.broadcast_to(rows[:, None], positions.shape)
+        self.token_ids[grid_rows[keep], positions[keep]] = tokens[keep]
+        self.num_known[rows] = np.maximum(self.num_known[rows],
+                                          np.minimum(first + counts, self.max_model_len))
+
     # -- one step --------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, rows: np.ndarray, num_tokens: int,
                 num_seqs: int) -> StepInputs:
@@ -217,6 +238,14 @@ class InputBatch:
         # A position the host does not know yet holds last step's sample: the device has it.
         unknown = positions >= self.num_known[token_rows]
         tokens[unknown] = -1 - token_rows[unknown]
+        v["num_drafts"][:] = 0
+        if out.draft_token_ids:     # a row's drafts follow its newest token on the token axis
+            for i, seq_id in enumerate(out.seq_ids):
+                drafts = out.draft_token_ids.get(seq_id)
+                if drafts:
+                    end = int(ends[i])
+                    tokens[end - len(drafts):end] = drafts
+                    v["num_drafts"][i] = len(drafts)
         v["token_ids"][:live] = tokens
         v["token_ids"][live:] = 0
         v["positions"][:live] = positions

@@ -40,23 +40,27 @@ from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprob
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
 from jaxserve.runner.step_inputs import StepLayout, resolve_token_ids
+from jaxserve.spec_decode.verify import last_emitted, sample_with_drafts
 
 logger = logging.getLogger(__name__)
 
 # What a dispatched step leaves on the device: the samples, and the prompt logprobs (None in
 # buckets without prompt-logprobs slots).
-StepOutputs = tuple[SamplerOutput, PromptLogprobsOutput | None]
+# With speculative decoding the samples are [S * (k+1)] and come with num_emitted [S].
+StepOutputs = tuple[tuple[SamplerOutput, jax.Array | None], PromptLogprobsOutput | None]
 
 
 def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
           bias_values, grammar_bitmask, *, model: Any, model_constants, layout: StepLayout,
-          num_top_logprobs: int,
+          num_top_logprobs: int, num_spec_tokens: int = 0, num_spec_rows: int = 0,
           logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token
     (and the prompt logprobs of the positions that ask, when the bucket has slots for them).
 
     last_tokens: i32[R + 1], the latest sample of every persistent row (donated, updated).
     grammar_bitmask: i32[S, ceil(V/32)], allowed tokens per row (all ones: unconstrained).
+    num_spec_tokens (k > 0: speculative decoding on): the sampler's outputs are [S * (k+1)]
+    and ``num_emitted`` [S] says how many tokens each row emits (jaxserve/spec_decode).
     """
     f = layout.unpack(packed)
     token_ids = resolve_token_ids(f["token_ids"], last_tokens)
@@ -70,7 +74,6 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
         return logits                                                      # then gather
 
     last = f["logits_indices"]
-    logits = logits_of(hidden[last])
     sampling = SamplingTensors(
         temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
         presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
@@ -79,13 +82,23 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
         penalty_token_ids=penalty_token_ids, num_prompt_tokens=f["num_prompt_tokens"],
         bias_token_ids=bias_token_ids, bias_values=bias_values,
         newest_token_ids=jnp.where(f["token_ids"][last] < 0, token_ids[last], -1))
-    out = sample(logits, sampling, num_top_logprobs, grammar_bitmask=grammar_bitmask)
-    last_tokens = last_tokens.at[f["batch_rows"]].set(out.next_tokens, mode="drop")
+    num_emitted = None
+    if num_spec_tokens:
+        out, num_emitted = sample_with_drafts(
+            hidden, logits_of, token_ids, last, f["num_drafts"], sampling, grammar_bitmask,
+            num_spec_tokens=num_spec_tokens, num_spec_rows=num_spec_rows,
+            num_top_logprobs=num_top_logprobs)
+        newest = last_emitted(out, num_emitted)
+    else:
+        out = sample(logits_of(hidden[last]), sampling, num_top_logprobs,
+                     grammar_bitmask=grammar_bitmask)
+        newest = out.next_tokens
+    last_tokens = last_tokens.at[f["batch_rows"]].set(newest, mode="drop")
     prompt_out = None
     if layout.num_prompt_logprobs:
         prompt_out = prompt_logprobs(logits_of, hidden, f["prompt_logprobs_indices"],
                                      f["prompt_logprobs_targets"], num_top_logprobs)
-    return k_cache, v_cache, last_tokens, out, prompt_out
+    return k_cache, v_cache, last_tokens, (out, num_emitted), prompt_out
 
 
 class PendingStep:
@@ -95,7 +108,7 @@ class PendingStep:
                  kv_lens: np.ndarray, device_out: StepOutputs, want_logprobs: bool,
                  prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()) -> None:
         self._runner, self._out, self._rows, self._kv_lens = runner, out, rows, kv_lens
-        self._sampler_out, self._prompt_out = device_out
+        (self._sampler_out, self._num_emitted), self._prompt_out = device_out
         self._want_logprobs = want_logprobs
         self._prompt_logprobs_rows = prompt_logprobs_rows
         self._result: RunnerOutput | None = None
@@ -103,18 +116,33 @@ class PendingStep:
     def result(self) -> RunnerOutput:
         if self._result is None:
             n = self._out.num_rows
-            tokens = np.asarray(self._sampler_out.next_tokens)[:n].tolist()
+            width = self._runner.num_spec_tokens + 1     # tokens per row in the outputs
+            all_tokens = np.asarray(self._sampler_out.next_tokens)[:n * width]
             logprobs = None
             if self._want_logprobs:
                 o = jax.device_get(self._sampler_out)
-                logprobs = SampledLogprobs(np.asarray(o.sampled_logprobs)[:n],
-                                           np.asarray(o.sampled_ranks)[:n],
-                                           np.asarray(o.top_token_ids)[:n],
-                                           np.asarray(o.top_logprobs)[:n])
-            self._runner.batch.record_sampled(self._out.seq_ids, self._rows, self._kv_lens,
-                                              self._out.is_sampling, tokens)
-            self._result = RunnerOutput(tokens, logprobs, self._prompt_logprobs())
-            self._sampler_out = self._prompt_out = None
+                logprobs = SampledLogprobs(np.asarray(o.sampled_logprobs)[:n * width],
+                                           np.asarray(o.sampled_ranks)[:n * width],
+                                           np.asarray(o.top_token_ids)[:n * width],
+                                           np.asarray(o.top_logprobs)[:n * width])
+            emitted = None
+            if self._num_emitted is None:
+                tokens = all_tokens.tolist()
+                self._runner.batch.record_sampled(self._out.seq_ids, self._rows,
+                                                  self._kv_lens, self._out.is_sampling, tokens)
+            else:
+                grid = all_tokens.reshape(n, width)
+                counts = np.asarray(self._num_emitted)[:n]
+                tokens = grid[:, 0].tolist()
+                emitted = [grid[i, :counts[i]].tolist() for i in range(n)]
+                drafts = np.asarray([len(self._out.draft_token_ids.get(s, ()))
+                                     for s in self._out.seq_ids], np.int64)
+                self._runner.batch.record_emitted(self._out.seq_ids, self._rows,
+                                                  self._kv_lens - drafts,
+                                                  self._out.is_sampling, grid, counts)
+            self._result = RunnerOutput(tokens, logprobs, self._prompt_logprobs(),
+                                        emitted_token_ids=emitted, logprobs_stride=width)
+            self._sampler_out = self._prompt_out = self._num_emitted = None
         return self._result
 
     def _prompt_logprobs(self) -> dict[int, PromptLogprobsChunk]:
@@ -136,7 +164,8 @@ class ModelRunner:
     def __init__(self, arch: ModelArch, params: Any, backend: AttentionBackend, *,
                  dtype: Any, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int,
-                 eos_token_ids: Seq[int], prompt_logprobs_cap: int = 0, kv_sharding: Any = None,
+                 eos_token_ids: Seq[int], prompt_logprobs_cap: int = 0,
+                 num_spec_tokens: int = 0, max_spec_rows: int = 0, kv_sharding: Any = None,
                  input_sharding: Any = None, logits_shardings: tuple = ()) -> None:
         self.arch = arch
         self.params = params
@@ -148,6 +177,10 @@ class ModelRunner:
         self.buckets = BucketPolicy(max_num_batched_tokens, max_num_seqs)
         self.num_top_logprobs = max_logprobs
         self.prompt_logprobs_cap = prompt_logprobs_cap
+        # Speculative decoding: k drafts per row at most, verified for the first
+        # min(S, max_spec_rows) rows of a step (the scheduler drafts only in steps that small).
+        self.num_spec_tokens = num_spec_tokens
+        self.max_spec_rows = max_spec_rows
         family = family_for(arch.architecture)   # the registry's model module for this arch
         self.model = family.build(arch, backend, num_blocks, block_size, dtype)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
@@ -171,7 +204,9 @@ class ModelRunner:
     def _jitted(self, layout: StepLayout):
         return jax.jit(functools.partial(
             _step, model=self.model, model_constants=self.model_constants, layout=layout,
-            num_top_logprobs=self.num_top_logprobs, logits_shardings=self.logits_shardings),
+            num_top_logprobs=self.num_top_logprobs, num_spec_tokens=self.num_spec_tokens,
+            num_spec_rows=min(layout.num_seqs, self.max_spec_rows),
+            logits_shardings=self.logits_shardings),
             donate_argnums=(1, 2, 3))
 
     def _compile(self, num_tokens: int, num_seqs: int):
@@ -267,7 +302,7 @@ class ModelRunner:
         self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
             self.params, self.k_cache, self.v_cache, self.last_tokens, self._put(inputs.packed),
             penalty, bias_ids, bias_values, bitmask)
-        out.next_tokens.copy_to_host_async()
+        out[0].next_tokens.copy_to_host_async()
         return out, prompt_out
 
     def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,

@@ -138,8 +138,10 @@ def _apply_bias_and_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Arra
     num_bias = t.bias_token_ids.shape[1]
     # The newest token (when the host did not know it) goes last: past any prompt position,
     # so it counts as an output token.
-    ids = jnp.concatenate([t.bias_token_ids, t.penalty_token_ids, t.newest_token_ids[:, None]],
-                          1)
+    # newest_token_ids: [S], or [S, n] (speculative verification: the newest token, then
+    # the drafts before the position).
+    ids = jnp.concatenate([t.bias_token_ids, t.penalty_token_ids,
+                           t.newest_token_ids.reshape(num_rows, -1)], 1)
     column = lax.broadcasted_iota(_I32, ids.shape, 1)
     offset = jnp.where(column < num_bias, 0, jnp.where(
         column - num_bias < t.num_prompt_tokens[:, None], vocab, 2 * vocab))

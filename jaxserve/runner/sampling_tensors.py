@@ -34,4 +34,4 @@ class SamplingTensors:
     bias_values: np.ndarray         # f32[S, NB]; additive, -inf bans
     # The newest output token when it is not in penalty_token_ids yet (async scheduling:
     # the host has not seen it), else -1. Penalties count it as an output token.
-    newest_token_ids: np.ndarray    # i32[S]
+    newest_token_ids: np.ndarray    # i32[S] (or [S, n]: also the drafts before a position)

@@ -4,7 +4,7 @@ Layout of the packed buffer for a (T, S) bucket with block-table width W (float3
 fields travel as their int32 bit patterns, seeds as uint32 bits):
 
   token_ids[T] positions[T] slot_mapping[T]
-  query_start_loc[S+1] kv_lens[S] logits_indices[S] batch_rows[S] num_seqs[1]
+  query_start_loc[S+1] kv_lens[S] logits_indices[S] batch_rows[S] num_seqs[1] num_drafts[S]
   top_k[S] seeds[S] num_logprobs[S] num_prompt_tokens[S]
   temperature[S] top_p[S] min_p[S] presence_penalty[S] frequency_penalty[S]
   repetition_penalty[S]
@@ -15,6 +15,9 @@ P = min(T, prompt_logprobs_cap) prompt positions per step may ask for prompt log
 ``prompt_logprobs_indices[p]`` is a flat token index whose logits predict the prompt token
 ``prompt_logprobs_targets[p]`` (-1: an unused slot). The scheduler caps the chunks of
 requests that ask so that a step never needs more than P.
+
+``num_drafts[s]``: draft tokens of row s this step (speculative decoding): its query chunk
+is its newest token then the drafts, and ``logits_indices[s]`` is its last draft.
 
 ``token_ids[t] < 0`` means "the token sampled last step for persistent row -1 - t":
 with async scheduling the host does not know it yet, so the step takes it from the
@@ -55,6 +58,7 @@ class StepLayout:
         P = min(T, prompt_logprobs_cap)
         sizes = {"token_ids": T, "positions": T, "slot_mapping": T, "query_start_loc": S + 1,
                  "kv_lens": S, "logits_indices": S, "batch_rows": S, "num_seqs": 1,
+                 "num_drafts": S,
                  **{name: S for name in INT_FIELDS + FLOAT_FIELDS},
                  "block_tables": S * width,
                  "prompt_logprobs_indices": P, "prompt_logprobs_targets": P}
