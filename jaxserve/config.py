@@ -37,6 +37,12 @@ class ModelConfig:
     dtype: str = opt("auto", "Weights and activations dtype: auto (float32 on CPU, bfloat16 "
                      "on GPU), float32, bfloat16, float16.",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"])
+    quantization: str | None = opt(
+        None, "Weight quantization (vLLM's flag). int8: weight-only int8 per output channel "
+        "(w8a16), quantized at load from any float checkpoint. gguf: a GGUF file's Q8_0/Q4_0/"
+        "Q4_1 tensors stay packed in device memory and are dequantized inside the step "
+        "(other GGUF types are dequantized at load). Default: weights in --dtype.",
+        choices=["int8", "gguf"])
     max_model_len: int | None = opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")
