@@ -161,6 +161,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                 "max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
                 kv_plan.block_size, kv_plan.capacity_tokens, kv_plan.total_bytes / 2**30,
                 kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
+    logger.info(kv_plan.describe())
 
     eos = eos_ids(loaded.tokenizer, loaded.generation_config)
     backend = placement.shard_backend(
