@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.layers import Embedding, Linear
@@ -13,7 +14,6 @@ from jaxserve.models.llama import FAMILY as LLAMA
 from jaxserve.parallel.mesh import MODEL_AXIS
 from jaxserve.quantization.gguf_packed import BYTES_PER_BLOCK, dequantize
 from jaxserve.quantization.int8 import quantize_int8
-from jax.sharding import PartitionSpec as P
 
 
 def _gguf_pack(w: np.ndarray, fmt: str) -> np.ndarray:
