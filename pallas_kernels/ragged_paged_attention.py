@@ -151,7 +151,8 @@ def _kernel(
         block_id = jnp.clip(block_id, 0, num_blocks - 1)
         slot = block_id * block_size + key_pos % block_size
         kv_mask = row_col_mask(key_valid)
-        k = plgpu.load(k_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
+        # A quantized (fp8) cache is dequantized here, tile by tile: cast to q's dtype.
+        k = plgpu.load(k_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0).astype(q.dtype)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision)
         if soft_cap:
             logits = soft_cap * jnp.tanh(logits * (scale_log2 / _LOG2_E / soft_cap)) * _LOG2_E
@@ -164,7 +165,7 @@ def _kernel(
         correction = jnp.exp2(m_prev - m_next)
         p = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)
         l_next = l_prev * correction + p.sum(axis=1)
-        v = plgpu.load(v_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
+        v = plgpu.load(v_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0).astype(q.dtype)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_next, l_next
 

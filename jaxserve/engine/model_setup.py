@@ -22,6 +22,7 @@ from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization import check_mode
 from jaxserve.quantization.int8 import quantize_params_int8
+from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
@@ -108,6 +109,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
     dtype = resolve_dtype(mc.dtype, platform)
+    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     if jax.default_backend() == "cpu":
         keep_freed_memory_in_heap()
 
@@ -154,12 +156,13 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
-    kv_plan = placement.agree(plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes,
+    kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation_bytes,
                                             max_model_len, tp_size=placement.tp,
                                             device=placement.device))
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB; budget from %s); "
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens in %s (%.2f GiB; budget from %s); "
                 "max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
-                kv_plan.block_size, kv_plan.capacity_tokens, kv_plan.total_bytes / 2**30,
+                kv_plan.block_size, kv_plan.capacity_tokens, np.dtype(kv_dtype).name,
+                kv_plan.total_bytes / 2**30,
                 kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
     logger.info(kv_plan.describe())
 
@@ -169,7 +172,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     runner = ModelRunner(
         arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
         block_size=kv_plan.block_size, max_model_len=max_model_len,
-        max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+        kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
         max_logprobs=mc.max_logprobs, eos_token_ids=eos,
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings)
