@@ -21,6 +21,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization import check_mode
+from jaxserve.quantization.cost import measured_cost
 from jaxserve.quantization.int8 import quantize_params_int8
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
@@ -165,6 +166,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                 kv_plan.total_bytes / 2**30,
                 kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
     logger.info(kv_plan.describe())
+    cost = measured_cost(quantization, cc.kv_cache_dtype)
+    if cost:
+        logger.warning(cost)
 
     eos = eos_ids(loaded.tokenizer, loaded.generation_config)
     backend = placement.shard_backend(
