@@ -23,6 +23,7 @@ from tests.test_kernels import (
     sweep_batches,
 )
 from tests.test_memory_plan import ARCH, CPU
+from tests.test_quantization import compile_events
 
 FP8 = jnp.float8_e4m3fn
 
@@ -89,9 +90,10 @@ def test_fp8_kv_engine_uses_reference_on_cpu_and_refuses_the_cpp_kernel(make_tin
     assert setup.runner.model.backend.name == "reference"
     f32_tokens = (2 << 20) // (2 * ARCH_TINY_BYTES_PER_TOKEN_F32)
     assert setup.kv_plan.capacity_tokens >= 3.9 * f32_tokens - 16
-    out = llm.generate(["Hello, world!"], SamplingParams(temperature=0.0, max_tokens=8,
-                                                         ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 8
+    with compile_events() as compiles:
+        out = llm.generate(["Hello, world!", "A longer prompt " * 5], SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert compiles == [] and len(out[1].outputs[0].token_ids) == 8
 
 
 # tiny llama (tests/conftest.py): 2 layers, 2 KV heads, head_dim 16, float32 -> K or V bytes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,23 @@ from jaxserve.models.llama import FAMILY as LLAMA
 from jaxserve.parallel.mesh import MODEL_AXIS
 from jaxserve.quantization.gguf_packed import BYTES_PER_BLOCK, dequantize
 from jaxserve.quantization.int8 import quantize_int8
+
+
+@contextlib.contextmanager
+def compile_events():
+    """Collect jax's compile / trace events while the block runs (tests/test_engine.py's
+    listener pattern)."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event or "trace" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _gguf_pack(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -103,6 +122,10 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in ("Hello, world!", "The quick brown fox",
                                        "def add(a, b):", "Paged attention stores")]
+    with compile_events() as compiles:     # quantized weights: still no compile after warm-up
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate(prompts + [list(range(3, 60))], params, use_tqdm=False)
+    assert compiles == [] and all(len(o.outputs[0].token_ids) == 8 for o in outs)
     # A random tiny model's next-token distribution is nearly flat (greedy continuations
     # fork on near-ties), so compare teacher-forced logits: close, and mostly the same top-1.
     logits = np.concatenate([llm.llm_engine.prompt_logits(p) for p in prompts])
@@ -112,9 +135,6 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
           "top-1", np.mean(logits.argmax(-1) == ref_logits.argmax(-1)))
     assert np.abs(logits - ref_logits).max() < 0.1 * spread
     assert np.mean(logits.argmax(-1) == ref_logits.argmax(-1)) >= 0.8
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert all(len(o.outputs[0].token_ids) == 8
-               for o in llm.generate(prompts, params, use_tqdm=False))
 
 
 def test_default_gguf_served_packed_matches_hf_on_dequantized_weights(default_gguf_path):
