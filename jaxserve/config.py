@@ -37,6 +37,12 @@ class ModelConfig:
     dtype: str = opt("auto", "Weights and activations dtype: auto (float32 on CPU, bfloat16 "
                      "on GPU), float32, bfloat16, float16.",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"])
+    quantization: str | None = opt(
+        None, "Weight quantization (vLLM's flag). int8: weight-only int8 per output channel "
+        "(w8a16), quantized at load from any float checkpoint. gguf: a GGUF file's Q8_0/Q4_0/"
+        "Q4_1 tensors stay packed in device memory and are dequantized inside the step "
+        "(other GGUF types are dequantized at load). Default: weights in --dtype.",
+        choices=["int8", "gguf"])
     max_model_len: int | None = opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")
@@ -62,6 +68,11 @@ class CacheConfig:
         "--kv-cache-memory-bytes is given.")
     kv_cache_memory_bytes: int | None = opt(
         None, "KV cache size in bytes; overrides --gpu-memory-utilization.")
+    kv_cache_dtype: str = opt(
+        "auto", "KV cache dtype (vLLM's flag): auto (the model dtype), float32, bfloat16, "
+        "float16, or fp8 (e4m3, static scale 1.0; 4x the tokens of float32; on CPU it uses "
+        "the reference attention backend). See jaxserve/quantization/kv.py.",
+        choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8"])
     enable_prefix_caching: bool = opt(True, "Reuse KV blocks of identical prompt prefixes.")
     num_gpu_blocks_override: int | None = opt(None, "Force this many KV-cache blocks.")
 
@@ -178,8 +189,15 @@ class EngineConfig(FlatOptions):
         on_cpu = platform == "cpu"
         if s.max_num_batched_tokens is None:
             s.max_num_batched_tokens = 512 if on_cpu else 2048
+        fp8_kv = c.kv_cache_dtype.startswith("fp8")
+        if fp8_kv and self.runner_config.attention_backend == "cpu":
+            raise ValueError("attention backend 'cpu' (the C++ kernel) reads float32/bfloat16/"
+                             "float16 KV caches only; with kv_cache_dtype "
+                             f"{c.kv_cache_dtype!r} use 'auto' or 'reference'")
         if self.runner_config.attention_backend == "auto":
-            if on_cpu:
+            if on_cpu and fp8_kv:
+                self.runner_config.attention_backend = "reference"
+            elif on_cpu:
                 from jaxserve.attention.cpu import available  # warns once if it cannot build
 
                 self.runner_config.attention_backend = "cpu" if available() else "reference"

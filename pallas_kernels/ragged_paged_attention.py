@@ -142,6 +142,15 @@ def _kernel(
     kv_stop = jnp.minimum(kv_end, kv_start + split_len)
     num_steps = pl.cdiv(jnp.maximum(kv_stop - kv_start, 0), block_kv)
 
+    def load_kv(ref, slot, kv_mask):
+        """A [block_kv, D] tile of K or V in q's dtype: a quantized (fp8) cache is
+        dequantized here, tile by tile. Triton cannot splat an integer `other` into fp8,
+        so fp8 tiles load unfilled and masked lanes are zeroed after the cast."""
+        if jnp.dtype(ref.dtype).itemsize == 1:
+            tile = plgpu.load(ref.at[slot[:, None], kv_col], mask=kv_mask)
+            return jnp.where(kv_mask, tile.astype(q.dtype), 0)
+        return plgpu.load(ref.at[slot[:, None], kv_col], mask=kv_mask, other=0).astype(q.dtype)
+
     def body(step, carry):
         acc, m_prev, l_prev = carry
         key_pos = kv_start + step * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
@@ -151,7 +160,7 @@ def _kernel(
         block_id = jnp.clip(block_id, 0, num_blocks - 1)
         slot = block_id * block_size + key_pos % block_size
         kv_mask = row_col_mask(key_valid)
-        k = plgpu.load(k_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
+        k = load_kv(k_ref, slot, kv_mask)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision)
         if soft_cap:
             logits = soft_cap * jnp.tanh(logits * (scale_log2 / _LOG2_E / soft_cap)) * _LOG2_E
@@ -164,7 +173,7 @@ def _kernel(
         correction = jnp.exp2(m_prev - m_next)
         p = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)
         l_next = l_prev * correction + p.sum(axis=1)
-        v = plgpu.load(v_ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
+        v = load_kv(v_ref, slot, kv_mask)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_next, l_next
 

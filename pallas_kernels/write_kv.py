@@ -30,6 +30,10 @@ def write_kv(
     slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
 
     def scatter(cache, new):
+        if jnp.issubdtype(cache.dtype, jnp.floating) and jnp.finfo(cache.dtype).bits == 8:
+            # fp8 KV (e4m3fn has no inf: an overflow would become NaN): saturate instead.
+            top = float(jnp.finfo(cache.dtype).max)
+            new = jnp.clip(new.astype(jnp.float32), -top, top)
         flat = cache.reshape(num_slots, num_kv_heads, head_dim)
         flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)

@@ -66,3 +66,12 @@ def test_speculative_verification_step_exports_for_cuda(make_tiny_model):
     for num_tokens, num_seqs in runner.buckets.all_shapes()[::3]:
         exported = runner.export_step(num_tokens, num_seqs, "cuda")
         assert exported.platforms == ("cuda",)
+
+
+def test_int8_weights_and_fp8_kv_step_exports_for_cuda_with_the_pallas_kernel(make_tiny_model):
+    _, runner = cuda_runner(make_tiny_model("llama"), quantization="int8", kv_cache_dtype="fp8")
+    assert runner.params["params"]["layers"]["q_proj"]["kernel"].dtype.name == "int8"
+    assert runner.k_cache.dtype.name == "float8_e4m3fn"
+    t, s = runner.buckets.all_shapes()[0]
+    mlir = runner.export_step(t, s, "cuda").mlir_module()
+    assert mlir.count(TRITON) >= 1 and "f8E4M3FN" in mlir

@@ -21,6 +21,10 @@ from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
+from jaxserve.quantization import check_mode
+from jaxserve.quantization.cost import measured_cost
+from jaxserve.quantization.int8 import quantize_params_int8
+from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
@@ -43,6 +47,7 @@ class ModelSetup:
     default_sampling_overrides: dict[str, Any]
     model_path: str
     num_params: int
+    weight_bytes: int         # resident parameter bytes (all devices), quantized as stored
     warmup_seconds: float
     load_seconds: float
     draft_proposer: Any = None       # speculative decoding's draft model (DraftModelProposer)
@@ -107,12 +112,14 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
     dtype = resolve_dtype(mc.dtype, platform)
+    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     if jax.default_backend() == "cpu":
         keep_freed_memory_in_heap()
 
     t0 = time.perf_counter()
+    quantization = check_mode(mc.quantization)
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
-                        load_format=mc.load_format)
+                        load_format=mc.load_format, quantization=quantization)
     arch = read_arch(loaded.hf_config)
     family = family_for(arch.architecture)
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
@@ -120,19 +127,30 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
         if sc.max_prompt_logprobs_per_step:   # a prompt is never split: it must fit whole
             sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
-    num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
+    num_params = sum(int(np.prod(s)) for s in family.weight_shapes(arch).values())
     # Sharding (jaxserve/parallel/placement.py): with tp > 1 each device receives only its
     # shard of every weight and its KV heads; with one device this is a plain device_put.
     placement = ModelPlacement.create(config.parallel_config, arch, mesh)
+    if placement.arch.num_kv_heads != arch.num_kv_heads and quantization == "gguf":
+        raise ValueError(f"tensor_parallel_size={placement.tp} > {arch.num_kv_heads} KV heads "
+                         "replicates KV heads, which packed GGUF weights do not support yet; "
+                         "use quantization=None or int8, or a smaller tensor_parallel_size")
     arch = placement.arch
-    params = placement.place(family.params_from_weights(placement.prepare(loaded.weights), arch))
-    del loaded.weights
-    weight_bytes = placement.weight_bytes_per_device(params, num_params * np.dtype(dtype).itemsize)
+    host_params = family.params_from_weights(placement.prepare(loaded.weights), arch)
+    if quantization == "int8":
+        host_params = quantize_params_int8(host_params)
+    resident_bytes = sum(np.asarray(w).nbytes for w in jax.tree.leaves(host_params))
+    params = placement.place(host_params)
+    del loaded.weights, host_params
+    weight_bytes = placement.weight_bytes_per_device(params, resident_bytes)
     load_seconds = time.perf_counter() - t0
 
     devices = jax.devices()
-    logger.info("model %s: %s, %.1fM parameters, dtype %s, on %d %s device(s) (%s) [%.1f s]",
+    logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
+                "weights, %.2fx %s), on %d %s device(s) (%s) [%.1f s]",
                 loaded.model_path, arch.architecture, num_params / 1e6, np.dtype(dtype).name,
+                quantization, resident_bytes / 2**20,
+                resident_bytes / (num_params * np.dtype(dtype).itemsize), np.dtype(dtype).name,
                 len(devices), platform, devices[0].device_kind, load_seconds)
 
     # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
@@ -149,7 +167,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if spec is not None and spec.method == "draft_model":
         draft = _load_draft(config, arch, dtype, platform, max_model_len, max_spec_rows)
         weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
-    kv_plan = placement.agree(plan_kv_cache(cc, arch, dtype, weight_bytes, activation_bytes,
+    kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation_bytes,
                                             max_model_len, tp_size=placement.tp,
                                             device=placement.device))
     if draft is not None and cc.kv_cache_memory_bytes and not cc.num_gpu_blocks_override:
@@ -157,10 +175,15 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         taken = -(-draft["kv_bytes"] // kv_plan.bytes_per_block)
         kv_plan = dataclasses.replace(kv_plan, num_blocks=max(
             kv_plan.num_blocks - taken, -(-max_model_len // kv_plan.block_size)))
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB; budget from %s); "
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens in %s (%.2f GiB; budget from %s); "
                 "max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
-                kv_plan.block_size, kv_plan.capacity_tokens, kv_plan.total_bytes / 2**30,
+                kv_plan.block_size, kv_plan.capacity_tokens, np.dtype(kv_dtype).name,
+                kv_plan.total_bytes / 2**30,
                 kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
+    logger.info(kv_plan.describe())
+    cost = measured_cost(quantization, cc.kv_cache_dtype)
+    if cost:
+        logger.warning(cost)
 
     eos = eos_ids(loaded.tokenizer, loaded.generation_config)
     backend = placement.shard_backend(
@@ -168,7 +191,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     runner = ModelRunner(
         arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
         block_size=kv_plan.block_size, max_model_len=max_model_len,
-        max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+        kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
         max_logprobs=mc.max_logprobs, eos_token_ids=eos,
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
         max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
@@ -202,7 +226,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     return ModelSetup(arch=arch, tokenizer=loaded.tokenizer, runner=runner, kv_plan=kv_plan,
                       max_model_len=max_model_len, dtype=dtype, eos_token_ids=eos,
                       default_sampling_overrides=overrides, model_path=loaded.model_path,
-                      num_params=num_params, warmup_seconds=warmup_seconds,
+                      num_params=num_params, weight_bytes=resident_bytes,
+                      warmup_seconds=warmup_seconds,
                       load_seconds=load_seconds, draft_proposer=draft_proposer)
 
 

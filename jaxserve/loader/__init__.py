@@ -75,14 +75,20 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str]:
 
 def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
                tokenizer: str | os.PathLike | None = None,
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", quantization: str | None = None) -> LoadedModel:
     """Resolve `model` (see loader/resolve.py) and load its config, weights and tokenizer.
 
     dtype: the numpy dtype of every weight ("float32", "bfloat16" = ml_dtypes.bfloat16,
     "float16"). tokenizer: another tokenizer directory, .gguf or repo id; default: the model's.
     load_format: "auto" reads the weights; "dummy" makes random ones (loader/dummy.py) and
     needs only the config (a directory with config.json alone is enough).
+    quantization: "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors packed (their weights
+    entries are ``NAME.q4_1`` uint8 arrays, quantization/gguf_packed.py); "int8" and None
+    load float weights (int8 is applied to the params tree by the engine).
     """
+    if quantization == "gguf" and load_format == "dummy":
+        raise ValueError("quantization='gguf' keeps a GGUF file's packed tensors; it needs "
+                         "load_format='auto' (dummy weights are float)")
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     from jaxserve.tokenizer import load_tokenizer
@@ -102,11 +108,15 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
         hf_config = gguf_config(reader, resolved.path)
         architecture = hf_config.architectures[0]
         weights = (dummy_weights(hf_config, numpy_dtype) if load_format == "dummy" else
-                   load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path))
+                   load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path,
+                                     keep_packed=quantization == "gguf"))
         loaded_tokenizer = (load_tokenizer(tokenizer) if tokenizer is not None
                             else gguf_tokenizer(resolved.path, reader))
         generation_config: dict[str, Any] = {}
     else:
+        if quantization == "gguf":
+            raise ValueError(f"{resolved.path}: quantization='gguf' needs a .gguf checkpoint; "
+                             "for a float checkpoint use quantization='int8'")
         from jaxserve.loader.safetensors_loader import load_safetensors_weights
 
         hf_config, architecture = _load_hf_config(resolved.path)
@@ -116,8 +126,8 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
             weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype)
         loaded_tokenizer = load_tokenizer(tokenizer if tokenizer is not None else resolved.path)
         generation_config = read_generation_config(resolved.path)
-    logger.info("loaded %s (%s, %s, %.1f M parameters) in %.2f s", resolved.path, architecture,
-                numpy_dtype.name, sum(w.size for w in weights.values()) / 1e6,
+    logger.info("loaded %s (%s, %s, %.1f MiB of weights) in %.2f s", resolved.path,
+                architecture, numpy_dtype.name, sum(w.nbytes for w in weights.values()) / 2**20,
                 time.perf_counter() - start)
     return LoadedModel(hf_config=hf_config, weights=weights, tokenizer=loaded_tokenizer,
                        generation_config=generation_config, model_path=resolved.path,

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxserve.loader.weights import StackedWeights, parse_name
 from jaxserve.models.registry import gguf_family, read_arch
+from jaxserve.quantization.gguf_packed import PACKED_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -132,18 +133,51 @@ def _rope_parameters(reader: Any, arch: str, path: str) -> dict[str, Any]:
     raise ValueError(f"{path}: rope scaling type {scaling!r} is not supported (linear, yarn)")
 
 
+def _packable(name: str) -> bool:
+    """Tensors a packed format may stand in for: projections and the embedding / LM head."""
+    return name.endswith(".kernel") or name in ("embed_tokens", "lm_head")
+
+
+def _packed_groups(reader: Any, family: Any) -> dict[str, str]:
+    """Our tensor name -> packed format, for every packable tensor whose layers all hold
+    one supported packed type (a name with mixed or other types is dequantized)."""
+    types: dict[str, set[str]] = {}
+    for tensor in reader.tensors:
+        parsed = parse_name(tensor.name, "gguf", family)
+        if parsed is not None and _packable(parsed[0]):
+            types.setdefault(parsed[0], set()).add(tensor.tensor_type.name.lower())
+    return {name: next(iter(t)) for name, t in types.items()
+            if len(t) == 1 and next(iter(t)) in PACKED_FORMATS}
+
+
 def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
-                      path: str) -> dict[str, np.ndarray]:
-    """All weights of a GGUF file, dequantized into our stacked layout and `dtype`."""
+                      path: str, keep_packed: bool = False) -> dict[str, np.ndarray]:
+    """All weights of a GGUF file in our stacked layout: dequantized into `dtype`, or with
+    keep_packed, Q8_0/Q4_0/Q4_1 projections and embeddings as their raw blocks
+    (``layers.q_proj.q4_1`` uint8 [L, out, packed bytes]; quantization/gguf_packed.py)."""
     from gguf.quants import dequantize
 
     gguf_arch = gguf_architecture(reader, path)
     family = gguf_family(gguf_arch, path)
     arch = read_arch(hf_config)
-    stacked = StackedWeights(family.weight_shapes(arch), dtype, source=path)
+    packed_names = _packed_groups(reader, family) if keep_packed else {}
+    shapes = {n: s for n, s in family.weight_shapes(arch).items() if n not in packed_names}
+    stacked = StackedWeights(shapes, dtype, source=path)
+    packed: dict[str, np.ndarray] = {}
     unexpected, wanted = [], []
     for tensor in reader.tensors:
         parsed = parse_name(tensor.name, "gguf", family)
+        if parsed is not None and parsed[0] in packed_names:
+            name, layer = parsed
+            rows = family.from_gguf(name, np.asarray(tensor.data), arch, gguf_arch)
+            key = f"{name.removesuffix('.kernel')}.{packed_names[name]}"
+            if layer is None:
+                packed[key] = np.ascontiguousarray(rows)
+            else:
+                if key not in packed:
+                    packed[key] = np.empty((arch.num_layers, *rows.shape), np.uint8)
+                packed[key][layer] = rows
+            continue
         if parsed is None or not stacked.wants(parsed[0]):
             if tensor.name != "output.weight" or not arch.tie_word_embeddings:
                 unexpected.append(tensor.name)
@@ -167,7 +201,7 @@ def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
     if unexpected:
         raise ValueError(f"{path}: GGUF has tensors this loader does not know how to use: "
                          f"{unexpected[:8]}")
-    return stacked.finish()
+    return stacked.finish() | packed
 
 
 def gguf_tokenizer(path: str | os.PathLike, reader: Any = None) -> Any:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.layers import PagedCache, RMSNorm, soft_cap
+from jaxserve.models.layers import Embedding, Linear, PagedCache, RMSNorm, soft_cap
 from jaxserve.runner.step_inputs import AttentionMetadata
 
 
@@ -62,14 +62,14 @@ class CausalLM(nn.Module):
     def setup(self) -> None:
         # Attribute names are the parameter tree's names (embed_tokens, layers, norm, lm_head).
         a, dt, opts = self.arch, self.dtype, self.arch.options
-        self.embed_tokens = nn.Embed(a.vocab_size, a.hidden_size, dtype=dt, param_dtype=dt)
+        self.embed_tokens = Embedding(a.vocab_size, a.hidden_size, dtype=dt)
         self.layers = nn.scan(
             self.layer, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=a.num_layers,
         )(a, self.cache, dt)
         self.norm = RMSNorm(opts.rms_norm_eps, dt, opts.norm_offset)
         if not a.tie_word_embeddings:
-            self.lm_head = nn.Dense(a.vocab_size, use_bias=False, dtype=dt, param_dtype=dt)
+            self.lm_head = Linear(a.vocab_size, dtype=dt)
 
     def __call__(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
                  constants: dict[str, jax.Array]):

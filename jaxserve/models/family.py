@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.arch import ModelArch
 from jaxserve.parallel.mesh import MODEL_AXIS
+from jaxserve.quantization.gguf_packed import BLOCK_WEIGHTS, BYTES_PER_BLOCK, PACKED_FORMATS
 
 # Partition rule kinds (Megatron-style on the `model` axis):
 COLUMN = "column"         # [L, in, out] kernels split by output columns, biases with them
@@ -88,7 +89,22 @@ class ModelFamily:
         layers: dict[str, dict[str, Any]] = {}
         params: dict[str, Any] = {"layers": layers}
         expected = self.weight_shapes(arch)
+        present = set()
         for name, value in weights.items():
+            # A GGUF-packed tensor ("layers.q_proj.q4_1", "embed_tokens.q8_0") stands in for
+            # the float one ("layers.q_proj.kernel", "embed_tokens"); quantization/gguf_packed.py
+            base, _, fmt = name.rpartition(".")
+            if fmt in PACKED_FORMATS:
+                float_name = base + ".kernel" if base.startswith("layers.") else base
+                if float_name not in expected:
+                    raise ValueError(f"unexpected packed weight {name!r} for {arch.architecture}")
+                present.add(float_name)
+                if base.startswith("layers."):
+                    layers.setdefault(base.split(".")[1], {})[fmt] = value
+                else:
+                    params[base] = {fmt: value}
+                continue
+            present.add(name)
             if name not in expected:
                 raise ValueError(f"unexpected weight {name!r} for {arch.architecture}")
             if name.startswith("layers."):
@@ -98,7 +114,7 @@ class ModelFamily:
             else:
                 params[name] = {{"embed_tokens": "embedding", "lm_head": "kernel"}.get(
                     name, "weight"): value}
-        missing = sorted(set(expected) - set(weights))
+        missing = sorted(set(expected) - present)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing}")
         return {"params": params}
@@ -111,6 +127,10 @@ class ModelFamily:
         module = path[1] if path[0] == "layers" and len(path) == 3 else path[0]
         kind = self.partition_rules.get(module)
         leaf = path[-1]
+        if leaf in PACKED_FORMATS:
+            return _packed_spec(kind, leaf, shape, tp, "/".join(path))
+        if leaf == "scale" and kind in (VOCAB_ROWS, VOCAB_COLS):   # int8 lm_head [V]
+            return P(MODEL_AXIS) if shape[-1] % tp == 0 else P()
         if kind == COLUMN:
             return P(None, None, MODEL_AXIS) if leaf == "kernel" else P(None, MODEL_AXIS)
         if kind == ROW:
@@ -143,6 +163,23 @@ class ModelFamily:
 
     def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+
+def _packed_spec(kind: str | None, fmt: str, shape: tuple[int, ...], tp: int, name: str) -> P:
+    """A packed [.., rows = out, blocks * bytes] tensor: column-split layers and the vocab
+    split rows; row-split layers split whole blocks of the input axis."""
+    rows = [None] * (len(shape) - 2)
+    if kind == COLUMN:
+        return P(*rows, MODEL_AXIS, None)
+    if kind in (VOCAB_ROWS, VOCAB_COLS):
+        return P(MODEL_AXIS, None) if shape[0] % tp == 0 else P()
+    if kind == ROW:
+        blocks = shape[-1] // BYTES_PER_BLOCK[fmt]
+        if blocks % tp:
+            raise ValueError(f"{name}: {blocks} blocks of {BLOCK_WEIGHTS} input features do "
+                             f"not split over tensor_parallel_size={tp}")
+        return P(*rows, None, MODEL_AXIS)
+    raise ValueError(f"no partition spec for packed parameter {name} {shape}")
 
 
 def _vocab_or_hidden(shape: tuple[int, ...], vocab_axis: int, tp: int) -> P:

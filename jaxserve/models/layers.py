@@ -17,6 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
+from jaxserve.quantization.gguf_packed import (
+    dequantize,
+    packed_columns,
+    packed_format_of,
+    packed_matmul,
+)
 from jaxserve.runner.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -59,8 +65,75 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
     return cap * jnp.tanh(x / cap)
 
 
-def dense(features: int, name: str, dtype: Any, bias: bool = False) -> nn.Dense:
-    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+class Linear(nn.Module):
+    """y = x @ W (+ b): nn.Dense's parameters and numerics, plus the quantized layouts
+    (jaxserve/quantization), chosen by which leaves the params tree holds:
+      kernel [in, out] float                     plain (nn.Dense, bit for bit)
+      kernel [in, out] int8 + scale [out]        w8a16: (x @ kernel) * scale
+      q8_0 / q4_0 / q4_1 uint8 [out, packed]     GGUF blocks, dequantized in the jit
+    so one module serves every family in every mode, and init makes the plain one."""
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        names = self.variables.get("params", {})
+        fmt = packed_format_of(names)
+        if fmt is not None:
+            y = packed_matmul(x, self.get_variable("params", fmt), fmt, self.dtype)
+        elif "scale" in names:
+            kernel = self.get_variable("params", "kernel")
+            y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                                    (((x.ndim - 1,), (0,)), ((), ())))
+            y = y * self.get_variable("params", "scale").astype(self.dtype)
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                                (x.shape[-1], self.features), self.dtype)
+            y = jax.lax.dot_general(x.astype(self.dtype), kernel,
+                                    (((x.ndim - 1,), (0,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class Embedding(nn.Module):
+    """nn.Embed's table [V, H] (`embedding`), or a GGUF-packed one (q8_0 / q4_0 / q4_1
+    uint8 [V, packed]): lookups dequantize only the gathered rows; `attend` (the tied LM
+    head) dequantizes the table inside the jit."""
+    num_embeddings: int
+    features: int
+    dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        fmt = packed_format_of(self.variables.get("params", {}))
+        self.packed_format = fmt
+        if fmt is None:
+            self.embedding = self.param(
+                "embedding", nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
+                (self.num_embeddings, self.features), self.dtype)
+
+    def _packed(self) -> jax.Array:
+        packed = self.get_variable("params", self.packed_format)
+        if packed_columns(packed.shape, self.packed_format) != self.features:
+            raise ValueError(f"packed embedding has {packed_columns(packed.shape, self.packed_format)} "
+                             f"columns, expected {self.features}")
+        return packed
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        if self.packed_format is None:
+            return jnp.take(self.embedding, ids, axis=0)
+        return dequantize(jnp.take(self._packed(), ids, axis=0), self.packed_format, self.dtype)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """query [N, H] -> [N, V]: query @ table.T."""
+        if self.packed_format is None:
+            return jnp.dot(query.astype(self.dtype), self.embedding.T)
+        return packed_matmul(query, self._packed(), self.packed_format, self.dtype)
+
+
+def dense(features: int, name: str, dtype: Any, bias: bool = False) -> Linear:
+    return Linear(features, use_bias=bias, dtype=dtype, name=name)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,12 @@ class KVCachePlan:
     num_blocks: int          # blocks per layer
     block_size: int
     bytes_per_block: int     # all layers, K and V
-    budget_bytes: int
+    budget_bytes: int        # KV bytes per device
     source: str              # how the budget was chosen, for the startup log
+    weight_bytes: int = 0        # per device, as placed (quantized as stored)
+    activation_bytes: int = 0    # per device: the largest step's estimate
+    pool_devices: int = 1        # this engine's devices drawing on one memory pool
+    pool_bytes: int = 0          # the pool the plan was made from (0: not measured)
 
     @property
     def capacity_tokens(self) -> int:
@@ -31,6 +35,27 @@ class KVCachePlan:
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+    def describe(self) -> str:
+        """The startup log's memory plan: per device, and what the shared pool keeps free."""
+        mib = 2**20
+        per_device = self.weight_bytes + self.activation_bytes + self.total_bytes
+        text = (f"memory plan per device: weights {self.weight_bytes / mib:.1f} MiB + "
+                f"activations {self.activation_bytes / mib:.1f} MiB + KV cache "
+                f"{self.total_bytes / mib:.1f} MiB = {per_device / mib:.1f} MiB")
+        if self.pool_devices > 1:
+            text += f"; {self.pool_devices} devices share one memory pool (host RAM)"
+        if self.pool_bytes:
+            headroom = self.pool_bytes - per_device * self.pool_devices
+            text += (f"; headroom {headroom / mib:.1f} MiB of the pool's "
+                     f"{self.pool_bytes / mib:.1f} MiB")
+        return text
+
+
+def devices_per_pool(device: jax.Device, tp_size: int) -> int:
+    """How many of one engine's devices draw on the same memory: on CPU every (simulated)
+    device is host RAM, so all tp of them share one budget; a GPU has its own memory."""
+    return tp_size if device.platform == "cpu" else 1
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype, tp_size: int = 1) -> int:
@@ -53,22 +78,32 @@ def available_host_memory() -> int:
 def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
                   activation_bytes: int, max_model_len: int, tp_size: int = 1,
                   device: jax.Device | None = None) -> KVCachePlan:
-    """Size the cache from --kv-cache-memory-bytes, or a utilization fraction of memory."""
+    """Size the cache from --kv-cache-memory-bytes, or a utilization fraction of memory.
+
+    Planned per memory pool: weight_bytes and activation_bytes are per device, and where
+    the engine's devices share one pool (simulated CPU devices: host RAM) the pool's budget
+    (kv_cache_memory_bytes, or the RAM fraction with its cap) is split among them, so
+    tp=3 holds the tokens tp=1 holds, in the same RAM, not 3x."""
     device = device or jax.devices()[0]
     per_block = bytes_per_block(arch, cache.block_size, dtype, tp_size)
+    pool_devices = devices_per_pool(device, tp_size)
+    split = f", split over {pool_devices} devices sharing host RAM" if pool_devices > 1 else ""
+    pool_bytes = 0
     if cache.num_gpu_blocks_override:
         budget, source = cache.num_gpu_blocks_override * per_block, "num_gpu_blocks_override"
     elif cache.kv_cache_memory_bytes:
-        budget, source = int(cache.kv_cache_memory_bytes), "kv_cache_memory_bytes"
+        budget = int(cache.kv_cache_memory_bytes) // pool_devices
+        source = "kv_cache_memory_bytes" + split
     elif device.platform == "cpu":
-        avail = available_host_memory()
-        budget = int(cache.gpu_memory_utilization * avail) - weight_bytes - activation_bytes
-        budget = min(budget, CPU_DEFAULT_KV_CAP)
+        avail = pool_bytes = available_host_memory()
+        budget = int(cache.gpu_memory_utilization * avail) - \
+            (weight_bytes + activation_bytes) * pool_devices
+        budget = min(budget, CPU_DEFAULT_KV_CAP) // pool_devices
         source = (f"{cache.gpu_memory_utilization:.0%} of available RAM "
-                  f"({avail / 2**30:.1f} GiB), capped at {CPU_DEFAULT_KV_CAP >> 30} GiB")
+                  f"({avail / 2**30:.1f} GiB), capped at {CPU_DEFAULT_KV_CAP >> 30} GiB" + split)
     else:
         stats = device.memory_stats() or {}
-        total = int(stats.get("bytes_limit", 0))
+        total = pool_bytes = int(stats.get("bytes_limit", 0))
         in_use = int(stats.get("bytes_in_use", 0))
         budget = int(cache.gpu_memory_utilization * total) - in_use - activation_bytes
         source = (f"{cache.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB device memory, "
@@ -81,4 +116,6 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
             f"{cache.block_size} tokens, fewer than one sequence of max_model_len={max_model_len} "
             f"needs ({min_blocks}); raise --kv-cache-memory-bytes / --gpu-memory-utilization or "
             "lower --max-model-len")
-    return KVCachePlan(int(num_blocks), cache.block_size, per_block, int(budget), source)
+    return KVCachePlan(int(num_blocks), cache.block_size, per_block, int(budget), source,
+                       weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes),
+                       pool_devices=pool_devices, pool_bytes=int(pool_bytes))

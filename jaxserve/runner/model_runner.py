@@ -166,7 +166,8 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int,
                  eos_token_ids: Seq[int], prompt_logprobs_cap: int = 0,
                  num_spec_tokens: int = 0, max_spec_rows: int = 0, kv_sharding: Any = None,
-                 input_sharding: Any = None, logits_shardings: tuple = ()) -> None:
+                 input_sharding: Any = None, logits_shardings: tuple = (),
+                 kv_cache_dtype: Any = None) -> None:
         self.arch = arch
         self.params = params
         self.dtype = dtype
@@ -194,7 +195,8 @@ class ModelRunner:
                                 prompt_logprobs_cap=prompt_logprobs_cap,
                                 vocab_size=arch.vocab_size)
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype), out_shardings=kv_sharding)
+        kv_dtype = kv_cache_dtype or dtype   # fp8: jaxserve/quantization/kv.py
+        zeros = jax.jit(lambda: jnp.zeros(cache_shape, kv_dtype), out_shardings=kv_sharding)
         self.k_cache, self.v_cache = zeros(), zeros()
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
         self._steps = {}   # (T, S) -> compiled executable

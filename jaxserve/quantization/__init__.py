@@ -1,0 +1,22 @@
+"""Quantized weights (`--quantization`): what each mode stores and how a layer reads it.
+
+    None    weights in --dtype (a GGUF file is dequantized at load, as before)
+    int8    w8a16: every projection kernel int8 [in, out] + a float32 `scale` [out] per output
+            column, quantized at load from any float checkpoint (int8.py)
+    gguf    a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors stay packed in device memory (the raw
+            llama.cpp blocks) and are dequantized inside the jitted matmul (gguf_packed.py)
+
+The linen modules in models/layers.py (`Linear`, `Embedding`) pick the path from the
+parameter tree itself (which leaf names are present), so every family gets every mode.
+"""
+
+QUANTIZATION_MODES = ("int8", "gguf")
+
+
+def check_mode(mode: str | None) -> str | None:
+    if mode in (None, "none"):
+        return None
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization {mode!r}; choose one of "
+                         f"{', '.join(QUANTIZATION_MODES)} (or none)")
+    return mode

@@ -1,0 +1,67 @@
+"""GGUF (llama.cpp) block formats kept packed in device memory, dequantized inside the jit.
+
+A packed tensor is the file's own bytes: ``uint8 [.., rows, blocks * bytes_per_block]`` with
+rows = output features (HF's ``[out, in]`` orientation; an embedding's rows are tokens), so
+a Q4_1 weight costs 20 bytes per 32 weights (5 bits) resident, like llama.cpp. Its leaf in
+the params tree is named after the format (``layers/q_proj/q4_1``), which is how
+models/layers.py's `Linear` / `Embedding` know to dequantize. Dequantization follows
+gguf-py's numpy reference (gguf.quants) operation for operation, so the values equal what
+the dequantizing loader produces, bit for bit.
+
+Block layouts (32 weights per block; d, m little-endian float16):
+    q8_0  34 bytes: d, 32 x int8 q                      w = d * q
+    q4_0  18 bytes: d, 16 bytes of nibbles              w = d * (nibble - 8)
+    q4_1  20 bytes: d, m, 16 bytes of nibbles           w = d * nibble + m
+Nibbles: byte j holds weight j (low 4 bits) and weight j + 16 (high 4 bits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+BLOCK_WEIGHTS = 32
+BYTES_PER_BLOCK = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+PACKED_FORMATS = tuple(BYTES_PER_BLOCK)
+
+
+def packed_format_of(names: Any) -> str | None:
+    """Which packed format a module's parameter names hold (None: a float or int8 one)."""
+    found = [f for f in PACKED_FORMATS if f in names]
+    return found[0] if found else None
+
+
+def packed_columns(packed_shape: tuple[int, ...], fmt: str) -> int:
+    """The unpacked row length (input features) of a packed [.., rows, bytes] tensor."""
+    return packed_shape[-1] // BYTES_PER_BLOCK[fmt] * BLOCK_WEIGHTS
+
+
+def _f16(two_bytes: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(two_bytes, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(qs: jax.Array) -> jax.Array:
+    """[.., 16] uint8 -> [.., 32] float32: low nibbles then high nibbles."""
+    return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.float32)
+
+
+def dequantize(packed: jax.Array, fmt: str, dtype: Any = jnp.float32) -> jax.Array:
+    """packed uint8 [.., rows, blocks * bytes_per_block] -> [.., rows, blocks * 32] in dtype."""
+    bpb = BYTES_PER_BLOCK[fmt]
+    blocks = packed.reshape(*packed.shape[:-1], packed.shape[-1] // bpb, bpb)
+    d = _f16(blocks[..., 0:2])[..., None]
+    if fmt == "q8_0":
+        w = d * jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.float32)
+    elif fmt == "q4_0":
+        w = d * (_nibbles(blocks[..., 2:]) - 8.0)
+    else:  # q4_1
+        w = d * _nibbles(blocks[..., 4:]) + _f16(blocks[..., 2:4])[..., None]
+    return w.reshape(*packed.shape[:-1], -1).astype(dtype)
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, fmt: str, dtype: Any) -> jax.Array:
+    """x [.., in] @ W.T with W the packed [out, in] weight -> [.., out] in dtype."""
+    w = dequantize(packed, fmt, dtype)
+    return jax.lax.dot_general(x.astype(dtype), w, (((x.ndim - 1,), (1,)), ((), ())))

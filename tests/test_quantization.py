@@ -1,0 +1,162 @@
+"""Quantized weights: int8 w8a16 and GGUF blocks kept packed (jaxserve/quantization)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.models.layers import Embedding, Linear
+from jaxserve.models.llama import FAMILY as LLAMA
+from jaxserve.parallel.mesh import MODEL_AXIS
+from jaxserve.quantization.gguf_packed import BYTES_PER_BLOCK, dequantize
+from jaxserve.quantization.int8 import quantize_int8
+
+
+@contextlib.contextmanager
+def compile_events():
+    """Collect jax's compile / trace events while the block runs (tests/test_engine.py's
+    listener pattern)."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event or "trace" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _gguf_pack(w: np.ndarray, fmt: str) -> np.ndarray:
+    from gguf.quants import GGMLQuantizationType, quantize
+
+    return quantize(w.astype(np.float32), GGMLQuantizationType[fmt.upper()])
+
+
+def test_int8_quantization_round_trips_within_half_a_step_per_column():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 48, 40)).astype(np.float32) * rng.uniform(0.01, 3, (3, 1, 40))
+    q, scale = quantize_int8(w)
+    assert q.dtype == np.int8 and scale.shape == (3, 40)
+    assert np.all(np.abs(q.astype(np.float32) * scale[:, None, :] - w)
+                  <= scale[:, None, :] / 2 + 1e-7)
+    assert np.abs(q).max() == 127          # each column's largest weight uses the full range
+
+
+@pytest.mark.parametrize("fmt", sorted(BYTES_PER_BLOCK))
+def test_packed_dequantize_in_jit_equals_gguf_py_bit_for_bit(fmt):
+    from gguf.quants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 24, 96)).astype(np.float32)
+    packed = _gguf_pack(w, fmt)
+    assert packed.dtype == np.uint8 and packed.shape == (2, 24, 3 * BYTES_PER_BLOCK[fmt])
+    ours = np.asarray(jax.jit(lambda p: dequantize(p, fmt))(packed))
+    ref = gguf_dequantize(packed, GGMLQuantizationType[fmt.upper()])
+    np.testing.assert_array_equal(ours, ref)
+    assert np.abs(ours - w).max() < (0.02 if fmt == "q8_0" else 0.5)
+
+
+def test_linear_reads_float_int8_and_packed_params_as_the_dequantized_matmul():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)          # [in, out]
+    bias = rng.standard_normal(32).astype(np.float32)
+    layer = Linear(32, use_bias=True)
+    dense = layer.apply({"params": {"kernel": w, "bias": bias}}, x)
+    np.testing.assert_allclose(dense, x @ w + bias, rtol=1e-5, atol=1e-5)
+    q, scale = quantize_int8(w)
+    int8 = layer.apply({"params": {"kernel": q, "scale": scale, "bias": bias}}, x)
+    np.testing.assert_allclose(int8, x @ (q * scale) + bias, rtol=1e-5, atol=1e-4)
+    packed = _gguf_pack(w.T, "q4_1")                             # [out, packed in]
+    deq = np.asarray(dequantize(packed, "q4_1"))
+    y = layer.apply({"params": {"q4_1": packed, "bias": bias}}, x)
+    np.testing.assert_allclose(y, x @ deq.T + bias, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_embedding_lookup_and_tied_head_use_the_dequantized_table():
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((50, 64)).astype(np.float32)
+    packed = _gguf_pack(table, "q8_0")
+    deq = np.asarray(dequantize(packed, "q8_0"))
+    emb = Embedding(50, 64)
+    ids = jnp.asarray(rng.integers(0, 50, 7), jnp.int32)
+    variables = {"params": {"q8_0": packed}}
+    np.testing.assert_array_equal(emb.apply(variables, ids), deq[np.asarray(ids)])
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_allclose(emb.apply(variables, x, method="attend"), x @ deq.T,
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_partition_specs_split_scales_with_columns_and_packed_rows_by_whole_blocks():
+    spec = LLAMA.param_spec
+    assert spec(("layers", "q_proj", "scale"), (2, 64), 2) == P(None, MODEL_AXIS)
+    assert spec(("layers", "o_proj", "scale"), (2, 64), 2) == P()
+    assert spec(("lm_head", "scale"), (512,), 2) == P(MODEL_AXIS)
+    assert spec(("layers", "gate_proj", "q4_1"), (2, 128, 40), 2) == P(None, MODEL_AXIS, None)
+    assert spec(("layers", "down_proj", "q4_1"), (2, 64, 80), 2) == P(None, None, MODEL_AXIS)
+    assert spec(("embed_tokens", "q8_0"), (512, 68), 2) == P(MODEL_AXIS, None)
+    with pytest.raises(ValueError, match="blocks"):
+        spec(("layers", "down_proj", "q4_1"), (2, 64, 60), 2)     # 3 blocks over tp=2
+
+
+def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make_tiny_model):
+    model_dir = make_tiny_model("llama")
+    kwargs = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                  kv_cache_memory_bytes=2 << 20)
+    ref = LLM(str(model_dir), **kwargs)
+    llm = LLM(str(model_dir), quantization="int8", **kwargs)
+    layers = llm.llm_engine.setup.runner.params["params"]["layers"]
+    assert layers["q_proj"]["kernel"].dtype == jnp.int8
+    assert layers["down_proj"]["scale"].shape == (2, 64)
+    assert llm.llm_engine.setup.runner.params["params"]["lm_head"]["kernel"].dtype == jnp.int8
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in ("Hello, world!", "The quick brown fox",
+                                       "def add(a, b):", "Paged attention stores")]
+    with compile_events() as compiles:     # quantized weights: still no compile after warm-up
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate(prompts + [list(range(3, 60))], params, use_tqdm=False)
+    assert compiles == [] and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    # A random tiny model's next-token distribution is nearly flat (greedy continuations
+    # fork on near-ties), so compare teacher-forced logits: close, and mostly the same top-1.
+    logits = np.concatenate([llm.llm_engine.prompt_logits(p) for p in prompts])
+    ref_logits = np.concatenate([ref.llm_engine.prompt_logits(p) for p in prompts])
+    spread = ref_logits.std()
+    print("int8 tiny: max diff / spread", np.abs(logits - ref_logits).max() / spread,
+          "top-1", np.mean(logits.argmax(-1) == ref_logits.argmax(-1)))
+    assert np.abs(logits - ref_logits).max() < 0.1 * spread
+    assert np.mean(logits.argmax(-1) == ref_logits.argmax(-1)) >= 0.8
+
+
+def test_default_gguf_served_packed_matches_hf_on_dequantized_weights(default_gguf_path):
+    from jaxserve.loader import load_model
+    from tests.hf_reference import hf_greedy, torch_model_from_weights
+
+    llm = LLM(None, quantization="gguf", max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)
+    setup = llm.llm_engine.setup
+    layers = setup.runner.params["params"]["layers"]
+    assert layers["q_proj"]["q4_1"].dtype == jnp.uint8
+    assert "q8_0" in setup.runner.params["params"]["embed_tokens"]
+    assert setup.weight_bytes <= 0.3 * setup.num_params * 4
+    loaded = load_model(None)          # dequantized by gguf-py: the same quantized model
+    hf = torch_model_from_weights(loaded.hf_config, loaded.weights)
+    tok = llm.get_tokenizer()
+    texts = ["Hello", "The capital of France is", "def fibonacci(n):",
+             "Water boils at a temperature of", "Once upon a time, in a small village,",
+             "List three primary colors:", "import numpy as np\n", "The meaning of life is"]
+    prompts = [tok.encode(t) for t in texts]
+    new = 16
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new,
+                                                ignore_eos=True), use_tqdm=False)
+    same = sum(o.outputs[0].token_ids == hf_greedy(hf, p, new) for p, o in zip(prompts, outs))
+    assert same >= 7, f"{same} of 8 prompts equal HF's greedy tokens"
