@@ -60,7 +60,8 @@ def no_op_device(runner, vocab: int, rng: np.random.Generator) -> None:
         pool = outs[s]
         out = pool[runner._fake_i % len(pool)]
         runner._fake_i += 1
-        return k_cache, v_cache, last_tokens, out, None   # no prompt logprobs
+        # (samples, emitted counts: None without speculative decoding), no prompt logprobs
+        return k_cache, v_cache, last_tokens, (out, None), None
 
     for t, s in runner.buckets.all_shapes():
         outs[s] = [jax.device_put(SamplerOutput(
