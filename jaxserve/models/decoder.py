@@ -31,7 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.layers import Embedding, Linear, PagedCache, RMSNorm, soft_cap
+from jaxserve.models.layers import (
+    AttentionConfig,
+    Embedding,
+    Linear,
+    PagedCache,
+    RMSNorm,
+    paged_self_attention,
+    soft_cap,
+)
 from jaxserve.runner.step_inputs import AttentionMetadata
 
 
@@ -118,3 +126,21 @@ def layer_inputs(arch: ModelArch, xs, cos, sin):
     if cos.shape[0] == 1:
         return layer_idx, window, cos[0], sin[0]
     return layer_idx, window, cos[rope_idx], sin[rope_idx]
+
+
+def pre_norm_layer(layer: nn.Module, carry, xs, cos, sin, meta, attn: AttentionConfig,
+                   feed_forward: Any):
+    """The Llama-style layer body: x += attn(input_layernorm(x)); x += feed_forward(
+    post_attention_layernorm(x)). Called from a family layer's compact ``__call__`` (its
+    submodules are the layer's: input_layernorm, the attention projections,
+    post_attention_layernorm, then whatever ``feed_forward`` builds: a gated MLP, experts)."""
+    x, k_cache, v_cache = carry
+    a, eps, dt = layer.arch, layer.arch.options.rms_norm_eps, layer.dtype
+    layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
+    h = RMSNorm(eps, dt, name="input_layernorm")(x)
+    out, k_cache, v_cache = paged_self_attention(h, attn, layer.cache, k_cache, v_cache,
+                                                 layer_idx, window, cos, sin, meta, dt)
+    x = x + out
+    h = RMSNorm(eps, dt, name="post_attention_layernorm")(x)
+    x = x + feed_forward(h)
+    return (x, k_cache, v_cache), None

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.decoder import CausalLM, layer_constants, layer_inputs
+from jaxserve.models.decoder import CausalLM, layer_constants, pre_norm_layer
 from jaxserve.models.family import (
     MEGATRON_RULES,
     ArchitectureInfo,
@@ -27,9 +27,7 @@ from jaxserve.models.family import (
 from jaxserve.models.layers import (
     AttentionConfig,
     PagedCache,
-    RMSNorm,
     gated_mlp,
-    paged_self_attention,
 )
 from jaxserve.models.rope import Rope, hf_rope_parameters
 
@@ -53,19 +51,12 @@ class LlamaDecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, meta):
-        x, k_cache, v_cache = carry
         a, o, dt = self.arch, self.arch.options, self.dtype
-        layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
         attn = AttentionConfig(a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
                                qkv_bias=o.qkv_bias, o_bias=o.o_bias,
                                qk_norm_eps=o.rms_norm_eps if o.qk_norm else None)
-        h = RMSNorm(o.rms_norm_eps, dt, name="input_layernorm")(x)
-        out, k_cache, v_cache = paged_self_attention(h, attn, self.cache, k_cache, v_cache,
-                                                     layer_idx, window, cos, sin, meta, dt)
-        x = x + out
-        h = RMSNorm(o.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        x = x + gated_mlp(h, a.intermediate_size, a.hidden_size, "silu", dt)
-        return (x, k_cache, v_cache), None
+        return pre_norm_layer(self, carry, xs, cos, sin, meta, attn, lambda h: gated_mlp(
+            h, a.intermediate_size, a.hidden_size, "silu", dt))
 
 
 class LlamaFamily(ModelFamily):

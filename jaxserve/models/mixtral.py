@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.decoder import CausalLM, layer_constants, layer_inputs
+from jaxserve.models.decoder import CausalLM, layer_constants, pre_norm_layer
 from jaxserve.models.family import (
     MEGATRON_RULES,
     REPLICATED,
@@ -34,7 +34,7 @@ from jaxserve.models.family import (
     ModelFamily,
     stacked_layer_shapes,
 )
-from jaxserve.models.layers import AttentionConfig, PagedCache, RMSNorm, paged_self_attention
+from jaxserve.models.layers import AttentionConfig, PagedCache
 from jaxserve.models.moe import ExpertSharding, MoEConfig, moe_block
 from jaxserve.models.rope import Rope, hf_rope_parameters
 from jaxserve.parallel.mesh import MODEL_AXIS
@@ -63,19 +63,12 @@ class MoEDecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, meta):
-        x, k_cache, v_cache = carry
         a, o, dt = self.arch, self.arch.options, self.dtype
-        layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
         attn = AttentionConfig(a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
                                qkv_bias=o.attention_bias, o_bias=o.attention_bias,
                                qk_norm_eps=o.rms_norm_eps if o.qk_norm else None)
-        h = RMSNorm(o.rms_norm_eps, dt, name="input_layernorm")(x)
-        out, k_cache, v_cache = paged_self_attention(h, attn, self.cache, k_cache, v_cache,
-                                                     layer_idx, window, cos, sin, meta, dt)
-        x = x + out
-        h = RMSNorm(o.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        x = x + moe_block(h, o.moe, o.experts, dt)
-        return (x, k_cache, v_cache), None
+        return pre_norm_layer(self, carry, xs, cos, sin, meta, attn,
+                              lambda h: moe_block(h, o.moe, o.experts, dt))
 
 
 def attention_tensors(hf_prefix: str = "self_attn") -> dict[str, tuple[str, str]]:
