@@ -89,7 +89,9 @@ def test_after_a_prompt_the_text_equals_the_decoded_continuation(tokenizer):
 
 
 def test_byte_pieces_of_a_character_are_held_back_until_complete(tokenizer):
-    text = "🦀👩‍👩‍👧好"
+    # Characters absent from the llama2-style training corpus, so its byte fallback must
+    # split them (which corpus characters make the trainer's alphabet is a hash-order tie).
+    text = "🚀👩‍🚒漢字ü"
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [tokenizer.decode([i]) for i in ids]
     byte_tokens = [t for t in tokenizer.convert_ids_to_tokens(ids) if t.startswith("<0x")]
