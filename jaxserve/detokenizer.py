@@ -64,6 +64,7 @@ class TokenTable:
 
         self._decoder = backend.decoder if backend is not None else None
         self._byte_pieces: list[bytes] | None | bool = False     # False: not built yet
+        self._piece_texts: list[str | None] | None = None
 
     @property
     def byte_pieces(self) -> list[bytes] | None:
@@ -71,6 +72,20 @@ class TokenTable:
         if self._byte_pieces is False:
             self._byte_pieces = self._build_byte_pieces()
         return self._byte_pieces  # type: ignore[return-value]
+
+    @property
+    def piece_texts(self) -> list[str | None]:
+        """id -> its byte piece as text when that piece is whole UTF-8 characters (most
+        tokens), else None: a step after a complete character needs no incremental decoder."""
+        if self._piece_texts is None:
+            texts: list[str | None] = []
+            for piece in self.byte_pieces or ():
+                try:
+                    texts.append(piece.decode("utf-8"))
+                except UnicodeDecodeError:
+                    texts.append(None)
+            self._piece_texts = texts
+        return self._piece_texts
 
     def _build_byte_pieces(self) -> list[bytes] | None:
         if self._decoder is None or type(self._decoder).__name__ != "ByteLevel":
@@ -123,11 +138,13 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
-        self.output_text = ""
+        self._texts: list[str] = []     # output_text in pieces: appending is O(1) per step
         self._table = TokenTable.for_tokenizer(tokenizer)
         self._pieces = self._table.byte_pieces if byte_fast_path else None
         if self._pieces is not None:        # the byte-level fast path (module docstring)
             self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._piece_texts = self._table.piece_texts
+            self._utf8_holds_bytes = False  # the decoder holds part of a character
             self._skip = self._table.special_ids if skip_special_tokens else frozenset()
             return
         # a few prompt tokens (plus two spare, in case some are special and skipped)
@@ -136,22 +153,44 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.prefix_offset = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
 
+    @property
+    def output_text(self) -> str:
+        """All text so far (the deltas joined)."""
+        if len(self._texts) > 1:
+            self._texts[:] = ["".join(self._texts)]
+        return self._texts[0] if self._texts else ""
+
+    def step_token(self, token_id: int) -> str:
+        """`step` for one token: the engine's per-sequence, per-step call."""
+        pieces = self._pieces
+        if pieces is None:
+            return self.step((token_id,))
+        self.token_ids.append(token_id)
+        if not 0 <= token_id < len(pieces) or token_id in self._skip:
+            return ""
+        delta = None if self._utf8_holds_bytes else self._piece_texts[token_id]
+        if delta is None:      # part of a character, or completing one: the decoder's job
+            delta = self._utf8.decode(pieces[token_id])
+            self._utf8_holds_bytes = bool(self._utf8.getstate()[0])
+        if delta:
+            self._texts.append(delta)
+        return delta
+
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         return self._table.tokens(token_ids, self.skip_special_tokens)
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they finalize (possibly "", never a broken char)."""
         if self._pieces is not None:
+            if len(new_token_ids) == 1:         # the decode step's case
+                return self.step_token(new_token_ids[0])
             pieces, skip, vocab = self._pieces, self._skip, len(self._pieces)
-            if len(new_token_ids) == 1:         # the decode step's case, without a generator
-                t = new_token_ids[0]
-                data = pieces[t] if 0 <= t < vocab and t not in skip else b""
-            else:
-                data = b"".join(pieces[t] for t in new_token_ids
-                                if 0 <= t < vocab and t not in skip)
+            data = b"".join(pieces[t] for t in new_token_ids if 0 <= t < vocab and t not in skip)
             self.token_ids.extend(new_token_ids)
             delta = self._utf8.decode(data)
-            self.output_text += delta
+            self._utf8_holds_bytes = bool(self._utf8.getstate()[0])
+            if delta:
+                self._texts.append(delta)
             return delta
         deltas = []
         for token_id in new_token_ids:
@@ -159,7 +198,8 @@ class IncrementalDetokenizer:
             self.tokens.extend(self._to_tokens([int(token_id)]))
             deltas.append(self._finalize())
         delta = "".join(deltas)
-        self.output_text += delta
+        if delta:
+            self._texts.append(delta)
         return delta
 
     def _finalize(self) -> str:
@@ -238,6 +278,14 @@ class StopChecker:
         self._pattern = re.compile("|".join(
             re.escape(s) for s in sorted(set(self.stop), key=len, reverse=True))) \
             if self.stop else None
+        # A match that ends in new text has its last character there: one C-level scan of the
+        # new text for those characters rules out most steps (`may_complete`).
+        self._last_chars = re.compile("[" + "".join(sorted({re.escape(s[-1]) for s in self.stop}))
+                                      + "]") if self.stop else None
+
+    def may_complete(self, new_text: str) -> bool:
+        """False when ``new_text`` (the newest delta) cannot complete any stop string."""
+        return self._last_chars is not None and self._last_chars.search(new_text) is not None
 
     def check(self, output_text: str, new_char_count: int) -> tuple[str, str] | None:
         """(stop string, truncated text) if the newest text completes a stop string."""

@@ -261,3 +261,23 @@ def test_stop_checker_scan_equals_find_stop_string_on_random_texts():
         for include in (False, True):
             assert StopChecker(stops, include).check(text, new) == \
                 find_stop_string(text, new, stops, include), (stops, text, new, include)
+
+
+def test_stop_checker_prefilter_never_skips_a_match():
+    """`may_complete(new text)` is the engine's shortcut before `check`: whenever check finds
+    a stop string ending in the new text, the prefilter must have said it may."""
+    import random
+
+    rng = random.Random(4)
+    hits = 0
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab]^\\-") for _ in range(rng.randrange(1, 4)))
+                 for _ in range(rng.randrange(1, 4))]
+        text = "".join(rng.choice("abc]^\\-") for _ in range(rng.randrange(1, 12)))
+        new = rng.randrange(1, len(text) + 1)
+        checker = StopChecker(stops)
+        if checker.check(text, new) is not None:
+            hits += 1
+            assert checker.may_complete(text[len(text) - new:]), (stops, text, new)
+    assert hits > 300
+    assert not StopChecker(["User:"]).may_complete("hello ") and not StopChecker().may_complete("x")

@@ -47,7 +47,9 @@ class BlockManager:
         self._block_hash: list[int | None] = [None] * num_blocks
         self._block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
         # How many leading blocks of each live sequence are registered (or were hits).
-        self._num_registered: dict[int, int] = {}
+        # seq id -> how many of its leading blocks are in the prefix cache (read by the
+        # scheduler's per-step loop to skip `cache_full_blocks` calls with nothing to do)
+        self.num_registered: dict[int, int] = {}
         self.prefix_cache_queries = 0   # tokens looked up
         self.prefix_cache_hits = 0      # tokens found
 
@@ -118,7 +120,7 @@ class BlockManager:
         for _ in range(num_new_blocks):
             seq.block_table.append(self._take_free_block())
         if first_allocation:
-            self._num_registered[seq.seq_id] = len(computed_blocks)  # hits are registered
+            self.num_registered[seq.seq_id] = len(computed_blocks)  # hits are registered
             seq.num_computed_tokens = num_computed
             seq.num_cached_tokens = num_computed
             if self.enable_prefix_caching:
@@ -133,8 +135,8 @@ class BlockManager:
             return
         # Only blocks whose tokens the host knows: with async scheduling the newest computed
         # position may hold a token still pending on the device.
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        start = self._num_registered.get(seq.seq_id, 0)
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        start = self.num_registered.get(seq.seq_id, 0)
         if num_full <= start:
             return
         self._extend_hashes(seq, num_full)
@@ -149,7 +151,7 @@ class BlockManager:
             self._hash_to_block[block_hash] = block
             self._block_hash[block] = block_hash
             self._block_key[block] = (parent, self._block_tokens(seq, i))
-        self._num_registered[seq.seq_id] = num_full
+        self.num_registered[seq.seq_id] = num_full
 
     def rollback(self, seq: Sequence) -> None:
         """Release ``seq``'s tail blocks past its computed tokens (after rejected draft
@@ -162,9 +164,9 @@ class BlockManager:
             self.ref_counts[block] = 0
             self._free[block] = None
             self._free.move_to_end(block, last=False)
-        registered = self._num_registered.get(seq.seq_id)
+        registered = self.num_registered.get(seq.seq_id)
         if registered is not None and registered > len(seq.block_table):
-            self._num_registered[seq.seq_id] = len(seq.block_table)
+            self.num_registered[seq.seq_id] = len(seq.block_table)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references and clear its block table. Safe to call twice."""
@@ -178,7 +180,7 @@ class BlockManager:
                 if self._block_hash[block] is None:
                     self._free.move_to_end(block, last=False)
         seq.block_table.clear()
-        self._num_registered.pop(seq.seq_id, None)
+        self.num_registered.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Only possible (returns True) when no block is in use."""

@@ -225,6 +225,11 @@ class LLMEngine:
         received = self.scheduler.update_from_output(out, result.sampled_token_ids, emitted)
         stride = result.logprobs_stride
         num_generated = 0
+        if emitted is None:                       # one token per row: the batched fast path
+            for seq, status in self.outputs.process_tokens(received, result, now):
+                self.scheduler.finish_seq(seq, status)
+            num_generated = len(received)
+            received = ()
         for row, seq in received:
             status = self.outputs.process_token(seq, result, row * stride, now)
             num_generated += 1

@@ -50,7 +50,6 @@ class RequestState:
     metrics: RequestMetrics
     finished: bool = False
     stops: StopChecker = field(default_factory=StopChecker)   # stop strings and hold-back
-    changed: bool = False
     stop_token_ids: frozenset = field(default_factory=frozenset)
     # vLLM's prompt_logprobs: [None, entry of prompt token 1, ...]; None if not asked.
     prompt_logprobs: PromptLogprobs | None = None
@@ -68,6 +67,8 @@ class OutputProcessor:
         self.default_overrides = default_overrides
         self._rng = random.Random(seed)
         self.requests: dict[str, RequestState] = {}
+        # Requests with an output for the next `drain` (changed since the last one), in order.
+        self._changed: dict[str, RequestState] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -75,7 +76,7 @@ class OutputProcessor:
 
     def has_pending_outputs(self) -> bool:
         """True while some request has an output not yet returned by `drain` (an abort's)."""
-        return any(state.changed for state in self.requests.values())
+        return bool(self._changed)
 
     # -- admission -----------------------------------------------------------------------------
     def new_request(self, request_id: str, prompt: str | list[int] | None,
@@ -158,6 +159,63 @@ class OutputProcessor:
                 int(chunk.token_ids[i]), float(chunk.logprobs[i]), int(chunk.ranks[i]),
                 chunk.top_token_ids[i][:num_top], chunk.top_logprobs[i][:num_top])
 
+    def process_tokens(self, received: list[tuple[int, Sequence]], result: RunnerOutput,
+                       now: float) -> list[tuple[Sequence, SequenceStatus]]:
+        """`process_token` for each (row, seq) that received one token this step; returns the
+        sequences that finish, with their status.
+
+        The engine's hottest host loop (once per running sequence per step), so the common
+        case -- no logprobs, no grammar, the detokenizer's byte path -- is `process_token`
+        and `_check_stop` inlined, with the same checks in the same order; anything else
+        takes `process_token` itself."""
+        finished = []
+        requests = self.requests
+        eos_token_ids = self.eos_token_ids
+        stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+        for row, seq in received:
+            state = requests[seq.request_id]
+            params = state.params
+            if seq.logprobs is not None or seq.grammar is not None or params.max_tokens == 0:
+                status = self.process_token(seq, result, row, now)
+                if status is not None:
+                    finished.append((seq, status))
+                continue
+            if params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                self._changed[seq.request_id] = state   # (FINAL_ONLY: only when it finishes)
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            token_ids = seq.token_ids
+            token = token_ids[-1]
+            text = state.texts[seq.index]
+            detok = text.detok
+            delta = ""
+            if detok is not None:
+                delta = detok.step_token(token)
+                if delta:
+                    text.text += delta
+            num_tokens = len(token_ids)
+            status = None
+            if num_tokens - seq.num_prompt_tokens > params.min_tokens:
+                if token in eos_token_ids and not params.ignore_eos:
+                    status = stopped
+                elif token in state.stop_token_ids:
+                    seq.stop_reason = token
+                    status = stopped
+                elif delta and params.stop and state.stops.may_complete(delta):
+                    match = state.stops.check(text.text, len(delta))
+                    if match is not None:
+                        seq.stop_reason, text.text = match
+                        status = stopped
+            if status is None and num_tokens >= seq.max_num_tokens:
+                status = length
+            if status is not None:
+                self._changed[seq.request_id] = state
+                self._finish(state, text, status, now)
+                finished.append((seq, status))
+        return finished
+
     def process_token(self, seq: Sequence, result: RunnerOutput, row: int, now: float
                       ) -> SequenceStatus | None:
         """seq just received the token of batch row ``row`` (already appended to it): text,
@@ -166,7 +224,7 @@ class OutputProcessor:
         This runs once per sequence per step on the engine's critical path: keep it lean."""
         state = self.requests[seq.request_id]
         params = state.params
-        state.changed = True
+        self._changed[seq.request_id] = state
         if params.max_tokens == 0:     # prefill only (prompt logprobs): the sample is dropped
             return self._finish(state, state.texts[seq.index], SequenceStatus.FINISHED_LENGTH,
                                 now)
@@ -187,7 +245,7 @@ class OutputProcessor:
         detok = text.detok
         num_new_chars = 0
         if detok is not None:
-            delta = detok.step((token,))
+            delta = detok.step_token(token)
             if delta:
                 text.text += delta
                 num_new_chars = len(delta)
@@ -257,15 +315,14 @@ class OutputProcessor:
             if text.finish_reason is None:
                 text.finish_reason = reason
         state.finished = True
-        state.changed = True
+        self._changed[request_id] = state
         state.metrics.finished_time = time.time()
 
     def drain(self) -> list[RequestOutput]:
         """RequestOutputs (cumulative, like vLLM) of every request that changed since last time."""
         outputs = []
-        for request_id in [r for r, s in self.requests.items() if s.changed]:
-            state = self.requests[request_id]
-            state.changed = False
+        changed, self._changed = self._changed, {}
+        for request_id, state in changed.items():
             if state.finished or state.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(state))
             if state.finished:

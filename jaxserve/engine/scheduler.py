@@ -134,10 +134,33 @@ class Scheduler:
         prompt_logprobs_room = self.max_prompt_logprobs_per_step   # gather slots left
 
         # Running sequences first: decodes and the next chunks of unfinished prefills.
+        block_size = self.block_manager.block_size
+        seq_ids, num_scheduled = out.seq_ids, out.num_scheduled_tokens
+        num_computed, is_sampling = out.num_computed_tokens, out.is_sampling
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = seq.num_tokens_with_pending - seq.num_computed_tokens
+            computed = seq.num_computed_tokens
+            pending = seq.num_pending_tokens
+            num_tokens = len(seq.token_ids) + pending
+            num_new = num_tokens - computed
+            if (num_new == 1 and seq.grammar is None and computed < len(seq.block_table) * block_size
+                    and not (pending and num_tokens >= seq.max_num_tokens)
+                    and (not drafts or seq.seq_id not in drafts)):
+                # The common case, inlined (this loop runs once per sequence per step): a
+                # plain decode whose slot is in a block it already has. What the general path
+                # below does for it, without its calls: a one-token chunk has no prompt
+                # logprob positions, allocate_slots has nothing to allocate, _plan samples.
+                seq_ids.append(seq.seq_id)
+                num_scheduled.append(1)
+                num_computed.append(computed)
+                is_sampling.append(True)
+                seq.num_computed_tokens = computed + 1
+                seq.num_pending_tokens = pending + 1
+                out.num_decode_tokens += 1
+                budget -= 1
+                i += 1
+                continue
             if num_new == 0 or (seq.num_pending_tokens
                                 and seq.num_tokens_with_pending >= seq.max_num_tokens):
                 # Nothing to do, or its pending token is its last: the step in flight ends it.
@@ -319,11 +342,29 @@ class Scheduler:
         """
         received = []
         seqs = self._seqs
+        all_drafts = out.draft_token_ids
+        is_sampling = out.is_sampling
+        running = SequenceStatus.RUNNING
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        block_size = self.block_manager.block_size
+        num_registered = self.block_manager.num_registered.get \
+            if self.block_manager.enable_prefix_caching else None
         for row, seq_id in enumerate(out.seq_ids):
             seq = seqs.get(seq_id)
             if seq is None:
                 continue                        # finished meanwhile
-            drafts = out.draft_token_ids.get(seq_id)
+            if not all_drafts and is_sampling[row] and seq.status is running \
+                    and seq.max_num_tokens > seq.num_prompt_tokens:
+                # The common case, inlined: a sampled token for a running sequence.
+                seq.num_pending_tokens -= 1
+                token_ids = seq.token_ids
+                token_ids.append(sampled_token_ids[row])
+                received.append((row, seq))
+                if num_registered is not None and min(seq.num_computed_tokens, len(token_ids)) \
+                        // block_size > num_registered(seq_id, 0):
+                    cache_full_blocks(seq)      # a block filled up
+                continue
+            drafts = all_drafts.get(seq_id)
             if drafts and emitted_token_ids is not None:
                 num_accepted = len(emitted_token_ids[row]) - 1
                 seq.num_computed_tokens -= len(drafts) - num_accepted
