@@ -30,6 +30,15 @@ class PositionCounts(tuple):
     __radd__ = __add__
 
 
+class NameSet(tuple):
+    """Sorted names (LoRA adapters); adds as a union, so replicas' snapshots sum too."""
+
+    def __add__(self, other):
+        return NameSet(sorted(set(self) | set(other or ())))
+
+    __radd__ = __add__
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine gauges and counters at one moment (the server publishes one after each step)."""
@@ -48,6 +57,9 @@ class EngineSnapshot:
     spec_decode_num_draft_tokens: int = 0    # draft tokens verified, and accepted
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: PositionCounts = PositionCounts()   # accepted at position j
+    max_lora: int = 0                                 # LoRA slots (0: LoRA off)
+    running_lora_adapters: NameSet = NameSet()        # adapters of running / waiting requests
+    waiting_lora_adapters: NameSet = NameSet()
 
 
 class EngineCore(Protocol):
