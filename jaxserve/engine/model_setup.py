@@ -269,3 +269,41 @@ def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict
                 lc.max_cpu_loras)
     return stacks, registry
 
+
+
+def _load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str,
+                max_model_len: int, max_rows: int) -> dict[str, Any]:
+    """Speculative decoding's draft model: weights on the target's device, and the size of
+    its KV cache (enough for max_rows sequences of max_model_len + k, plus one spare block
+    each); one device only."""
+    from jaxserve.loader import load_model
+    from jaxserve.runner.memory import bytes_per_block
+
+    spec = config.spec_decode
+    if config.parallel_config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method 'draft_model' runs on one device; "
+                         "tensor_parallel_size > 1 is not supported with it")
+    loaded = load_model(spec.model, dtype=np.dtype(dtype))
+    draft_arch = read_arch(loaded.hf_config)
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary "
+                         f"({draft_arch.vocab_size}) differs from the target's "
+                         f"({arch.vocab_size}); it must share the tokenizer")
+    draft_len = max_model_len + spec.num_speculative_tokens
+    if draft_len > draft_arch.max_position_embeddings:
+        raise ValueError(f"speculative_config: the draft model's context "
+                         f"({draft_arch.max_position_embeddings}) is shorter than "
+                         f"max_model_len + num_speculative_tokens ({draft_len})")
+    num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
+    params = jax.device_put(
+        family_for(draft_arch.architecture).params_from_weights(loaded.weights, draft_arch))
+    block_size = config.cache_config.block_size
+    num_blocks = max_rows * (-(-draft_len // block_size) + 1)
+    kv_bytes = num_blocks * bytes_per_block(draft_arch, block_size, dtype)
+    logger.info("draft model %s: %s, %.1fM parameters; its KV cache: %d blocks (%.2f GiB)",
+                loaded.model_path, draft_arch.architecture, num_params / 1e6, num_blocks,
+                kv_bytes / 2**30)
+    return {"arch": draft_arch, "params": params, "num_blocks": num_blocks,
+            "max_model_len": draft_len, "kv_bytes": kv_bytes,
+            "bytes": kv_bytes + num_params * np.dtype(dtype).itemsize}
+

@@ -25,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.lora.stacks import LoRAStacks, with_lora
 from jaxserve.engine.step_contract import (
     PromptLogprobsChunk,
     RunnerOutput,
     SampledLogprobs,
     SchedulerOutput,
 )
+from jaxserve.lora.stacks import LoRAStacks, with_lora
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
 from jaxserve.parallel.mesh import put_replicated
