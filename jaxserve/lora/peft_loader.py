@@ -78,6 +78,28 @@ def load_peft_adapter(path: str, family: ModelFamily, arch: ModelArch,
     if not 1 <= rank <= max_lora_rank:
         raise ValueError(f"LoRA adapter {path}: rank r={rank} is outside [1, max_lora_rank="
                          f"{max_lora_rank}]; raise --max-lora-rank to serve it")
+    targets = supported_targets(family, arch)
+    by_module = {t.hf_module: name for name, t in targets.items()}
+    supported = ", ".join(targets)
+    if config.get("target_parameters"):   # PEFT's LoRA on raw parameters: fused experts
+        raise ValueError(f"LoRA adapter {path}: target_parameters "
+                         f"{config['target_parameters']} (expert MLP adapters) are not "
+                         f"supported; supported targets: {supported}")
+    parsed = []
+    for name, value in _read_tensors(path).items():   # which modules, before anything else
+        match = _TENSOR.search(name)
+        if match is None:
+            raise ValueError(f"LoRA adapter {path}: tensor {name!r} is not a LoRA A/B weight of "
+                             f"a decoder layer (embedding and lm_head adapters are not supported)")
+        layer, module, which = int(match[1]), match[2], match[3]
+        target = by_module.get(module)
+        if target is None:
+            short = module.rsplit(".", 1)[-1]
+            hint = " (expert MLP adapters are not supported)" if "expert" in module else ""
+            raise ValueError(f"LoRA adapter {path}: target module {short!r} ({module}) is not "
+                             f"supported for {arch.architecture}{hint}; supported targets: "
+                             f"{supported}")
+        parsed.append((name, layer, target, which, value))
     for field, ok in (("use_dora", not config.get("use_dora")),
                       ("bias", config.get("bias", "none") == "none"),
                       ("modules_to_save", not config.get("modules_to_save")),
@@ -90,25 +112,10 @@ def load_peft_adapter(path: str, family: ModelFamily, arch: ModelArch,
     alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
-    targets = supported_targets(family, arch)
-    by_module = {t.hf_module: name for name, t in targets.items()}
-    tensors = _read_tensors(path)
     L = arch.num_layers
     a = {}
     b = {}
-    for name, value in tensors.items():
-        match = _TENSOR.search(name)
-        if match is None:
-            raise ValueError(f"LoRA adapter {path}: tensor {name!r} is not a LoRA A/B weight of "
-                             f"a decoder layer (embedding and lm_head adapters are not supported)")
-        layer, module, which = int(match[1]), match[2], match[3]
-        target = by_module.get(module)
-        if target is None:
-            short = module.rsplit(".", 1)[-1]
-            hint = " (expert MLP adapters are not supported)" if "expert" in module else ""
-            raise ValueError(f"LoRA adapter {path}: target module {short!r} ({module}) is not "
-                             f"supported for {arch.architecture}{hint}; supported targets: "
-                             f"{', '.join(targets)}")
+    for name, layer, target, which, value in parsed:
         if layer >= L:
             raise ValueError(f"LoRA adapter {path}: tensor {name!r} is for layer {layer}, but "
                              f"the base model has {L} layers")
