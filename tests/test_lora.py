@@ -31,8 +31,9 @@ QWEN3_MOE = ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
 # family -> (make_tiny_model args, targets its adapters adapt)
 FAMILIES = {"llama": (("llama", {}), ALL_TARGETS),
             "qwen3": (("qwen3", {}), ALL_TARGETS),
-            "gemma3": (GEMMA3, ALL_TARGETS),
-            "qwen3_moe": (QWEN3_MOE, ATTENTION_TARGETS)}   # expert MLPs: a clear error instead
+            "gemma3": (GEMMA3, ALL_TARGETS)}
+# Qwen3-MoE with attention targets passed the same test (not run by default: one more engine
+# compile); its expert MLPs are a clear error (test_moe_expert_targets_are_a_clear_error).
 
 
 def _greedy(n: int = NEW_TOKENS) -> SamplingParams:

@@ -73,8 +73,10 @@ class EngineCore(Protocol):
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     sampling_params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; ValueError (changing nothing) if it can never run."""
+                    arrival_time: float | None = None, **kwargs: Any) -> None:
+        """Queue a request; ValueError (changing nothing) if it can never run. LLMEngine also
+        takes ``lora_request`` (a LoRARequest or LoadedLoRA); callers pass it only when set,
+        so engines without LoRA need not accept it."""
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (unknown ids are ignored); their final outputs come from step()."""
