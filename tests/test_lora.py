@@ -254,6 +254,43 @@ def _tp_worker(spec: dict) -> None:
                    "lora_a_o_spec": list(stacks["o_proj"]["lora_a"].sharding.spec)}, f)
 
 
+def test_unloading_an_adapter_lets_its_running_requests_finish(served):
+    """vLLM's unload: the name leaves the registry at once; a request already running under
+    it keeps its weights (it holds them) and finishes with the same tokens."""
+    llm, _, adapters, root = served
+    engine, registry = llm.llm_engine, llm.llm_engine.lora_registry
+    prompt = llm.get_tokenizer().encode(MIXED_TEXTS[2])
+    expected = llm.generate([prompt], _greedy(12), use_tqdm=False,
+                            lora_request=adapters["chat"])[0].outputs[0].token_ids
+    registry.add(LoRARequest("temp", 77, str(root / "chat")))
+    engine.add_request("inflight", None, _greedy(12), prompt_token_ids=prompt,
+                       lora_request=registry.lookup("temp"))
+    outputs = engine.step() + engine.step()
+    registry.remove("temp")
+    assert registry.lookup("temp") is None and "temp" not in registry.cached_names()
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = [o for o in outputs if o.finished]
+    assert [o.outputs[0].token_ids for o in final] == [expected]
+
+
+def test_lora_slots_keep_idle_adapters_and_evict_the_least_recently_used():
+    from jaxserve.lora.slots import LoRASlots
+
+    slots = LoRASlots(2)
+    assert slots.acquire("a") == (1, True) and slots.acquire("b") == (2, True)
+    assert slots.acquire("c") is None                 # both referenced: c waits
+    assert slots.acquire("a") == (1, False)           # a second user needs no write
+    slots.release(2)                                  # b idle, still loaded
+    assert slots.acquire("b") == (2, False)
+    slots.release(2)
+    slots.release(1)
+    slots.release(1)                                  # a goes idle after b
+    assert slots.acquire("c") == (2, True)            # evicts b, the least recently used
+    assert slots.slot_of("b") is None and slots.slot_of("a") == 1
+    assert slots.num_active == 1
+
+
 # -- the server: --lora-modules, /v1/models, runtime load / unload, errors, metrics ---------------
 def test_server_loads_serves_unloads_and_reuses_slots_without_compiles(served, tmp_path):
     """Last in this module: the engine moves into a server thread here."""
