@@ -41,8 +41,9 @@ def _greedy(n: int = NEW_TOKENS) -> SamplingParams:
 
 
 def _tiny_llm(model_dir, **kwargs) -> LLM:
-    return LLM(str(model_dir), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
-               kv_cache_memory_bytes=2 << 20, enable_lora=True, max_lora_rank=16, **kwargs)
+    options = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+                   kv_cache_memory_bytes=2 << 20, enable_lora=True, max_lora_rank=16)
+    return LLM(str(model_dir), **(options | kwargs))
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -58,7 +59,8 @@ def family_case(request, make_tiny_model, tmp_path_factory):
         hf = make_peft_adapter(model_dir, path, rank=rank, alpha=alpha, targets=targets,
                                seed=i, use_rslora=rslora)
         adapters.append((LoRARequest(f"r{rank}", i + 1, str(path)), hf))
-    llm = _tiny_llm(model_dir, max_loras=2)
+    # Few step buckets (compile time): 4 rows of at most 16 tokens.
+    llm = _tiny_llm(model_dir, max_loras=2, max_num_seqs=4, max_num_batched_tokens=16)
     return request.param, model_dir, llm, adapters
 
 
@@ -75,7 +77,7 @@ def test_logits_and_greedy_tokens_match_hf_peft_for_each_family(family_case):
                 with hf.disable_adapter():
                     assert np.abs(ref - hf_logits(hf, ids)).max() > 1e-2
             worst = max(worst, float(np.abs(ours - ref).max()))
-    # One batch: every prompt under both adapters and the base model together.
+    # One batch: every prompt under both adapters together.
     jobs = [(ids, lora, hf) for ids in prompts for lora, hf in adapters]
     outs = llm.generate([j[0] for j in jobs], _greedy(), use_tqdm=False,
                         lora_request=[j[1] for j in jobs])

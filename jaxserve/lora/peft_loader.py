@@ -161,7 +161,8 @@ def _read_config(path: str) -> dict:
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+    """Every tensor of the adapter (the loader's reader: bfloat16 adapters too)."""
+    from jaxserve.loader.safetensors_loader import SafetensorsFile
 
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_path):
@@ -169,7 +170,8 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
             os.path.isfile(os.path.join(path, "adapter_model.bin")) else ""
         raise ValueError(f"LoRA adapter {path}: adapter_model.safetensors is missing{extra}")
     try:
-        return load_file(weights_path)
-    except Exception as e:   # a truncated or foreign file: say which
+        file = SafetensorsFile(weights_path)
+        return {name: file.get(name) for name in file.names()}
+    except ValueError as e:   # a truncated or foreign file: say which
         raise ValueError(f"LoRA adapter {path}: cannot read adapter_model.safetensors: "
                          f"{e}") from None
