@@ -9,7 +9,9 @@ to ``max_lora_rank`` and stacked over layers, with the scaling folded into B:
     a[target]: [L, in, max_rank]     b[target]: [L, max_rank, out] * scaling
 
 so a slot holds any rank <= max_lora_rank and the step needs no per-adapter constant.
-Layers an adapter does not touch (``layers_to_transform``) stay zero.
+Layers an adapter does not touch (``layers_to_transform``) stay zero. Which targets an
+adapter has is read from its tensors (``target_modules`` may be a regex, or name modules
+that matched nothing).
 
 Everything that would make the adapter compute something else than PEFT's forward is a
 ValueError naming the field: unknown or unsupported target modules, rank above the
