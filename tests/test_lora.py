@@ -100,6 +100,21 @@ def test_moe_expert_targets_are_a_clear_error(make_tiny_model, tmp_path):
         load_peft_adapter(str(tmp_path), family_for(arch.architecture), arch, 16)
 
 
+def test_lora_step_exports_for_cuda(make_tiny_model):
+    """The step with adapter slots lowers for GPU too (jax.export, no GPU needed)."""
+    from tests.test_step_lowering import cuda_runner
+
+    _, runner = cuda_runner(make_tiny_model("llama"), enable_lora=True, max_loras=2,
+                            max_lora_rank=8)
+    stacks = runner.lora.arrays
+    assert stacks["q_proj"]["lora_a"].shape == (2, 3, 64, 8)       # [L, max_loras + 1, in, r]
+    assert stacks["down_proj"]["lora_b"].dtype.name == "bfloat16"
+    t, s = runner.buckets.all_shapes()[-1]
+    exported = runner.export_step(t, s, "cuda")
+    shapes = [tuple(a.shape) for a in exported.in_avals]
+    assert (2, 3, 128, 8) in shapes and (2, 3, 8, 64) in shapes      # down_proj's A and B
+
+
 # -- one engine for the serving behaviour: tiny Llama, 2 slots, 3 adapters + the base model ------
 MIXED_TEXTS = ["Hello, world! How are you", "Paged attention stores the key-value cache",
                "def add(a, b):", "Continuous batching lets new requests join"]
