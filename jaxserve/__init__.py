@@ -10,6 +10,7 @@ _LAZY = {
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "EngineConfig": "jaxserve.config",
+    "LoRARequest": "jaxserve.lora.request",
 }
 
 
@@ -23,4 +24,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind",
-           "RequestOutput", "CompletionOutput", "EngineConfig", "__version__"]
+           "RequestOutput", "CompletionOutput", "EngineConfig", "LoRARequest", "__version__"]

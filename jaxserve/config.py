@@ -151,6 +151,17 @@ class SpeculativeConfig:
         "\"num_speculative_tokens\": k}: a small model of the same tokenizer drafts.")
 
 
+@dataclass
+class LoRAConfig:
+    enable_lora: bool = opt(
+        False, "Serve LoRA adapters (PEFT directories) over the base model, batched: each "
+        "request may name its own (vLLM's flag). Off: the step carries no LoRA at all.")
+    max_loras: int = opt(1, "Distinct adapters one step can run (device slots).")
+    max_lora_rank: int = opt(16, "Largest adapter rank accepted; every slot is this wide.")
+    max_cpu_loras: int | None = opt(
+        None, "Adapters kept loaded in host memory (an LRU); default: max_loras.")
+
+
 class FlatOptions:
     """Flat, vLLM-named access to a tree of option sections."""
 
@@ -175,6 +186,7 @@ class EngineConfig(FlatOptions):
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def spec_decode(self):
@@ -222,6 +234,18 @@ class EngineConfig(FlatOptions):
         if c.block_size <= 0 or c.block_size & (c.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {c.block_size}")
         self.spec_decode      # raises ValueError on a bad speculative_config
+        lc = self.lora_config
+        if lc.enable_lora:
+            _check_range("max_loras", lc.max_loras, 1, 256)
+            _check_range("max_lora_rank", lc.max_lora_rank, 1, 512)
+            if lc.max_cpu_loras is None:
+                lc.max_cpu_loras = lc.max_loras
+            _check_range("max_cpu_loras", lc.max_cpu_loras, lc.max_loras, 1 << 16)
+            if p.data_parallel_size > 1 or p.num_processes > 1:
+                raise ValueError("enable_lora is not supported with data_parallel_size > 1 or "
+                                 "num_processes > 1 yet")
+            if self.speculative_config.speculative_config is not None:
+                raise ValueError("enable_lora with speculative decoding is not supported yet")
         if self.model_config.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.model_config.max_logprobs}")
         return self
@@ -255,6 +279,12 @@ class ServerConfig:
     tool_call_parser: str | None = opt(
         None, "How to read tool calls out of model text for tool_choice 'auto'.",
         choices=["hermes", "llama3_json"])
+    lora_modules: list[str] | None = opt(
+        None, "LoRA adapters to serve, as NAME=PATH (a PEFT directory); a request selects one "
+        "with \"model\": NAME. Needs --enable-lora.", nargs="+")
+    allow_runtime_lora_updating: bool = opt(
+        False, "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates "
+        "them behind VLLM_ALLOW_RUNTIME_LORA_UPDATING; here a flag).")
 
 
 @dataclass

@@ -10,6 +10,7 @@ Each app gets its own `CollectorRegistry`, so a process can build several.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,6 +84,14 @@ class _EngineCollector(Collector):
             for position, value in enumerate(snap.spec_decode_accepted_per_pos):
                 per_pos.add_metric([self.model_name, str(position)], value)
             yield per_pos
+        if snap.max_lora:                          # LoRA on: vLLM's lora_requests_info
+            info = GaugeMetricFamily(
+                "jaxserve:lora_requests_info", "Running stats on LoRA requests (the value is "
+                "the time of the snapshot, as vLLM's).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(snap.max_lora), ",".join(snap.running_lora_adapters),
+                             ",".join(snap.waiting_lora_adapters)], time.time())
+            yield info
 
 
 class ServerMetrics:

@@ -131,7 +131,8 @@ class AsyncLLMEngine:
     # -- the asyncio side ------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | None, sampling_params: Any, *,
                           prompt_token_ids: list[int] | None = None,
-                          arrival_time: float | None = None) -> _RequestStream:
+                          arrival_time: float | None = None,
+                          lora_request: Any = None) -> _RequestStream:
         """Submit a request; returns once the engine accepted it.
 
         Raises ValueError when the engine rejects it (nothing changes then), and
@@ -140,7 +141,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = _RequestStream(request_id, loop)
         command = ("add", stream, prompt, sampling_params, prompt_token_ids,
-                   arrival_time or time.time())
+                   arrival_time or time.time(), lora_request)
         self._submit(command)
         try:
             await stream.accepted
@@ -172,11 +173,12 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt: str | None, sampling_params: Any, *,
                        prompt_token_ids: list[int] | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative RequestOutputs until it finishes."""
         stream = await self.add_request(request_id, prompt, sampling_params,
                                         prompt_token_ids=prompt_token_ids,
-                                        arrival_time=arrival_time)
+                                        arrival_time=arrival_time, lora_request=lora_request)
         async for output in self.stream_outputs(stream):
             yield output
 
@@ -235,7 +237,7 @@ class AsyncLLMEngine:
         aborted = False
         for command in commands:
             if command[0] == "add":
-                _, stream, prompt, params, prompt_token_ids, arrival_time = command
+                _, stream, prompt, params, prompt_token_ids, arrival_time, lora = command
                 if stream.request_id in self._streams:
                     _resolve(stream, ValueError(
                         f"request id {stream.request_id!r} is already in use"))
@@ -243,7 +245,8 @@ class AsyncLLMEngine:
                 try:
                     engine.add_request(stream.request_id, prompt, params,
                                        prompt_token_ids=prompt_token_ids,
-                                       arrival_time=arrival_time)
+                                       arrival_time=arrival_time,
+                                       **({"lora_request": lora} if lora is not None else {}))
                 except (ValueError, TypeError) as exc:
                     _resolve(stream, ValueError(str(exc)))
                     continue

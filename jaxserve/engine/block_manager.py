@@ -9,7 +9,9 @@ Prefix caching identifies a full block by a hash chain over its tokens:
 ``hash_i = hash((hash_{i-1}, tuple(tokens of block i)))``, so a hit on block
 ``i`` implies the whole prefix up to block ``i`` matches. Each cache entry
 keeps its parent hash and token tuple and a lookup checks them, so a 64-bit
-hash collision cannot serve the wrong KV.
+hash collision cannot serve the wrong KV. A sequence under a LoRA adapter starts its chain
+from the adapter's key instead of ``_NO_PARENT`` (`_root`): the same prompt under two
+adapters (or an adapter and the base model) has different KV and never shares blocks.
 
 The free pool is one ordered dict used as an LRU queue: allocation takes from
 the front, a freed cached block goes to the back (evicted last), a freed block
@@ -25,6 +27,11 @@ from collections.abc import Iterable
 from jaxserve.engine.sequence import Sequence
 
 _NO_PARENT = -1  # parent hash of a sequence's first block
+
+
+def _root(seq: Sequence) -> int:
+    """The parent hash of seq's first block: its LoRA adapter's key, if it has one."""
+    return _NO_PARENT if seq.lora is None else hash(("lora", *seq.lora.key))
 
 
 class BlockManager:
@@ -77,7 +84,7 @@ class BlockManager:
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_hit_blocks)
         blocks: list[int] = []
-        parent = _NO_PARENT
+        parent = _root(seq)
         for i in range(max_hit_blocks):
             block_hash = seq.block_hashes[i]
             block = self._hash_to_block.get(block_hash)
@@ -147,7 +154,7 @@ class BlockManager:
                 # this duplicate go back to the pool uncached when it is freed.
                 continue
             block = seq.block_table[i]
-            parent = seq.block_hashes[i - 1] if i > 0 else _NO_PARENT
+            parent = seq.block_hashes[i - 1] if i > 0 else _root(seq)
             self._hash_to_block[block_hash] = block
             self._block_hash[block] = block_hash
             self._block_key[block] = (parent, self._block_tokens(seq, i))
@@ -210,7 +217,7 @@ class BlockManager:
         token ids only ever grow, so earlier hashes stay valid)."""
         hashes = seq.block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i > 0 else _NO_PARENT
+            parent = hashes[i - 1] if i > 0 else _root(seq)
             hashes.append(hash((parent, self._block_tokens(seq, i))))
 
     def check_invariants(self, seqs: Iterable[Sequence] | None = None) -> None:

@@ -30,6 +30,15 @@ class PositionCounts(tuple):
     __radd__ = __add__
 
 
+class NameSet(tuple):
+    """Sorted names (LoRA adapters); adds as a union, so replicas' snapshots sum too."""
+
+    def __add__(self, other):
+        return NameSet(sorted(set(self) | set(other or ())))
+
+    __radd__ = __add__
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine gauges and counters at one moment (the server publishes one after each step)."""
@@ -48,6 +57,9 @@ class EngineSnapshot:
     spec_decode_num_draft_tokens: int = 0    # draft tokens verified, and accepted
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: PositionCounts = PositionCounts()   # accepted at position j
+    max_lora: int = 0                                 # LoRA slots (0: LoRA off)
+    running_lora_adapters: NameSet = NameSet()        # adapters of running / waiting requests
+    waiting_lora_adapters: NameSet = NameSet()
 
 
 class EngineCore(Protocol):
@@ -61,8 +73,10 @@ class EngineCore(Protocol):
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     sampling_params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; ValueError (changing nothing) if it can never run."""
+                    arrival_time: float | None = None, **kwargs: Any) -> None:
+        """Queue a request; ValueError (changing nothing) if it can never run. LLMEngine also
+        takes ``lora_request`` (a LoRARequest or LoadedLoRA); callers pass it only when set,
+        so engines without LoRA need not accept it."""
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (unknown ids are ignored); their final outputs come from step()."""

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.engine_core import EngineSnapshot, PositionCounts
+from jaxserve.engine.engine_core import EngineSnapshot, NameSet, PositionCounts
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
@@ -72,7 +72,10 @@ class LLMEngine:
         self.model_path = s.model_path
         self.block_manager = BlockManager(s.kv_plan.num_blocks, s.kv_plan.block_size,
                                           config.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len)
+        lc = config.lora_config
+        self.lora_registry = s.lora_registry    # None: LoRA off
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
+                                   max_loras=lc.max_loras if lc.enable_lora else 0)
         self.runner = s.runner
         self.outputs = OutputProcessor(self.tokenizer, s.eos_token_ids, s.max_model_len,
                                        config.model_config.max_logprobs,
@@ -112,10 +115,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     sampling_params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) if it can never run."""
+                    arrival_time: float | None = None, lora_request: Any = None) -> None:
+        """Queue a request. Raises ValueError (and changes nothing) if it can never run.
+
+        lora_request: a LoRARequest (loaded now unless in the host LRU; a bad adapter is a
+        ValueError) or an already loaded LoadedLoRA (the server loads off this thread)."""
         params = sampling_params or SamplingParams()
         self.runner.batch.check(params)
+        lora = self._resolve_lora(lora_request)
         compiled = None
         if params.structured_outputs is not None:   # parsed now (ValueError), compiled async
             constraint = params.structured_outputs
@@ -125,11 +132,22 @@ class LLMEngine:
         seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids, params,
                                         arrival_time or time.time())
         for seq in seqs:
+            seq.lora = lora
             if compiled is not None:
                 seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
             self.scheduler.add_seq(seq)
         if compiled is not None:
             self._compiling[request_id] = compiled
+
+    def _resolve_lora(self, lora_request: Any) -> Any:
+        from jaxserve.lora.registry import LoadedLoRA
+
+        if lora_request is None or isinstance(lora_request, LoadedLoRA):
+            return lora_request
+        if self.lora_registry is None:
+            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r}, but this "
+                             "engine was started without enable_lora")
+        return self.lora_registry.get(lora_request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -264,22 +282,40 @@ class LLMEngine:
             spec_decode_num_drafts=stats.spec_num_drafts,
             spec_decode_num_draft_tokens=stats.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=stats.spec_num_accepted_tokens,
-            spec_decode_accepted_per_pos=PositionCounts(stats.spec_accepted_per_pos))
+            spec_decode_accepted_per_pos=PositionCounts(stats.spec_accepted_per_pos),
+            **self._lora_snapshot())
+
+    def _lora_snapshot(self) -> dict[str, Any]:
+        if self.lora_registry is None:
+            return {}
+        running, waiting = self.scheduler.lora_adapters()
+        return {"max_lora": self.config.lora_config.max_loras,
+                "running_lora_adapters": NameSet(running),
+                "waiting_lora_adapters": NameSet(waiting)}
 
     def add_metrics(self, registry: Any, model_name: str) -> None:
         """One replica has no series beyond the snapshot's."""
 
     # -- inspection ----------------------------------------------------------------------------
-    def prompt_logits(self, prompt_token_ids: list[int]) -> np.ndarray:
-        """Logits [len, V] of a prompt through the paged path, for parity checks (idle engine)."""
+    def prompt_logits(self, prompt_token_ids: list[int], lora_request: Any = None
+                      ) -> np.ndarray:
+        """Logits [len, V] of a prompt through the paged path (under ``lora_request``'s adapter
+        if given), for parity checks (idle engine)."""
         from jaxserve.engine.sequence import Sequence
 
         if self.has_unfinished_requests():
             raise RuntimeError("prompt_logits needs an idle engine")
         seq = Sequence("__prompt_logits__", prompt_token_ids, SamplingParams())
+        seq.lora = self._resolve_lora(lora_request)
         if not self.block_manager.allocate_slots(seq, seq.num_tokens):
             raise RuntimeError("not enough free KV blocks for prompt_logits")
+        out = SchedulerOutput()
         try:
-            return self.runner.prompt_logits(prompt_token_ids, seq.block_table)
+            if seq.lora is not None and not self.scheduler._acquire_lora(seq, out):
+                raise RuntimeError("no free LoRA slot for prompt_logits")
+            for slot, weights in out.lora_loads.items():
+                self.runner.lora.write(slot, weights)
+            return self.runner.prompt_logits(prompt_token_ids, seq.block_table, seq.lora_slot)
         finally:
+            self.scheduler._release_lora(seq)
             self.block_manager.free(seq)

@@ -51,6 +51,7 @@ class ModelSetup:
     warmup_seconds: float
     load_seconds: float
     draft_proposer: Any = None       # speculative decoding's draft model (DraftModelProposer)
+    lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
 
 
 def resolve_dtype(name: str, platform: str):
@@ -163,6 +164,16 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         max_spec_rows * (num_spec_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
+    lora_targets = None
+    if config.lora_config.enable_lora:   # the adapter slots come out of the weights' share
+        from jaxserve.lora.peft_loader import supported_targets
+
+        lora_targets = supported_targets(family, arch)
+        lc = config.lora_config
+        lora_bytes = sum(arch.num_layers * (lc.max_loras + 1) * lc.max_lora_rank
+                         * (t.in_features + t.out_features) for t in lora_targets.values()
+                         ) * np.dtype(dtype).itemsize
+        weight_bytes += lora_bytes
     draft = None
     if spec is not None and spec.method == "draft_model":
         draft = _load_draft(config, arch, dtype, platform, max_model_len, max_spec_rows)
@@ -188,6 +199,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     eos = eos_ids(loaded.tokenizer, loaded.generation_config)
     backend = placement.shard_backend(
         get_attention_backend(config.runner_config.attention_backend, platform))
+    lora_stacks = lora_registry = None
+    if lora_targets is not None:
+        lora_stacks, lora_registry = _setup_lora(config, family, placement, lora_targets, dtype)
     runner = ModelRunner(
         arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
         block_size=kv_plan.block_size, max_model_len=max_model_len,
@@ -196,7 +210,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         max_logprobs=mc.max_logprobs, eos_token_ids=eos,
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
         max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
-        input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings)
+        input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings,
+        lora=lora_stacks)
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
@@ -228,7 +243,32 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                       default_sampling_overrides=overrides, model_path=loaded.model_path,
                       num_params=num_params, weight_bytes=resident_bytes,
                       warmup_seconds=warmup_seconds,
-                      load_seconds=load_seconds, draft_proposer=draft_proposer)
+                      load_seconds=load_seconds, draft_proposer=draft_proposer,
+                      lora_registry=lora_registry)
+
+
+def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict,
+                dtype: Any) -> tuple[Any, Any]:
+    """The device adapter slots (split like their base kernels) and the adapter registry."""
+    from jaxserve.lora.registry import LoRARegistry
+    from jaxserve.lora.stacks import LoRAStacks
+
+    lc = config.lora_config
+    specs = None
+    if placement.mesh is not None:
+        spec_fn = family.param_spec_for(placement.arch)
+        shapes = family.weight_shapes(placement.arch)
+        specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
+                            placement.tp) for t in targets}
+    stacks = LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
+                        dtype, placement.mesh, specs)
+    registry = LoRARegistry(family, placement.source_arch, max_lora_rank=lc.max_lora_rank,
+                            max_cpu_loras=lc.max_cpu_loras, tp=placement.tp)
+    logger.info("LoRA: %d slots of rank %d on %s (%.1f MiB); %d adapters in host memory",
+                lc.max_loras, lc.max_lora_rank, ", ".join(targets), stacks.nbytes / 2**20,
+                lc.max_cpu_loras)
+    return stacks, registry
+
 
 
 def _load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str,

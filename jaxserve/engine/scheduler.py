@@ -27,6 +27,10 @@ While decodes run, prefill work per step is capped (``long_prefill_token_thresho
 ``max_num_partial_prefills``, and the decode-aware budget below), so one long
 prompt cannot stall every stream's next token.
 
+Multi-LoRA: a sequence under an adapter is admitted only when its adapter has a device
+slot or one is free (jaxserve/lora/slots.py: at most ``max_loras`` distinct adapters
+run at once); otherwise it is passed over, keeping its place, like a compiling grammar.
+
 The scheduler knows sequences and blocks, never tensors: it speaks to the
 runner only through `SchedulerOutput` (jaxserve/engine/step_contract.py).
 """
@@ -40,6 +44,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
+from jaxserve.lora.slots import LoRASlots
 from jaxserve.runner.buckets import next_power_of_2  # the step shapes the cap aims at
 
 logger = logging.getLogger(__name__)
@@ -49,7 +54,8 @@ class Scheduler:
     """Waiting queue (FIFO) and running list; ``schedule`` then ``update_from_output``."""
 
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_loras: int = 0) -> None:
+        """max_loras: device slots for LoRA adapters (0: LoRA off)."""
         budget = scheduler_config.max_num_batched_tokens
         if budget is None or budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget} "
@@ -79,6 +85,7 @@ class Scheduler:
         self._rolled_back: dict[int, int] = {}  # seq id -> block table length after rollback
         self.num_preemptions = 0
         self.num_constrained = 0              # unfinished sequences with a grammar
+        self.lora_slots = LoRASlots(max_loras) if max_loras else None
 
     # ------------------------------------------------------------------ state
     @property
@@ -203,7 +210,8 @@ class Scheduler:
             i += 1
 
         # Then admit waiting sequences in FIFO order, unless the cache was just short.
-        compiling: list[Sequence] = []    # grammar not compiled yet: skipped, keep their place
+        # Skipped, keeping their place: grammar not compiled yet, or no LoRA slot for them.
+        compiling: list[Sequence] = []
         if not out.preempted_seq_ids:
             while self._waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = self._waiting[0]
@@ -226,7 +234,11 @@ class Scheduler:
                 if num_new < num_remaining:
                     if not self.enable_chunked_prefill or num_partial >= self.max_num_partial_prefills:
                         break
+                if seq.lora is not None and not self._acquire_lora(seq, out):
+                    compiling.append(self._waiting.popleft())
+                    continue
                 if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+                    self._release_lora(seq)
                     break  # head-of-line blocking keeps admission FIFO-fair
                 self._waiting.popleft()
                 prompt_logprobs_room -= _prompt_logprobs_positions(seq, num_cached, num_new)
@@ -234,7 +246,8 @@ class Scheduler:
                 running.append(seq)
                 out.new_seqs.append(NewSeqData(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                    list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed))
+                    list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed,
+                    seq.lora_slot))
                 self._plan(seq, num_new, out)
                 budget -= num_new
                 prefill_used += num_new
@@ -244,6 +257,30 @@ class Scheduler:
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Give seq its adapter's slot (telling the runner to write it if it is new there);
+        False when all max_loras slots serve other running adapters."""
+        if self.lora_slots is None:
+            raise ValueError("a LoRA request reached an engine without enable_lora")
+        got = self.lora_slots.acquire(seq.lora.key)
+        if got is None:
+            return False
+        seq.lora_slot, needs_write = got
+        if needs_write:
+            out.lora_loads[seq.lora_slot] = seq.lora.weights
+        return True
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = 0
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting sequences (metrics)."""
+        running = sorted({s.lora.name for s in self._running if s.lora is not None})
+        waiting = sorted({s.lora.name for s in self._waiting if s.lora is not None})
+        return running, waiting
 
     def _chunk_cap(self, prefill_used: int, num_decodes: int) -> int:
         """Most prompt tokens the next sequence may take this step (<= 0: none).
@@ -390,6 +427,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free ``seq``'s blocks and requeue it at the front, to be recomputed."""
         self.block_manager.free(seq)
+        self._release_lora(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -409,6 +447,7 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self._running.remove(seq)
             self._finished_ids.append(seq.seq_id)   # the runner holds a row for it
+            self._release_lora(seq)
         else:
             self._waiting.remove(seq)
         seq.status = status

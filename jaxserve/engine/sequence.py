@@ -39,7 +39,7 @@ class Sequence:
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "seed",
         "arrival_time", "stop_reason", "cumulative_logprob", "logprobs", "num_preemptions",
         "block_hashes", "num_pending_tokens", "max_num_tokens", "grammar", "spec_backoff",
-        "spec_skip_steps",
+        "spec_skip_steps", "lora", "lora_slot",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -75,6 +75,10 @@ class Sequence:
         # for spec_skip_steps steps (spec_backoff doubles on each miss, resets on a hit).
         self.spec_backoff = 0
         self.spec_skip_steps = 0
+        # LoRA: the adapter it runs under (a jaxserve.lora.registry.LoadedLoRA; None: the base
+        # model), and the device slot it holds while running (0: none / base model).
+        self.lora: Any = None
+        self.lora_slot = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

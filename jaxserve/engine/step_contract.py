@@ -10,13 +10,13 @@ Rows are in *batch order*: ``seq_ids[i]`` is row i of the step, and row i of eve
 per-row list here and of the `RunnerOutput` belongs to it.
 
 ``draft_token_ids`` carries speculative decoding's drafts, ``grammar_bitmask`` structured
-outputs' masks; ``NewSeqData.adapter_slot`` is room for LoRA.
+outputs' masks; ``NewSeqData.adapter_slot`` and ``lora_loads`` multi-LoRA's slots.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class NewSeqData:
     num_computed_tokens: int        # tokens already in the KV cache (prefix-cache hit)
     sampling_params: SamplingParams
     seed: int                       # this sequence's sampling seed (fixed at arrival)
-    adapter_slot: int = 0           # LoRA slot (0 = base model); room for multi-LoRA
+    adapter_slot: int = 0           # LoRA slot (0 = base model; jaxserve/lora/slots.py)
 
 
 @dataclass(slots=True)
@@ -62,6 +62,9 @@ class SchedulerOutput:
     # row's num_scheduled_tokens counts them); rows not here have none.
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None       # i32[rows, ceil(V / 32)], batch order
+    # LoRA: slot -> the adapter weights (jaxserve/lora/peft_loader.LoRAWeights) the runner
+    # writes into that device slot before this step (the scheduler just gave it the slot).
+    lora_loads: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:

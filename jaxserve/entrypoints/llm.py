@@ -14,6 +14,7 @@ from typing import Sequence as Seq
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.launch import create_engine
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -39,24 +40,30 @@ class LLM:
     # -- generate ------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or {"prompt": str} /
         {"prompt_token_ids": [...]}; a single prompt may be passed bare.
+        lora_request: one LoRARequest for every prompt, or one (or None: the base model) per
+        prompt; needs LLM(..., enable_lora=True).
         """
         prompts = _as_prompt_list(prompts)
         params = _broadcast_params(sampling_params, len(prompts))
+        loras = _broadcast_lora(lora_request, len(prompts))
         engine = self.llm_engine
         ids = []
         staged = [_split_prompt(p) for p in prompts]
         try:   # a prompt that can never run fails the call, and nothing stays queued
-            for (text, token_ids), sp in zip(staged, params):
+            for (text, token_ids), sp, lora in zip(staged, params, loras):
                 if sp.output_kind != RequestOutputKind.FINAL_ONLY:   # only the final is read
                     sp = sp.clone()
                     sp.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
+                engine.add_request(request_id, text, sp, prompt_token_ids=token_ids,
+                                   **({"lora_request": lora} if lora is not None else {}))
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)
@@ -117,6 +124,15 @@ def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, dict):
         return prompt.get("prompt"), prompt.get("prompt_token_ids")
     return None, [int(t) for t in prompt]
+
+
+def _broadcast_lora(lora: Any, count: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    lora = list(lora)
+    if len(lora) != count:
+        raise ValueError(f"got {len(lora)} lora_requests for {count} prompts")
+    return lora
 
 
 def _broadcast_params(params: Any, count: int) -> list[SamplingParams]:

@@ -85,7 +85,7 @@ class GemmaDecoderLayer(nn.Module):
             cos, sin, meta, dt)
         x = x + norm("post_attention_layernorm")(out)
         h = gated_mlp(norm("pre_feedforward_layernorm")(x), a.intermediate_size,
-                      a.hidden_size, o.activation, dt)
+                      a.hidden_size, o.activation, dt, meta.lora_slots)
         x = x + norm("post_feedforward_layernorm")(h)
         return (x, k_cache, v_cache), None
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
+from jaxserve.lora.layers import lora_delta
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
@@ -71,13 +72,16 @@ class Linear(nn.Module):
       kernel [in, out] float                     plain (nn.Dense, bit for bit)
       kernel [in, out] int8 + scale [out]        w8a16: (x @ kernel) * scale
       q8_0 / q4_0 / q4_1 uint8 [out, packed]     GGUF blocks, dequantized in the jit
-    so one module serves every family in every mode, and init makes the plain one."""
+    so one module serves every family in every mode, and init makes the plain one.
+    With LoRA on, the tree also holds the adapter slots ``lora_a`` [S, in, r] and ``lora_b``
+    [S, r, out] (jaxserve/lora/stacks.py), and each token's delta from its slot
+    (``lora_slots`` i32[T]) is added to whatever the base layer computed."""
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         names = self.variables.get("params", {})
         fmt = packed_format_of(names)
         if fmt is not None:
@@ -94,6 +98,9 @@ class Linear(nn.Module):
                                     (((x.ndim - 1,), (0,)), ((), ())))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        if lora_slots is not None and "lora_a" in names:
+            y = y + lora_delta(x.astype(self.dtype), self.get_variable("params", "lora_a"),
+                               self.get_variable("params", "lora_b"), lora_slots)
         return y
 
 
@@ -169,9 +176,10 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
     Returns (out [T, hidden], k_cache, v_cache).
     """
     num_tokens = h.shape[0]
-    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
-    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
-    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
+    lora = meta.lora_slots     # None unless LoRA is on
+    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h, lora)
+    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h, lora)
+    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h, lora)
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
     k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -193,13 +201,15 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
                                    meta.block_tables + block_offset, meta.query_start_loc,
                                    meta.num_seqs, sliding_window=window, **static)
     out = dense(cfg.hidden_size, "o_proj", dtype, cfg.o_bias)(
-        attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim))
+        attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), lora)
     return out, k_cache, v_cache
 
 
 def gated_mlp(h: jax.Array, intermediate_size: int, hidden_size: int, activation: str,
-              dtype: Any) -> jax.Array:
-    """down(act(gate(h)) * up(h)); activation: a key of ACTIVATIONS."""
-    gate = dense(intermediate_size, "gate_proj", dtype)(h)
-    up = dense(intermediate_size, "up_proj", dtype)(h)
-    return dense(hidden_size, "down_proj", dtype)(ACTIVATIONS[activation](gate) * up)
+              dtype: Any, lora_slots: jax.Array | None = None) -> jax.Array:
+    """down(act(gate(h)) * up(h)); activation: a key of ACTIVATIONS; lora_slots: i32[T]
+    (meta.lora_slots) when LoRA is on."""
+    gate = dense(intermediate_size, "gate_proj", dtype)(h, lora_slots)
+    up = dense(intermediate_size, "up_proj", dtype)(h, lora_slots)
+    return dense(hidden_size, "down_proj", dtype)(ACTIVATIONS[activation](gate) * up,
+                                                  lora_slots)

@@ -56,7 +56,7 @@ class LlamaDecoderLayer(nn.Module):
                                qkv_bias=o.qkv_bias, o_bias=o.o_bias,
                                qk_norm_eps=o.rms_norm_eps if o.qk_norm else None)
         return pre_norm_layer(self, carry, xs, cos, sin, meta, attn, lambda h: gated_mlp(
-            h, a.intermediate_size, a.hidden_size, "silu", dt))
+            h, a.intermediate_size, a.hidden_size, "silu", dt, meta.lora_slots))
 
 
 class LlamaFamily(ModelFamily):

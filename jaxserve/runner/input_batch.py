@@ -83,7 +83,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
                  max_blocks_per_seq: int, *, num_bias_slots: int = 320,
                  eos_token_ids: Seq[int] = (), prompt_logprobs_cap: int = 0,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, lora: bool = False) -> None:
         R, L, W = max_num_seqs, max_model_len, max_blocks_per_seq
         self.max_num_seqs, self.max_model_len, self.block_size, self.width = R, L, block_size, W
         self.padding_row = R
@@ -105,6 +105,8 @@ class InputBatch:
         self.seeds = np.zeros(R + 1, np.uint32)
         self.needs_penalties = np.zeros(R + 1, bool)
         self.seq_of_row = np.full(R + 1, -1, np.int64)
+        self.lora = lora                                     # steps carry lora_slots[T]
+        self.lora_slot = np.zeros(R + 1, np.int32)           # each row's adapter slot
         self.row_of: dict[int, int] = {}
         self._bias: dict[int, _Bias] = {}                    # rows with a bias or min_tokens
         self._free_rows = list(range(R - 1, -1, -1))         # pop() hands out row 0 first
@@ -164,6 +166,7 @@ class InputBatch:
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.wants_prompt_logprobs[row] = p.prompt_logprobs is not None
         self.seeds[row] = seed_to_u32(new.seed)
+        self.lora_slot[row] = new.adapter_slot
         self.needs_penalties[row] = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                                      or p.repetition_penalty != 1.0)
         bias = _Bias(p, self.eos_token_ids, self.num_bias_slots)
@@ -177,6 +180,7 @@ class InputBatch:
         self.token_ids[row, :self.num_known[row]] = -1
         self.num_known[row] = 0
         self.seq_of_row[row] = -1
+        self.lora_slot[row] = 0
         self.wants_prompt_logprobs[row] = False
         self._bias.pop(row, None)
         self._free_rows.append(row)
@@ -274,6 +278,9 @@ class InputBatch:
         for i, name in enumerate(FLOAT_FIELDS):
             v[name][:] = floats[i]
         v["block_tables"][:n] = self.block_table[rows]
+        if self.lora:
+            v["lora_slots"][:live] = self.lora_slot[token_rows]
+            v["lora_slots"][live:] = 0
         v["block_tables"][n:] = 0
         prompt_logprobs_rows = self._prompt_logprobs_slots(v, rows, computed, counts, ends,
                                                            layout.num_prompt_logprobs)
@@ -339,7 +346,7 @@ class InputBatch:
         array may alias it on CPU, so a buffer is not rewritten while its step can run."""
         entry = self._buffers.get((T, S))
         if entry is None:
-            layout = StepLayout(T, S, self.width, self.prompt_logprobs_cap)
+            layout = StepLayout(T, S, self.width, self.prompt_logprobs_cap, self.lora)
             entry = self._buffers[(T, S)] = [layout, [layout.empty(self.padding_row)
                                                       for _ in range(3)], 0]
         layout, bufs, i = entry
@@ -353,7 +360,8 @@ class InputBatch:
         consts = self.constants(num_seqs)
         return StepInputs(
             num_tokens, num_seqs, StepLayout(num_tokens, num_seqs, self.width,
-                                             self.prompt_logprobs_cap).empty(self.padding_row),
+                                             self.prompt_logprobs_cap,
+                                             self.lora).empty(self.padding_row),
             consts["penalty_token_ids"].copy() if penalties else None,
             consts["bias_token_ids"].copy() if bias else None,
             consts["bias_values"].copy() if bias else None,

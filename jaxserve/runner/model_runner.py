@@ -31,6 +31,7 @@ from jaxserve.engine.step_contract import (
     SampledLogprobs,
     SchedulerOutput,
 )
+from jaxserve.lora.stacks import LoRAStacks, with_lora
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
 from jaxserve.parallel.mesh import put_replicated
@@ -51,7 +52,7 @@ StepOutputs = tuple[tuple[SamplerOutput, jax.Array | None], PromptLogprobsOutput
 
 
 def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
-          bias_values, grammar_bitmask, *, model: Any, model_constants, layout: StepLayout,
+          bias_values, grammar_bitmask, lora_stacks=None, *, model: Any, model_constants, layout: StepLayout,
           num_top_logprobs: int, num_spec_tokens: int = 0, num_spec_rows: int = 0,
           logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token
@@ -61,8 +62,12 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
     grammar_bitmask: i32[S, ceil(V/32)], allowed tokens per row (all ones: unconstrained).
     num_spec_tokens (k > 0: speculative decoding on): the sampler's outputs are [S * (k+1)]
     and ``num_emitted`` [S] says how many tokens each row emits (jaxserve/spec_decode).
+    lora_stacks: the adapter slots (jaxserve/lora/stacks.py), None with LoRA off (then the
+    step has no LoRA input or work at all).
     """
     f = layout.unpack(packed)
+    if lora_stacks is not None:
+        params = with_lora(params, lora_stacks)
     token_ids = resolve_token_ids(f["token_ids"], last_tokens)
     hidden, k_cache, v_cache = model.apply(params, token_ids, f["positions"],
                                            layout.metadata(f), k_cache, v_cache, model_constants)
@@ -167,7 +172,7 @@ class ModelRunner:
                  eos_token_ids: Seq[int], prompt_logprobs_cap: int = 0,
                  num_spec_tokens: int = 0, max_spec_rows: int = 0, kv_sharding: Any = None,
                  input_sharding: Any = None, logits_shardings: tuple = (),
-                 kv_cache_dtype: Any = None) -> None:
+                 kv_cache_dtype: Any = None, lora: LoRAStacks | None = None) -> None:
         self.arch = arch
         self.params = params
         self.dtype = dtype
@@ -182,6 +187,7 @@ class ModelRunner:
         # min(S, max_spec_rows) rows of a step (the scheduler drafts only in steps that small).
         self.num_spec_tokens = num_spec_tokens
         self.max_spec_rows = max_spec_rows
+        self.lora = lora    # multi-LoRA slots (None: off)
         family = family_for(arch.architecture)   # the registry's model module for this arch
         self.model = family.build(arch, backend, num_blocks, block_size, dtype)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
@@ -193,7 +199,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
                                 eos_token_ids=list(eos_token_ids),
                                 prompt_logprobs_cap=prompt_logprobs_cap,
-                                vocab_size=arch.vocab_size)
+                                vocab_size=arch.vocab_size, lora=lora is not None)
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         kv_dtype = kv_cache_dtype or dtype   # fp8: jaxserve/quantization/kv.py
         zeros = jax.jit(lambda: jnp.zeros(cache_shape, kv_dtype), out_shardings=kv_sharding)
@@ -218,10 +224,15 @@ class ModelRunner:
         return self._jitted(layout).lower(
             self.params, self.k_cache, self.v_cache, self.last_tokens,
             self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-            consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"]).compile()
+            consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"],
+            self._lora_stacks()).compile()
 
     def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
-        return StepLayout(num_tokens, num_seqs, self.width, self.prompt_logprobs_cap)
+        return StepLayout(num_tokens, num_seqs, self.width, self.prompt_logprobs_cap,
+                          self.lora is not None)
+
+    def _lora_stacks(self) -> Any:
+        return self.lora.arrays if self.lora is not None else None
 
     def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
         """Compile every bucket before serving, several at once (XLA compiles release the GIL;
@@ -255,7 +266,8 @@ class ModelRunner:
         consts = self._constants(num_seqs)
         args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
                 self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-                consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"])
+                consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"],
+                self._lora_stacks())
         # Triton kernels are custom calls that jax.export does not vouch for by default.
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
         return export.export(self._jitted(layout), platforms=[platform],
@@ -268,6 +280,8 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> PendingStep | None:
         """Apply ``out``'s diffs and dispatch its step; None when it schedules no tokens."""
+        for slot, weights in out.lora_loads.items():   # adapters the scheduler gave a slot
+            self.lora.write(slot, weights)
         rows = self.batch.apply(out)
         if out.is_empty:
             return None
@@ -303,7 +317,7 @@ class ModelRunner:
             else self._put(inputs.grammar_bitmask)
         self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
             self.params, self.k_cache, self.v_cache, self.last_tokens, self._put(inputs.packed),
-            penalty, bias_ids, bias_values, bitmask)
+            penalty, bias_ids, bias_values, bitmask, self._lora_stacks())
         out[0].next_tokens.copy_to_host_async()
         return out, prompt_out
 
@@ -324,8 +338,10 @@ class ModelRunner:
         return put_replicated(tree, self.input_sharding)
 
     # -- inspection (tests, notebooks): not on the serving path ---------------------------------
-    def prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> np.ndarray:
-        """Logits [len, V] of every position of a prompt whose KV goes to ``block_ids``.
+    def prompt_logits(self, token_ids: list[int], block_ids: list[int],
+                      lora_slot: int = 0) -> np.ndarray:
+        """Logits [len, V] of every position of a prompt whose KV goes to ``block_ids``
+        (under the adapter in ``lora_slot`` when LoRA is on).
 
         Compiles a shape of its own, so use it for checks, never while serving.
         """
@@ -344,13 +360,17 @@ class ModelRunner:
         v["kv_lens"][0] = n
         v["num_seqs"][0] = 1
         v["block_tables"][0, :len(blocks)] = blocks
+        if layout.lora:
+            v["lora_slots"][:n] = lora_slot
 
-        def forward(params, k_cache, v_cache, packed):
+        def forward(params, k_cache, v_cache, packed, lora_stacks):
             f = layout.unpack(packed)
+            if lora_stacks is not None:
+                params = with_lora(params, lora_stacks)
             return self.model.apply(params, f["token_ids"], f["positions"], layout.metadata(f),
                                     k_cache, v_cache, jnp.arange(t, dtype=jnp.int32),
                                     self.model_constants, method="forward_logits")
 
         logits, self.k_cache, self.v_cache = jax.jit(forward, donate_argnums=(1, 2))(
-            self.params, self.k_cache, self.v_cache, self._put(buf))
+            self.params, self.k_cache, self.v_cache, self._put(buf), self._lora_stacks())
         return np.asarray(logits)[:n]

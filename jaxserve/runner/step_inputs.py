@@ -10,6 +10,7 @@ fields travel as their int32 bit patterns, seeds as uint32 bits):
   repetition_penalty[S]
   block_tables[S*W]
   prompt_logprobs_indices[P] prompt_logprobs_targets[P]
+  lora_slots[T]   (only with LoRA on: each token's adapter slot, 0 = base model)
 
 P = min(T, prompt_logprobs_cap) prompt positions per step may ask for prompt logprobs:
 ``prompt_logprobs_indices[p]`` is a flat token index whose logits predict the prompt token
@@ -47,13 +48,14 @@ class AttentionMetadata:
     block_tables: jax.Array     # i32[S, W]
     query_start_loc: jax.Array  # i32[S+1]
     num_seqs: jax.Array         # i32 scalar
+    lora_slots: jax.Array | None = None   # i32[T]: each token's LoRA slot (None: LoRA off)
 
 
 class StepLayout:
     """Offsets of every field in the packed buffer of bucket (T, S) with table width W."""
 
     def __init__(self, num_tokens: int, num_seqs: int, width: int,
-                 prompt_logprobs_cap: int = 0) -> None:
+                 prompt_logprobs_cap: int = 0, lora: bool = False) -> None:
         T, S = num_tokens, num_seqs
         P = min(T, prompt_logprobs_cap)
         sizes = {"token_ids": T, "positions": T, "slot_mapping": T, "query_start_loc": S + 1,
@@ -61,8 +63,10 @@ class StepLayout:
                  "num_drafts": S,
                  **{name: S for name in INT_FIELDS + FLOAT_FIELDS},
                  "block_tables": S * width,
-                 "prompt_logprobs_indices": P, "prompt_logprobs_targets": P}
+                 "prompt_logprobs_indices": P, "prompt_logprobs_targets": P,
+                 "lora_slots": T if lora else 0}
         self.num_tokens, self.num_seqs, self.width = T, S, width
+        self.lora = lora
         self.num_prompt_logprobs = P
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
@@ -94,7 +98,8 @@ class StepLayout:
         return AttentionMetadata(slot_mapping=fields["slot_mapping"], kv_lens=fields["kv_lens"],
                                  block_tables=fields["block_tables"],
                                  query_start_loc=fields["query_start_loc"],
-                                 num_seqs=fields["num_seqs"])
+                                 num_seqs=fields["num_seqs"],
+                                 lora_slots=fields["lora_slots"] if self.lora else None)
 
     def empty(self, padding_row: int) -> np.ndarray:
         """An all-padding buffer (no live sequence): warm-up and idle followers."""

@@ -6,8 +6,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{id}, GET /health, GET /version, POST /tokenize, POST /detokenize,
-GET /metrics, GET /tokenizer_info (with --enable-tokenizer-info-endpoint). Every error is `{"error": {"message", "type", "param", "code"}}` with 400
-for any invalid request (never FastAPI's 422), 401 for a missing or wrong API key,
+GET /metrics, GET /tokenizer_info (with --enable-tokenizer-info-endpoint), POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter (with --allow-runtime-lora-updating).
+Every error is `{"error": {"message", "type", "param", "code"}}` with 400 for any invalid
+request (never FastAPI's 422), 401 for a missing or wrong API key,
 404 for an unknown model or a route this server does not serve (e.g. /v1/embeddings).
 `--api-key` guards every route but /health and /metrics. Every response carries an
 `x-request-id` header (the client's, if it sent one); CORS follows --allowed-origins etc.
@@ -18,21 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import json
-import uuid
-
 import uvicorn
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -54,6 +55,11 @@ from jaxserve.entrypoints.openai.serving_engine import (
     ClientGone,
     parse_body,
     validation_error,
+)
+from jaxserve.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest,
+    OpenAIServingLoRA,
+    UnloadLoRAAdapterRequest,
 )
 from jaxserve.entrypoints.openai.tokenizer_info import tokenizer_info
 from jaxserve.metrics import CONTENT_TYPE, attach_metrics
@@ -146,6 +152,8 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     chat = OpenAIServingChat(engine, names, config.server)
     for serving in (completions, chat):
         serving.log_requests = not config.server.disable_log_requests
+    lora = OpenAIServingLoRA(getattr(engine.engine, "lora_registry", None), names[0])
+    lora.load_startup_modules(config.server.lora_modules)
     metrics = attach_metrics(engine, names[0])
     engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
     created = int(time.time())
@@ -199,17 +207,36 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in names]}
+        return {"object": "list", "data": [model_card(name) for name in names]
+                + lora.model_cards(engine.max_model_len)}
 
     @app.get("/v1/models/{model_id:path}")
     @handle
     async def retrieve_model(raw_request: Request) -> Response:
         """One model card (OpenAI's `client.models.retrieve`); 404 for a model not served."""
         model_id = raw_request.path_params["model_id"]
+        for card in lora.model_cards(engine.max_model_len):
+            if card["id"] == model_id:
+                return JSONResponse(card)
         if model_id not in names:
             raise APIError(f"The model `{model_id}` does not exist.", 404, param="model",
                            code="model_not_found")
         return JSONResponse(model_card(model_id))
+
+    if config.server.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        @handle
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            """Load a PEFT adapter and serve it under lora_name (vLLM's endpoint)."""
+            request = await parse_body(raw_request, LoadLoRAAdapterRequest)
+            return Response(await lora.load(request), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        @handle
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            """Stop serving an adapter; its running requests finish first."""
+            request = await parse_body(raw_request, UnloadLoRAAdapterRequest)
+            return Response(await lora.unload(request), media_type="text/plain")
 
     @app.get("/health")
     async def health() -> Response:

@@ -110,7 +110,8 @@ class OpenAIServingChat(OpenAIServing):
 
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
-        [stream] = await self.start_requests(request_id, [prompt_ids], [params])
+        [stream] = await self.start_requests(request_id, [prompt_ids], [params],
+                                             self.lora_for(model))
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, model, created, stream, len(prompt_ids),

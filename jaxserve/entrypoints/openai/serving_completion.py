@@ -79,7 +79,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
         request_id = new_request_id("cmpl")
         created = int(time.time())
-        streams = await self.start_requests(request_id, prompt_ids, params)
+        streams = await self.start_requests(request_id, prompt_ids, params,
+                                            self.lora_for(model))
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, model, created, streams, prompt_ids,

@@ -112,6 +112,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        # LoRA adapters served by name (jaxserve/lora/registry.py); None: LoRA off.
+        self.lora_registry = getattr(engine.engine, "lora_registry", None)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = len(self.tokenizer)
@@ -124,8 +126,16 @@ class OpenAIServing:
         """The name to report; raises 404 for a model this server does not serve."""
         if requested is None or requested in self.served_model_names:
             return requested or self.served_model_names[0]
+        if self.lora_for(requested) is not None:
+            return requested
         raise APIError(f"The model `{requested}` does not exist.", 404, param="model",
                        code="model_not_found")
+
+    def lora_for(self, model: str) -> Any:
+        """The LoRARequest served as ``model`` (None: the base model)."""
+        if self.lora_registry is None or model in self.served_model_names:
+            return None
+        return self.lora_registry.lookup(model)
 
     def check_engine(self) -> None:
         if not self.engine.is_healthy:
@@ -186,10 +196,20 @@ class OpenAIServing:
 
     # -- running ---------------------------------------------------------------------------------
     async def start_requests(self, prefix: str, prompts: list[list[int]],
-                             params: list[SamplingParams]) -> list[AsyncIterator]:
-        """Submit one engine request per prompt; all accepted, or none (then raise)."""
+                             params: list[SamplingParams], lora_request: Any = None
+                             ) -> list[AsyncIterator]:
+        """Submit one engine request per prompt; all accepted, or none (then raise).
+        A LoRA adapter's weights are loaded here, off the engine thread, when the host LRU
+        no longer holds them."""
         self.check_engine()
         streams, ids = [], []
+        extra = {}
+        if lora_request is not None:
+            try:
+                extra["lora_request"] = await asyncio.to_thread(self.lora_registry.get,
+                                                                lora_request)
+            except ValueError as exc:
+                raise APIError(str(exc), param="model") from None
         try:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
                 request_id = f"{prefix}-{i}"
@@ -197,7 +217,7 @@ class OpenAIServing:
                     request_logger.info("Received request %s: %d prompt tokens, %r",
                                         request_id, len(token_ids), sampling_params)
                 stream = await self.engine.add_request(request_id, None, sampling_params,
-                                                       prompt_token_ids=token_ids)
+                                                       prompt_token_ids=token_ids, **extra)
                 ids.append(request_id)
                 streams.append(self.engine.stream_outputs(stream))
         except BaseException as exc:
