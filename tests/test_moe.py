@@ -106,7 +106,7 @@ def moe_model(request, make_tiny_model):
     config_class, overrides = CONFIGS[request.param]
     model_dir = make_tiny_model(config_class, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8,
               kv_cache_memory_bytes=2 << 20)
     return request.param, hf, llm
 
@@ -305,7 +305,7 @@ def test_mixtral_gguf_logits_and_greedy_tokens_match_hf(mixtral_gguf):
     model_dir, path = mixtral_gguf
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(path), tokenizer=str(model_dir), max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=16, kv_cache_memory_bytes=2 << 20)
+              max_num_batched_tokens=8, kv_cache_memory_bytes=2 << 20)
     arch = llm.llm_engine.setup.arch
     assert arch.architecture == "MixtralForCausalLM"
     assert (arch.options.moe.num_experts, arch.options.moe.top_k) == (4, 2)
@@ -363,8 +363,10 @@ def _run(model_dir: str, tp: int, ep: bool) -> dict:
     from tests.test_parallel import _collectives, _generate_counting_compiles, _results
 
     start = time.perf_counter()
+    # Two step buckets (T = S = 1, 2): each engine compiles every bucket at start, and six
+    # engines' compiles are most of this module's time.
     llm = LLM(model_dir, tensor_parallel_size=tp, enable_expert_parallel=ep,
-              max_model_len=128, max_num_batched_tokens=4, max_num_seqs=4,
+              max_model_len=128, max_num_batched_tokens=2, max_num_seqs=2,
               kv_cache_memory_bytes=4 << 20)
     built = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
