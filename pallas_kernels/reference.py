@@ -14,6 +14,8 @@ sequence's pages one chunk at a time ([blocks, chunk_tokens, Hkv, D]) and
 runs an online softmax in float32. The chunk loop's trip count is
 ceil(max live kv_len / chunk_tokens), so cost follows the live context: a wide
 block table (max_model_len) or a huge multi-layer cache costs nothing by itself.
+The last partial chunk is walked in quarter chunks, so a span just over a chunk (a
+sliding window of 256 keys starting mid-page covers 17 pages) gathers 20 pages, not 32.
 """
 
 from __future__ import annotations
@@ -164,7 +166,6 @@ def ragged_paged_attention_reference(
         kv_chunk_blocks = default_chunk_blocks(num_q_blocks, num_kv_heads, head_dim, block_size)
     if block_q < 1 or kv_chunk_blocks < 1:
         raise ValueError(f"block_q={block_q} and kv_chunk_blocks={kv_chunk_blocks} must be >= 1")
-    chunk_tokens = kv_chunk_blocks * block_size
 
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     blocks = query_blocks(
@@ -183,13 +184,18 @@ def ragged_paged_attention_reference(
     tokens = jnp.clip(tokens, 0, num_tokens - 1)
 
     # Each query block walks its own page range: from the page of its first visible key
-    # (0 without a window) to its causal end, chunk_tokens at a time.
+    # (0 without a window) to its causal end, a chunk of pages at a time.
     window = jnp.asarray(sliding_window, jnp.int32)
     first_pos = blocks.token_start + blocks.position_offset
     first_key = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
     first_page = jnp.where(blocks.kv_end > 0, first_key // block_size, 0)  # [P]
     span = jnp.maximum(blocks.kv_end - first_page * block_size, 0)
-    num_chunks = (jnp.max(span) + chunk_tokens - 1) // chunk_tokens
+    span_pages = (jnp.max(span) + block_size - 1) // block_size
+    # Whole chunks, then the rest in tail chunks of a quarter chunk (static sizes both):
+    # the pages gathered past the span are at most a quarter chunk, not a whole one.
+    tail_blocks = max(1, kv_chunk_blocks // 4)
+    num_chunks = span_pages // kv_chunk_blocks
+    num_tail_chunks = (span_pages - num_chunks * kv_chunk_blocks + tail_blocks - 1) // tail_blocks
     block_tables = block_tables.astype(jnp.int32)
 
     shape = (num_q_blocks, block_q, num_kv_heads, group)
@@ -198,14 +204,15 @@ def ragged_paged_attention_reference(
     l0 = jnp.zeros(shape, jnp.float32)
     acc0 = jnp.zeros((*shape, head_dim), jnp.float32)
 
-    def body(chunk, carry):
+    def step(page_offset, chunk_blocks, carry):
+        """Online softmax over pages [first_page + page_offset, + chunk_blocks) of each block."""
         m, l, acc = carry
-        page_idx = first_page[:, None] + chunk * kv_chunk_blocks + jnp.arange(kv_chunk_blocks)
+        page_idx = first_page[:, None] + page_offset + jnp.arange(chunk_blocks)
         # Pages past the table width are clamped; their keys lie past every position
         # (>= max_blocks * block_size > kv_end) and are masked below.
         pages = block_tables[blocks.seq_ids[:, None], jnp.minimum(page_idx, max_blocks - 1)]
         pages = jnp.clip(pages, 0, num_blocks - 1)  # [P, chunk_blocks]
-        kv_shape = (num_q_blocks, chunk_tokens, num_kv_heads, head_dim)
+        kv_shape = (num_q_blocks, chunk_blocks * block_size, num_kv_heads, head_dim)
         k = k_cache[pages].reshape(kv_shape).astype(jnp.float32)
         v = v_cache[pages].reshape(kv_shape).astype(jnp.float32)
         logits = jnp.einsum("pqhgd,pchd->pqhgc", qf, k, preferred_element_type=jnp.float32)
@@ -228,7 +235,10 @@ def ragged_paged_attention_reference(
         )
         return m_new, l, acc
 
-    _, l, acc = lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
+    carry = lax.fori_loop(0, num_chunks, lambda c, carry: step(
+        c * kv_chunk_blocks, kv_chunk_blocks, carry), (m0, l0, acc0))
+    _, l, acc = lax.fori_loop(0, num_tail_chunks, lambda c, carry: step(
+        num_chunks * kv_chunk_blocks + c * tail_blocks, tail_blocks, carry), carry)
     rows = acc / jnp.where(l > 0, l, 1.0)[..., None]
     rows = rows.reshape(num_q_blocks * block_q, num_q_heads, head_dim).astype(q.dtype)
     # Each valid token is exactly one row; other rows are dropped, padding stays 0.

@@ -455,7 +455,8 @@ def test_sliding_window_reference_and_kernel_match_dense_oracle(window):
     expected = naive_attention(batch, sliding_window=window)
     assert np.abs(expected - naive_attention(batch)).max() > 1e-3   # the window matters
     w = jnp.int32(window)
-    for knobs in ({}, {"kv_chunk_blocks": 1, "block_q": 2}):
+    # kv_chunk_blocks 4: whole chunks of 4 pages, then tail chunks of 1 page
+    for knobs in ({}, {"kv_chunk_blocks": 1, "block_q": 2}, {"kv_chunk_blocks": 4}):
         out = reference(*batch.args(), sliding_window=w, **knobs)
         assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
     assert_close_on_valid_rows(kernel(batch, sliding_window=w), expected, batch, atol=1e-5)

@@ -106,7 +106,7 @@ def moe_model(request, make_tiny_model):
     config_class, overrides = CONFIGS[request.param]
     model_dir = make_tiny_model(config_class, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8,
               kv_cache_memory_bytes=2 << 20)
     return request.param, hf, llm
 
@@ -226,6 +226,112 @@ def test_qwen3_moe_gguf_written_like_llama_cpp_loads_like_the_safetensors(make_t
     assert (ours.intermediate_size, ours.head_dim) == (theirs.intermediate_size, theirs.head_dim)
 
 
+def write_mixtral_gguf(model_dir: Path, path: Path, merged_experts: bool) -> None:
+    """A float32 GGUF of a tiny Mixtral as llama.cpp's converter writes it (its LlamaModel):
+    architecture "llama" plus expert counts, q/k rows permuted, and the experts either
+    stacked per layer ``ffn_gate_exps`` [E, out, in] (current llama.cpp) or one tensor per
+    expert ``ffn_gate.E`` (older files). Names spelled out here, not read from our tables."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from tests.test_loader import llama_cpp_permute
+
+    c = transformers.AutoConfig.from_pretrained(model_dir)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    tensors = load_file(model_dir / "model.safetensors")
+    writer.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
+    writer.add_tensor("output_norm.weight", tensors.pop("model.norm.weight"))
+    writer.add_tensor("output.weight", tensors.pop("lm_head.weight"))
+    plain = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+             "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
+             "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+             "block_sparse_moe.gate.weight": "ffn_gate_inp"}
+    heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
+    for layer in range(c.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        for hf, g in plain.items():
+            value = tensors.pop(prefix + hf)
+            if g in heads:
+                value = llama_cpp_permute(value, heads[g])
+            writer.add_tensor(f"blk.{layer}.{g}.weight", value)
+        for w, g in (("w1", "ffn_gate"), ("w3", "ffn_up"), ("w2", "ffn_down")):
+            experts = [tensors.pop(f"{prefix}block_sparse_moe.experts.{e}.{w}.weight")
+                       for e in range(c.num_local_experts)]
+            if merged_experts:
+                writer.add_tensor(f"blk.{layer}.{g}_exps.weight", np.stack(experts))
+            else:
+                for e, value in enumerate(experts):
+                    writer.add_tensor(f"blk.{layer}.{g}.{e}.weight", value)
+    assert not tensors, sorted(tensors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama_gguf_with_experts_is_mixtral_and_without_is_llama():
+    from jaxserve.models.registry import gguf_family
+
+    def metadata(experts):
+        return lambda key, default=None: {"expert_count": experts}.get(key, default)
+
+    assert gguf_family("llama", "x.gguf", metadata(8)).name == "mixtral"
+    assert gguf_family("llama", "x.gguf", metadata(0)).name == "llama"
+    assert gguf_family("llama", "x.gguf").name == "llama"
+    assert gguf_family("qwen3moe", "x.gguf", metadata(128)).name == "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def mixtral_gguf(make_tiny_model, tmp_path_factory) -> tuple[Path, Path]:
+    model_dir = make_tiny_model(MIXTRAL[0], **MIXTRAL[1])
+    path = tmp_path_factory.mktemp("mixtral_gguf") / "mixtral.gguf"
+    write_mixtral_gguf(model_dir, path, merged_experts=True)
+    return model_dir, path
+
+
+def test_mixtral_gguf_logits_and_greedy_tokens_match_hf(mixtral_gguf):
+    # A "llama" GGUF with expert_count is Mixtral's: routed there, q/k un-permuted.
+    model_dir, path = mixtral_gguf
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    llm = LLM(str(path), tokenizer=str(model_dir), max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=8, kv_cache_memory_bytes=2 << 20)
+    arch = llm.llm_engine.setup.arch
+    assert arch.architecture == "MixtralForCausalLM"
+    assert (arch.options.moe.num_experts, arch.options.moe.top_k) == (4, 2)
+    assert arch.options.moe.renormalize and arch.intermediate_size == 64
+    assert arch.options.rope.theta == hf.config.rope_parameters["rope_theta"]
+    tok = llm.get_tokenizer()
+    worst = _check_parity(llm, hf, [tok.encode(t) for t in TEXTS], logits_tol=1e-4)
+    logger.warning("mixtral from GGUF: max |logits - HF| = %.2e", worst)
+
+
+def test_mixtral_gguf_with_one_tensor_per_expert_loads_like_the_safetensors(mixtral_gguf,
+                                                                           tmp_path):
+    from jaxserve.loader import load_model
+
+    model_dir, merged_path = mixtral_gguf
+    path = tmp_path / "mixtral-per-expert.gguf"
+    write_mixtral_gguf(model_dir, path, merged_experts=False)
+    from_safetensors = load_model(str(model_dir))
+    for gguf_path in (path, merged_path):
+        loaded = load_model(str(gguf_path), tokenizer=str(model_dir))
+        assert loaded.architecture == "MixtralForCausalLM"
+        assert sorted(loaded.weights) == sorted(from_safetensors.weights)
+        for name, value in from_safetensors.weights.items():
+            np.testing.assert_array_equal(loaded.weights[name], value, err_msg=name)
+
+
 # -- sharded: tp, ep over simulated devices (one subprocess) ------------------------------------
 PROMPTS = [[11, 23, 98], [7] + list(range(40, 77)), [301, 5, 44, 9, 120, 77, 6], [250],
            list(range(100, 140)), [12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -257,8 +363,10 @@ def _run(model_dir: str, tp: int, ep: bool) -> dict:
     from tests.test_parallel import _collectives, _generate_counting_compiles, _results
 
     start = time.perf_counter()
+    # Two step buckets (T = S = 1, 2): each engine compiles every bucket at start, and six
+    # engines' compiles are most of this module's time.
     llm = LLM(model_dir, tensor_parallel_size=tp, enable_expert_parallel=ep,
-              max_model_len=128, max_num_batched_tokens=4, max_num_seqs=4,
+              max_model_len=128, max_num_batched_tokens=2, max_num_seqs=2,
               kv_cache_memory_bytes=4 << 20)
     built = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,

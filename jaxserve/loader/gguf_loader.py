@@ -76,8 +76,15 @@ def metadata_value(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_architecture(reader: Any, path: str) -> str:
     arch = metadata_value(reader, "general.architecture")
-    gguf_family(arch, path)   # raises, listing the supported ones, if no family reads it
+    file_family(reader, path)   # raises, listing the supported ones, if no family reads it
     return arch
+
+
+def file_family(reader: Any, path: str) -> Any:
+    """The model family that reads this file (by its architecture and metadata)."""
+    arch = metadata_value(reader, "general.architecture")
+    return gguf_family(arch, path,
+                       lambda key, default=None: metadata_value(reader, f"{arch}.{key}", default))
 
 
 def gguf_config(reader: Any, path: str) -> Any:
@@ -85,7 +92,7 @@ def gguf_config(reader: Any, path: str) -> Any:
     import transformers
 
     arch = gguf_architecture(reader, path)
-    family = gguf_family(arch, path)
+    family = file_family(reader, path)
     hf_architecture, config_class = family.gguf_architectures[arch]
     kwargs: dict[str, Any] = {}
     for key, attribute in _CONFIG_KEYS.items():
@@ -158,7 +165,7 @@ def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
     from gguf.quants import dequantize
 
     gguf_arch = gguf_architecture(reader, path)
-    family = gguf_family(gguf_arch, path)
+    family = file_family(reader, path)
     arch = read_arch(hf_config)
     packed_names = _packed_groups(reader, family) if keep_packed else {}
     shapes = {n: s for n, s in family.weight_shapes(arch).items() if n not in packed_names}

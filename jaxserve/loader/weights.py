@@ -75,14 +75,15 @@ def parse_name(name: str, fmt: str, family: Any) -> tuple[str, int | tuple[int, 
     if match:
         layer, suffix = int(match.group(1)), match.group(2)
         for ours, names in family.layer_tensors.items():
-            pattern = names[column]
-            if "{expert}" in pattern:
-                head, tail = pattern.split("{expert}")
-                expert = suffix[len(head):len(suffix) - len(tail)]
-                if suffix.startswith(head) and suffix.endswith(tail) and expert.isdigit():
-                    return f"layers.{ours}", (layer, int(expert))
-            elif pattern == suffix:
-                return f"layers.{ours}", layer
+            patterns = names[column]
+            for pattern in (patterns,) if isinstance(patterns, str) else patterns:
+                if "{expert}" in pattern:
+                    head, tail = pattern.split("{expert}")
+                    expert = suffix[len(head):len(suffix) - len(tail)]
+                    if suffix.startswith(head) and suffix.endswith(tail) and expert.isdigit():
+                        return f"layers.{ours}", (layer, int(expert))
+                elif pattern == suffix:
+                    return f"layers.{ours}", layer
         return None
     for ours, names in family.global_tensors.items():
         if names[column] == name:

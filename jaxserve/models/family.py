@@ -50,7 +50,8 @@ class ModelFamily:
     architectures: dict[str, ArchitectureInfo] = {}   # HF architectures[0] -> README row
     model_types: dict[str, str] = {}                   # HF model_type -> architecture
     gguf_architectures: dict[str, tuple[str, str]] = {}  # GGUF arch -> (HF arch, config class)
-    # our per-layer name -> (HF suffix after "model.layers.N.", GGUF suffix after "blk.N.")
+    # our per-layer name -> (HF suffix after "model.layers.N.", GGUF suffix after "blk.N.");
+    # a GGUF suffix may be a tuple of alternatives (llama.cpp's layouts of one tensor)
     layer_tensors: dict[str, tuple[str, str]] = {}
     # our whole-model name -> (HF name, GGUF name)
     global_tensors: dict[str, tuple[str, str]] = {
@@ -69,6 +70,12 @@ class ModelFamily:
     def read_config(self, hf_config: Any, architecture: str) -> ModelArch:
         """architecture: which of `architectures` the config is (the registry resolved it)."""
         raise NotImplementedError
+
+    def reads_gguf(self, gguf_arch: str, value: Any) -> bool:
+        """Whether this family reads a GGUF file of gguf_arch (one of `gguf_architectures`)
+        with this metadata (value(key, default)); dense families do not read a file with
+        experts (llama.cpp writes Mixtral as "llama" plus expert_count)."""
+        return not value("expert_count", 0)
 
     def gguf_config(self, gguf_arch: str, value: Any) -> dict[str, Any]:
         """Config kwargs beyond the common ones a GGUF file of this family carries.

@@ -8,10 +8,13 @@ the loader stacks them on an expert axis after the layer axis: ``layers.experts_
 .kernel [L, E, H, I]`` (w1), ``experts_up_proj`` (w3), ``experts_down_proj [L, E, I, H]``
 (w2); the router ``block_sparse_moe.gate`` is ``layers.router.kernel [L, H, E]``.
 
-GGUF: llama.cpp writes Mixtral as architecture "llama" with an expert count (tensors
-``blk.N.ffn_{gate,up,down}_exps``, ``ffn_gate_inp``); the names are listed below, but the
-"llama" GGUF architecture belongs to the Llama family, which does not route those files
-here yet.
+GGUF: llama.cpp writes Mixtral as architecture "llama" with ``llama.expert_count`` and
+``llama.expert_used_count`` (the registry routes a "llama" file with experts here,
+`reads_gguf`); ``llama.feed_forward_length`` is one expert's intermediate size. Tensors:
+the router ``blk.N.ffn_gate_inp`` [E, H], the experts stacked ``blk.N.ffn_{gate,up,down}
+_exps`` [E, out, in] (current llama.cpp) or one per expert ``blk.N.ffn_gate.E`` (files
+before llama.cpp's merged layout); q and k rows permuted as for Llama, undone in `from_gguf`.
+No sliding window is recorded in such files (Mixtral's released configs have none).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from jaxserve.models.family import (
     stacked_layer_shapes,
 )
 from jaxserve.models.layers import AttentionConfig, PagedCache
+from jaxserve.models.llama import unpermute_rows
 from jaxserve.models.moe import ExpertSharding, MoEConfig, moe_block
 from jaxserve.models.rope import Rope, hf_rope_parameters
 from jaxserve.parallel.mesh import MODEL_AXIS
@@ -91,17 +95,37 @@ class MixtralFamily(ModelFamily):
             moe="softmax top-k, renormalised", expert_parallel="yes (--enable-expert-parallel)"),
     }
     model_types = {"mixtral": "MixtralForCausalLM"}
+    gguf_architectures = {"llama": ("MixtralForCausalLM", "MixtralConfig")}
     layer_tensors = {
         **attention_tensors(),
         "router.kernel": ("block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
         "experts_gate_proj.kernel": ("block_sparse_moe.experts.{expert}.w1.weight",
-                                     "ffn_gate_exps.weight"),
+                                     ("ffn_gate_exps.weight", "ffn_gate.{expert}.weight")),
         "experts_up_proj.kernel": ("block_sparse_moe.experts.{expert}.w3.weight",
-                                   "ffn_up_exps.weight"),
+                                   ("ffn_up_exps.weight", "ffn_up.{expert}.weight")),
         "experts_down_proj.kernel": ("block_sparse_moe.experts.{expert}.w2.weight",
-                                     "ffn_down_exps.weight"),
+                                     ("ffn_down_exps.weight", "ffn_down.{expert}.weight")),
     }
     partition_rules = {**MEGATRON_RULES, "router": REPLICATED}
+
+    # -- GGUF --------------------------------------------------------------------------------
+    def reads_gguf(self, gguf_arch: str, value: Any) -> bool:
+        return bool(value("expert_count", 0))   # a "llama" file without experts is Llama's
+
+    def gguf_config(self, gguf_arch: str, value: Any) -> dict[str, Any]:
+        # feed_forward_length (one expert's) is read as intermediate_size by the loader.
+        return {"num_local_experts": int(value("expert_count")),
+                "num_experts_per_tok": int(value("expert_used_count")),
+                "sliding_window": None}
+
+    def from_gguf(self, name: str, weight: np.ndarray, arch: ModelArch,
+                  gguf_arch: str) -> np.ndarray:
+        # llama.cpp's converter permutes q/k rows for "llama" files, Mixtral's included.
+        if gguf_arch == "llama" and name == "layers.q_proj.kernel":
+            return unpermute_rows(weight, arch.num_heads)
+        if gguf_arch == "llama" and name == "layers.k_proj.kernel":
+            return unpermute_rows(weight, arch.num_kv_heads)
+        return weight
 
     # -- config ------------------------------------------------------------------------------
     def read_config(self, config: Any, architecture: str) -> ModelArch:

@@ -7,6 +7,7 @@ memory plan, parallel/) asks this registry and the family it returns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.models import gemma, llama, mixtral, qwen3_moe
@@ -19,7 +20,12 @@ _FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma.FAMILY, mixtral.FAMILY
 REGISTRY: dict[str, ModelFamily] = {
     architecture: family for family in _FAMILIES for architecture in family.architectures}
 _BY_MODEL_TYPE = {t: a for family in _FAMILIES for t, a in family.model_types.items()}
-_BY_GGUF = {g: family for family in _FAMILIES for g in family.gguf_architectures}
+# GGUF architecture -> the families that write files under it (llama.cpp names Mixtral
+# "llama" too; each family's `reads_gguf` tells its files apart by their metadata)
+_BY_GGUF: dict[str, list[ModelFamily]] = {}
+for _family in _FAMILIES:
+    for _g in _family.gguf_architectures:
+        _BY_GGUF.setdefault(_g, []).append(_family)
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -70,11 +76,20 @@ def read_arch(hf_config: Any) -> ModelArch:
     return family_for(architecture).read_config(hf_config, architecture)
 
 
-def gguf_family(gguf_arch: str | None, source: str) -> ModelFamily:
-    """The family that reads GGUF files of `general.architecture` gguf_arch."""
+def gguf_family(gguf_arch: str | None, source: str,
+                value: Callable[..., Any] | None = None) -> ModelFamily:
+    """The family that reads a GGUF file of `general.architecture` gguf_arch.
+
+    value(key, default): the file's metadata value ``{gguf_arch}.{key}``; families sharing
+    an architecture name (Llama, Mixtral) choose by it (`ModelFamily.reads_gguf`)."""
     if gguf_arch not in _BY_GGUF:
         supported = ", ".join(f"{g} ({hf})" for family in _FAMILIES
                               for g, (hf, _) in family.gguf_architectures.items())
         raise ValueError(f"{source}: GGUF architecture {gguf_arch!r} is not supported; supported "
                          f"architectures: {supported}")
-    return _BY_GGUF[gguf_arch]
+    value = value or (lambda key, default=None: default)
+    readers = [f for f in _BY_GGUF[gguf_arch] if f.reads_gguf(gguf_arch, value)]
+    if len(readers) != 1:
+        raise ValueError(f"{source}: {len(readers)} model families read GGUF architecture "
+                         f"{gguf_arch!r} with this metadata: {[f.name for f in readers]}")
+    return readers[0]

@@ -206,6 +206,7 @@ class ModelRunner:
         self.k_cache, self.v_cache = zeros(), zeros()
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
         self._steps = {}   # (T, S) -> compiled executable
+        self._prompt_logits_fns: dict = {}   # padded length -> jitted forward (prompt_logits)
         self._device_constants: dict[int, dict[str, jax.Array]] = {}
 
     # -- compilation ---------------------------------------------------------------------------
@@ -371,6 +372,10 @@ class ModelRunner:
                                     k_cache, v_cache, jnp.arange(t, dtype=jnp.int32),
                                     self.model_constants, method="forward_logits")
 
-        logits, self.k_cache, self.v_cache = jax.jit(forward, donate_argnums=(1, 2))(
+        # One jitted function per padded length: a fresh closure each call would trace and
+        # compile again for every prompt (parity tests call this once per prompt).
+        if t not in self._prompt_logits_fns:
+            self._prompt_logits_fns[t] = jax.jit(forward, donate_argnums=(1, 2))
+        logits, self.k_cache, self.v_cache = self._prompt_logits_fns[t](
             self.params, self.k_cache, self.v_cache, self._put(buf), self._lora_stacks())
         return np.asarray(logits)[:n]
