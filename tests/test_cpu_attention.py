@@ -290,11 +290,40 @@ def test_engine_cpu_backend_gives_the_reference_backends_greedy_tokens(make_tiny
     for backend in ("reference", "cpu"):
         llm = LLM(model, attention_backend=backend, max_model_len=64, max_num_seqs=4,
                   max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
-        assert llm.llm_engine.runner.model.backend.name == backend
+        runner = llm.llm_engine.runner
+        assert runner.model.backend.name == backend
+        # The CPU backend's small steps (decodes of <= 4 rows here) also read each layer's
+        # projection weights in place (models/layer_matmul.py); the reference keeps XLA's dot.
+        assert runner.model.small_batch_layer_matmul == (backend == "cpu")
         outputs[backend] = [o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)]
+        if backend == "cpu":
+            q_kernel = runner.params["params"]["layers"]["self_attn"]["q_proj"]["kernel"] \
+                if "self_attn" in runner.params["params"]["layers"] \
+                else runner.params["params"]["layers"]["q_proj"]["kernel"]
+            sliced = "f32[1,%d,%d]" % q_kernel.shape[1:]
+            small, big = runner._steps[(1, 1)].as_text(), runner._steps[(16, 4)].as_text()
+            assert "jaxserve_layer_matmul" in small and sliced not in small   # no weight copy
+            assert "jaxserve_layer_matmul" not in big                         # XLA's dot
     assert outputs["cpu"] == outputs["reference"]
     assert all(len(tokens) == 16 for tokens in outputs["cpu"])
+
+
+@pytest.mark.parametrize("rows,fan_in,fan_out", [(1, 576, 1536), (3, 1536, 576), (8, 64, 192),
+                                                 (2, 5, 7)])
+def test_layer_matmul_reads_the_named_layer_of_stacked_weights(rows, fan_in, fan_out):
+    from jaxserve.models.layer_matmul import layer_matmul
+
+    rng = np.random.default_rng(rows * fan_in)
+    stacked = jnp.asarray(rng.standard_normal((4, fan_in, fan_out), np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, fan_in), np.float32))
+    fn = jax.jit(layer_matmul)
+    for layer in (0, 3, 2):
+        got = fn(x, stacked, jnp.int32(layer))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x @ stacked[layer]),
+                                   rtol=1e-5, atol=1e-4 * np.sqrt(fan_in))
+    with pytest.raises(ValueError, match="at most|want"):
+        layer_matmul(jnp.ones((9, fan_in)), stacked, 0)
 
 
 def test_missing_compiler_raises_a_clear_error(monkeypatch, tmp_path):

@@ -23,6 +23,7 @@ tracing per bucket. Converting is a per-family change behind `ModelFamily.build`
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.arch import ModelArch
+from jaxserve.models.layer_matmul import MAX_ROWS, current_layer, stacked_layer_weights
 from jaxserve.models.layers import (
     AttentionConfig,
     Embedding,
@@ -61,6 +63,10 @@ class CausalLM(nn.Module):
     layer: Any                 # the family's decoder layer class (see `scan_layer_args`)
     cache: PagedCache
     dtype: Any = jnp.float32
+    # Steps of at most layer_matmul.MAX_ROWS tokens read each layer's float32 projection
+    # weights in place with the C++ kernel (models/layer_matmul.py) instead of XLA's copied
+    # slice. The runner sets it for the CPU attention backend on one device.
+    small_batch_layer_matmul: bool = False
 
     @property
     def backend(self):
@@ -93,7 +99,11 @@ class CausalLM(nn.Module):
         windows = constants["layer_windows"] if a.has_sliding_layers else \
             jnp.zeros((a.num_layers,), jnp.int32)
         xs = (jnp.arange(a.num_layers, dtype=jnp.int32), windows, constants["layer_rope"])
-        (x, k_cache, v_cache), _ = self.layers((x, k_cache, v_cache), xs, cos, sin, meta)
+        in_place = self.small_batch_layer_matmul and token_ids.shape[0] <= MAX_ROWS \
+            and not self.is_initializing()
+        with stacked_layer_weights(self.variables["params"]["layers"]) if in_place \
+                else contextlib.nullcontext():
+            (x, k_cache, v_cache), _ = self.layers((x, k_cache, v_cache), xs, cos, sin, meta)
         return x, k_cache, v_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -137,10 +147,11 @@ def pre_norm_layer(layer: nn.Module, carry, xs, cos, sin, meta, attn: AttentionC
     x, k_cache, v_cache = carry
     a, eps, dt = layer.arch, layer.arch.options.rms_norm_eps, layer.dtype
     layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
-    h = RMSNorm(eps, dt, name="input_layernorm")(x)
-    out, k_cache, v_cache = paged_self_attention(h, attn, layer.cache, k_cache, v_cache,
-                                                 layer_idx, window, cos, sin, meta, dt)
-    x = x + out
-    h = RMSNorm(eps, dt, name="post_attention_layernorm")(x)
-    x = x + feed_forward(h)
+    with current_layer(layer_idx):      # for projections that read stacked weights in place
+        h = RMSNorm(eps, dt, name="input_layernorm")(x)
+        out, k_cache, v_cache = paged_self_attention(h, attn, layer.cache, k_cache, v_cache,
+                                                     layer_idx, window, cos, sin, meta, dt)
+        x = x + out
+        h = RMSNorm(eps, dt, name="post_attention_layernorm")(x)
+        x = x + feed_forward(h)
     return (x, k_cache, v_cache), None

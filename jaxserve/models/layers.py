@@ -24,6 +24,7 @@ from jaxserve.quantization.gguf_packed import (
     packed_format_of,
     packed_matmul,
 )
+from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, stacked_kernel
 from jaxserve.runner.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -94,8 +95,13 @@ class Linear(nn.Module):
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(),
                                 (x.shape[-1], self.features), self.dtype)
-            y = jax.lax.dot_general(x.astype(self.dtype), kernel,
-                                    (((x.ndim - 1,), (0,)), ((), ())))
+            stacked = stacked_kernel(self.scope.path) if x.ndim == 2 \
+                and x.shape[0] <= MAX_ROWS and kernel.dtype == jnp.float32 else None
+            if stacked is not None:   # a few rows: read this layer's weights in place
+                y = layer_matmul(x, *stacked).astype(self.dtype)
+            else:
+                y = jax.lax.dot_general(x.astype(self.dtype), kernel,
+                                        (((x.ndim - 1,), (0,)), ((), ())))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         if lora_slots is not None and "lora_a" in names:

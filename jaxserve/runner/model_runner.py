@@ -190,6 +190,12 @@ class ModelRunner:
         self.lora = lora    # multi-LoRA slots (None: off)
         family = family_for(arch.architecture)   # the registry's model module for this arch
         self.model = family.build(arch, backend, num_blocks, block_size, dtype)
+        mesh = getattr(input_sharding, "mesh", None)
+        if backend.name == "cpu" and (mesh is None or mesh.size == 1) \
+                and jnp.dtype(dtype) == jnp.float32 and hasattr(self.model, "small_batch_layer_matmul"):
+            # Small steps read each layer's weights in place (models/layer_matmul.py): the
+            # C++ library of the CPU attention backend is loaded already.
+            self.model = self.model.clone(small_batch_layer_matmul=True)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
         # device). step_channel: set on a multi-host leader (jaxserve/parallel/distributed.py).
         self.input_sharding = input_sharding

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention.cc")
 TARGET_NAME = "jaxserve_paged_attention"
 HANDLER_SYMBOL = "JaxservePagedAttention"
+# The library's second kernel (models/layer_matmul.py): one layer of stacked weights, in place.
+LAYER_MATMUL_TARGET = "jaxserve_layer_matmul"
+LAYER_MATMUL_SYMBOL = "JaxserveLayerMatmul"
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
               "-ffp-contract=fast")
 NATIVE_FLAGS = ("-march=native",)
@@ -194,12 +197,14 @@ def register() -> Path:
             lib = build()
             try:
                 handle = ctypes.CDLL(str(lib))
-                symbol = getattr(handle, HANDLER_SYMBOL)
+                symbols = {TARGET_NAME: getattr(handle, HANDLER_SYMBOL),
+                           LAYER_MATMUL_TARGET: getattr(handle, LAYER_MATMUL_SYMBOL)}
             except (OSError, AttributeError) as e:
                 raise CpuAttentionBuildError(
                     f"loading the CPU attention kernel {lib} failed ({e}); delete it to rebuild. "
                     f"{_FALLBACK_HINT}") from e
-            jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(symbol), platform="cpu")
+            for target, symbol in symbols.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         except CpuAttentionBuildError as e:
             _failure = e
             raise

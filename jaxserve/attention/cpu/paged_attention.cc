@@ -1,4 +1,5 @@
-// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI.
+// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI (and, at the
+// end of the file, the layer matmul that reads one layer of stacked weights in place).
 //
 // Same contract as pallas_kernels/reference.py::ragged_paged_attention_reference:
 //   q               [T, Hq, D]                       f32 | bf16 | f16
@@ -708,7 +709,72 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// Layer matmul (the second kernel of this library): y[T, out] = x[T, in] @ w[layer] with
+// w the stacked [L, in, out] float32 weights of every layer. Under the layer scan, XLA
+// hands a dot a dynamic slice of the stacked weights as a copy -- every layer's weights
+// copied in every step, which doubles a small batch's memory traffic (batch 1 reads the
+// weights once per token: it is all memory traffic). This reads w[layer] in place. It is
+// for a few rows only (T <= kMaxGemvRows): each pass over a weight row updates all T
+// accumulators, so the weights stream from memory once.
+// ---------------------------------------------------------------------------
+
+constexpr int64_t kMaxGemvRows = 8;
+
+ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
+                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] != wd[1] ||
+      yd[0] != xd[0] || yd[1] != wd[2] || layer_buf.element_count() != 1)
+    return ffi::Error::InvalidArgument("layer_matmul: want x [T, in], w [L, in, out], "
+                                       "layer [], y [T, out]; got x " + dims_str(xd) +
+                                       ", w " + dims_str(wd) + ", y " + dims_str(yd));
+  const int64_t T = xd[0], in = wd[1], out = wd[2], L = wd[0];
+  if (T > kMaxGemvRows)
+    return ffi::Error::InvalidArgument("layer_matmul: at most 8 rows, got " + std::to_string(T));
+  float* Y = y->typed_data();
+  if (T == 0 || out == 0) return ffi::Error::Success();
+  const int64_t layer = std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0), L - 1);
+  const float* W = w.typed_data() + layer * in * out;
+  const float* X = x.typed_data();
+  // Each worker streams a contiguous band of weight rows (the access pattern prefetchers
+  // like best) into its own [T, out] partial sums; the bands' sums are added at the end.
+  // Below ~256 KB of weights one core is quicker than waking another.
+  int64_t workers = in * out < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
+  workers = std::max<int64_t>(1, std::min<int64_t>(workers, in / 16));
+  std::vector<float> partial(size_t(workers) * T * out, 0.f);
+  parallel_for(pool, workers, workers, [&](int64_t band, int64_t) {
+    const int64_t i0 = in * band / workers, i1 = in * (band + 1) / workers;
+    float* acc = partial.data() + band * T * out;
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* row = W + i * out;
+      for (int64_t t = 0; t < T; ++t) {
+        const float xv = X[t * in + i];
+        float* a = acc + t * out;
+#pragma omp simd
+        for (int64_t o = 0; o < out; ++o) a[o] += xv * row[o];
+      }
+    }
+  });
+  std::memcpy(Y, partial.data(), size_t(T * out) * sizeof(float));
+  for (int64_t band = 1; band < workers; ++band) {
+    const float* p = partial.data() + band * T * out;
+#pragma omp simd
+    for (int64_t k = 0; k < T * out; ++k) Y[k] += p[k];
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLayerMatmul, LayerMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, in, out]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [T, out]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
