@@ -38,7 +38,7 @@ def _env(num_devices: int, cache_dir: Path) -> dict[str, str]:
 # =================================================================================================
 # The worker (2 simulated devices)
 # =================================================================================================
-def _generate(model: str, **kwargs) -> list[list[int]]:
+def _generate(model: str, stats: dict | None = None, **kwargs) -> list[list[int]]:
     import gc
 
     from jaxserve import LLM, SamplingParams
@@ -47,6 +47,10 @@ def _generate(model: str, **kwargs) -> list[list[int]]:
               **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    if stats is not None:
+        runner = llm.llm_engine.runner
+        cache = runner.executable_cache
+        stats.update(shapes=len(runner.compiled_shapes), hits=cache.hits, misses=cache.misses)
     del llm
     gc.collect()
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -72,9 +76,11 @@ def worker(spec: dict) -> None:
 
 
 def torch_free_worker(checkpoint: str) -> None:
-    """Restore and generate; print whether anything imported torch on the way."""
-    _generate(checkpoint)
-    print(json.dumps({"torch_imported": "torch" in sys.modules}))
+    """Restore and generate; print whether anything imported torch on the way, the tokens,
+    and how many step executables were loaded serialized rather than compiled."""
+    stats: dict = {}
+    tokens = _generate(checkpoint, stats)
+    print(json.dumps({"torch_imported": "torch" in sys.modules, "tokens": tokens, **stats}))
 
 
 # =================================================================================================
@@ -123,13 +129,18 @@ def test_int8_checkpoint_stores_int8_kernels(round_trip):
     assert dtypes["['params']['norm']['weight']"] == "float32"
 
 
-def test_serving_a_checkpoint_never_imports_torch(round_trip):
+def test_a_restart_never_imports_torch_and_loads_serialized_steps(round_trip):
+    """A fresh process serving the checkpoint the worker served (same devices, settings and
+    cache directory): no torch, every step executable loaded serialized, same tokens."""
     checkpoint = round_trip["root"] / "float-tp1"
     proc = subprocess.run([sys.executable, __file__, "torch-free", str(checkpoint)],
-                          env=_env(1, round_trip["root"] / "jax-cache"), cwd=REPO,
+                          env=_env(2, round_trip["root"] / "jax-cache"), cwd=REPO,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"torch_imported": False}
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["torch_imported"] is False
+    assert report["tokens"] == round_trip["float/tp1/restored"]
+    assert report["shapes"] == 2 and (report["hits"], report["misses"]) == (2, 0)
 
 
 def test_checkpoint_settings_cannot_be_silently_overridden(round_trip):

@@ -179,6 +179,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
         max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings)
+    if cache_dir is not None and jax.process_count() == 1:
+        # Serialized step executables beside JAX's cache: a warm start skips tracing too.
+        runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
