@@ -163,6 +163,25 @@ def test_convert_refuses_a_non_empty_directory(make_tiny_model, tmp_path):
     assert os.listdir(tmp_path) == ["keep.txt"]
 
 
+def test_cli_convert_writes_a_self_contained_checkpoint(make_tiny_model, tmp_path, capsys):
+    from jaxserve.entrypoints.cli import main
+    from jaxserve.loader.orbax_checkpoint import load_checkpoint_tokenizer, read_checkpoint
+
+    model = make_tiny_model("llama")
+    out = tmp_path / "ckpt"
+    assert main(["convert", str(model), str(out), "--quantization", "int8",
+                 "--log-level", "warning"]) == 0
+    assert f"jaxserve serve {out}" in capsys.readouterr().out
+    info = read_checkpoint(out)
+    assert (info.quantization, info.dtype, info.kv_head_copies) == ("int8", "float32", 1)
+    assert info.hf_config.num_key_value_heads == 2 and info.generation_config["eos_token_id"]
+    assert load_checkpoint_tokenizer(out).encode("hello world") == \
+        load_checkpoint_tokenizer(model).encode("hello world")
+    # Converting a converted checkpoint is refused with a one-line error.
+    assert main(["convert", str(out), str(tmp_path / "again")]) == 2
+    assert "already a converted checkpoint" in capsys.readouterr().err
+
+
 def test_resolve_detects_a_converted_checkpoint(round_trip):
     from jaxserve.loader.resolve import resolve_model
 
