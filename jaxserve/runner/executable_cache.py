@@ -14,22 +14,43 @@ key is computed without tracing, from:
 so a change in any of them misses the cache and compiles as before. Files are written
 atomically (temp file + rename): a concurrent or killed writer never leaves a torn entry.
 A file that fails to load is treated as a miss and recompiled.
+
+Only executables compiled in this process are stored, never one read back from JAX's
+persistent cache: an XLA:CPU executable that came from that cache serializes without its
+kernels, and loading the copy fails at its first call ("Function wrapped_slice.3 not
+found"; seen with jax 0.10.2). Such a step is served, just not stored here; the start that
+next compiles it stores it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 
 logger = logging.getLogger(__name__)
+
+# Threads whose latest compile was served by JAX's persistent cache (JAX records the event
+# in the compiling thread).
+_JAX_CACHE_HIT_THREADS: set[int] = set()
+
+
+def _record_jax_cache_hit(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _JAX_CACHE_HIT_THREADS.add(threading.get_ident())
+
+
+jax.monitoring.register_event_listener(_record_jax_cache_hit)
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]        # jaxserve/
 _SOURCE_SUFFIXES = (".py", ".cc", ".cpp", ".h", ".json")
@@ -75,6 +96,14 @@ class ExecutableCache:
         self.directory = Path(directory) / key
         self.hits = 0
         self.misses = 0
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[Callable[[], bool]]:
+        """Around one compile in this thread; yields whether that compile was a hit in JAX's
+        persistent cache (then its executable must not be stored, see above)."""
+        thread = threading.get_ident()
+        _JAX_CACHE_HIT_THREADS.discard(thread)
+        yield lambda: thread in _JAX_CACHE_HIT_THREADS
 
     def _path(self, shape: tuple[int, int]) -> Path:
         return self.directory / f"step-{shape[0]}x{shape[1]}.bin"

@@ -11,6 +11,7 @@ read this step's samples from ``last_tokens`` on the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -239,12 +240,14 @@ class ModelRunner:
                 return executable
         layout = self._layout(num_tokens, num_seqs)
         consts = self._constants(num_seqs)
-        executable = self._jitted(layout).lower(
-            self.params, self.k_cache, self.v_cache, self.last_tokens,
-            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-            consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"]).compile()
-        if cache is not None:
-            cache.store((num_tokens, num_seqs), executable)
+        with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
+            executable = self._jitted(layout).lower(
+                self.params, self.k_cache, self.v_cache, self.last_tokens,
+                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+                consts["bias_token_ids"], consts["bias_values"],
+                consts["grammar_bitmask"]).compile()
+            if cache is not None and not hit():
+                cache.store((num_tokens, num_seqs), executable)
         return executable
 
     def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
