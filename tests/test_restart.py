@@ -182,6 +182,34 @@ def test_cli_convert_writes_a_self_contained_checkpoint(make_tiny_model, tmp_pat
     assert "already a converted checkpoint" in capsys.readouterr().err
 
 
+def test_executable_cache_notices_a_jax_persistent_cache_hit(tmp_path):
+    """A step read back from JAX's cache is not stored (XLA:CPU serializes it without its
+    kernels); the cache must tell such a compile from a fresh one."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.engine.model_setup import enable_compilation_cache
+    from jaxserve.runner.executable_cache import ExecutableCache
+
+    cache = ExecutableCache(tmp_path / "executables", "key")
+    # A constant of its own: a function no earlier run can have put in any JAX cache (an
+    # earlier LLM() in this process may have fixed the cache directory already).
+    scale = 1.0 + int.from_bytes(os.urandom(4), "little") / 2**33
+    before = jax.config.jax_compilation_cache_dir
+    enable_compilation_cache(str(tmp_path / "jax"))
+    try:
+        def compile_once():
+            with cache.compiling() as hit:
+                jax.jit(lambda x: jnp.sin(x) * scale + 1.0).lower(jnp.ones(7)).compile()
+                return hit()
+
+        first = compile_once()
+        jax.clear_caches()                # forget in memory; the persistent cache keeps it
+        assert (first, compile_once()) == (False, True)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_resolve_detects_a_converted_checkpoint(round_trip):
     from jaxserve.loader.resolve import resolve_model
 
