@@ -6,7 +6,12 @@ ratios, and writes JSON + a PNG under benchmarks/results/.
 
     python benchmarks/bench_offline.py                      # the full comparison
     python benchmarks/bench_offline.py --skip-hf --batch-sizes 1 64
-    python benchmarks/bench_offline.py --startup            # also time LLM() cold and warm
+    python benchmarks/bench_offline.py --startup            # only time LLM() cold and warm
+    python benchmarks/bench_offline.py --startup --model ckpt/   # ... from a `jaxserve convert`
+
+--startup starts fresh processes: 3 cold (each with its own empty compilation cache) and 3
+warm (sharing one cache filled by an earlier start), and records the medians and each
+run's phases in benchmarks/results/startup-{tag}.json (one entry per model).
 """
 
 from __future__ import annotations
@@ -81,12 +86,55 @@ def bench_hf(model, prompts, output_len: int, batch: int, pad_id: int) -> dict:
             "seconds": elapsed, "tok_s": tokens / elapsed}
 
 
-def time_startup(cache_dir: str) -> float:
-    code = ("import time; t=time.perf_counter(); from jaxserve import LLM; "
-            f"LLM(compilation_cache_dir={cache_dir!r}); print(time.perf_counter()-t)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+_STARTUP_CODE = """
+import json, sys, time
+start = time.perf_counter()
+from jaxserve import LLM
+imported = time.perf_counter()
+llm = LLM({model!r}, compilation_cache_dir={cache!r})
+ready = time.perf_counter()
+setup = llm.llm_engine.setup
+cache = llm.llm_engine.runner.executable_cache
+print(json.dumps({{"ready_s": ready - start, "import_s": imported - start,
+                  "load_s": setup.load_seconds, "warmup_s": setup.warmup_seconds,
+                  "executables_loaded": cache.hits if cache else 0,
+                  "torch_imported": "torch" in sys.modules}}))
+"""
+
+
+def time_startup(model: str | None, cache_dir: str) -> dict:
+    """One fresh process: seconds from `import jaxserve` to LLM() returning, and its phases."""
+    out = subprocess.run([sys.executable, "-c", _STARTUP_CODE.format(model=model,
+                                                                     cache=cache_dir)],
+                         capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_startup(model: str | None, tag: str, runs: int = 3) -> None:
+    def load() -> float:
+        return os.getloadavg()[0]
+
+    entry: dict = {"model": model or "SmolLM2-135M-Instruct (embedded GGUF)",
+                   "cpus": os.cpu_count(), "load_average_before": load()}
+    with tempfile.TemporaryDirectory() as root:
+        cold = [time_startup(model, os.path.join(root, f"cold{i}")) for i in range(runs)]
+        entry["load_average_after_cold"] = load()
+        warm = [time_startup(model, os.path.join(root, "cold0")) for _ in range(runs)]
+    entry["load_average_after"] = load()
+    for name, results in (("cold", cold), ("warm", warm)):
+        entry[f"{name}_median_s"] = float(np.median([r["ready_s"] for r in results]))
+        entry[f"{name}_runs"] = results
+        print(f"LLM() {name}: median {entry[f'{name}_median_s']:.1f} s of "
+              f"{[round(r['ready_s'], 1) for r in results]} (load {results[0]['load_s']:.1f} s, "
+              f"warm-up {results[0]['warmup_s']:.1f} s, torch imported: "
+              f"{any(r['torch_imported'] for r in results)})", flush=True)
+    path = RESULTS / f"startup-{tag}.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results[entry["model"]] = entry
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -96,7 +144,8 @@ def main() -> None:
     parser.add_argument("--hf-single-len", type=int, default=64,
                         help="output length of the (slow) HF single-stream run")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--startup", action="store_true", help="time LLM() cold and warm")
+    parser.add_argument("--startup", action="store_true",
+                        help="only time LLM() startup: 3 cold and 3 warm fresh processes")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--tag", default="cpu")
@@ -111,17 +160,14 @@ def main() -> None:
     if args.load_format == "dummy" and not args.skip_hf:
         parser.error("--load-format dummy has no weights for HF to load: add --skip-hf")
 
+    if args.startup:
+        bench_startup(args.model, args.tag)
+        return
     from jaxserve import LLM
 
     results: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                  "python": platform.python_version()},
                      "output_len": args.output_len, "runs": []}
-    if args.startup:
-        with tempfile.TemporaryDirectory() as cache:
-            results["startup_cold_s"] = time_startup(cache)
-            results["startup_warm_s"] = time_startup(cache)
-        print(f"LLM() startup: cold {results['startup_cold_s']:.1f} s, "
-              f"warm {results['startup_warm_s']:.1f} s")
 
     llm = LLM(args.model, tokenizer=args.tokenizer, load_format=args.load_format,
               dtype=args.dtype, max_model_len=args.max_model_len,

@@ -29,6 +29,10 @@ def load_tokenizer(source: Any, chat_template: str | None = None) -> Any:
             from jaxserve.loader.gguf_loader import gguf_tokenizer
 
             tokenizer = gguf_tokenizer(resolved.path)
+        elif resolved.format == "orbax":
+            from jaxserve.loader.orbax_checkpoint import load_checkpoint_tokenizer
+
+            tokenizer = load_checkpoint_tokenizer(resolved.path)
         else:
             import transformers
 

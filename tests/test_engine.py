@@ -138,6 +138,39 @@ def test_n_completions_and_seeded_sampling_are_reproducible(llm):
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1, "children must not share a seed"
 
 
+@pytest.fixture(scope="module")
+def wide_llm(make_tiny_model):
+    """A token budget above the 200-token prompt: before n > 1 prefilled once, the first
+    child's step also took the start of the second's prefill (no cache hit possible)."""
+    return LLM(str(make_tiny_model("llama")), max_model_len=224, max_num_seqs=4,
+               max_num_batched_tokens=256, kv_cache_memory_bytes=8 << 20)
+
+
+def test_n_children_prefill_a_long_shared_prompt_once(wide_llm):
+    """n=4 on a 200-token prompt: one child prefills it, the other three take its 12 full
+    blocks from the prefix cache (computing only their last 8 tokens); each child samples
+    exactly what a lone n=1 request with that child's seed samples."""
+    llm = wide_llm
+    prompt = np.random.default_rng(2024).integers(5, 500, size=200).tolist()  # nothing cached
+    seed, block = 77, llm.llm_engine.block_manager.block_size
+    params = SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True)
+    before = llm.llm_engine.snapshot()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    after = llm.llm_engine.snapshot()
+    shared = (len(prompt) - 1) // block * block                   # 192 tokens
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 4 * len(prompt)
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 3 * shared
+    assert after.num_prompt_tokens - before.num_prompt_tokens == len(prompt) + \
+        3 * (len(prompt) - shared)
+    child_seeds = [seed] + [hash((seed, i)) & 0x7FFFFFFF for i in (1, 2, 3)]
+    for child, child_seed in zip(out.outputs, child_seeds):
+        alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=child_seed,
+                                                      max_tokens=10, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert child.token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
 def test_finish_reasons_max_tokens_and_stop_token(llm):
     out = llm.generate([PROMPT], _greedy(7), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 7

@@ -547,3 +547,54 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None, database=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def _siblings(tokens, n, request_id="multi") -> list[Sequence]:
+    params = SamplingParams(n=n)
+    seqs = [Sequence(request_id, list(tokens), params, index=i) for i in range(n)]
+    for seq in seqs:
+        _NAMES[seq.seq_id] = request_id
+        seq.sampling_params = params
+    return seqs
+
+
+def test_n_siblings_prefill_the_shared_prompt_once():
+    scheduler = make_scheduler(num_blocks=32, max_num_batched_tokens=16, max_model_len=32)
+    leader, *others = _siblings(range(10), 3)       # 10 tokens: 2 full blocks to share
+    for seq in (leader, *others):
+        scheduler.add_seq(seq)
+    other_request = make_seq([50, 51, 52], request_id="other")
+    scheduler.add_seq(other_request)
+    first = step(scheduler)
+    # The siblings keep their place; the request behind them is not held up.
+    assert planned(first) == [("multi", 10), ("other", 3)]
+    assert [s.seq_id for s in scheduler.waiting] == [s.seq_id for s in others]
+    second = step(scheduler)
+    # Each sibling finds both full prompt blocks cached and computes only the tail.
+    assert planned(second) == [("multi", 1), ("other", 1), ("multi", 2), ("multi", 2)]
+    assert all(s.num_cached_tokens == 8 for s in others)
+    blocks = scheduler.block_manager
+    assert (blocks.prefix_cache_queries, blocks.prefix_cache_hits) == (3 * 10 + 3, 2 * 8)
+    assert all(s.block_table[:2] == leader.block_table[:2] for s in others)
+    blocks.check_invariants(scheduler.running)
+
+
+def test_siblings_go_ahead_when_the_leader_is_aborted_before_caching_the_prompt():
+    scheduler = make_scheduler(num_blocks=32, max_num_batched_tokens=8, max_model_len=32)
+    leader, sibling = _siblings(range(12), 2)
+    scheduler.add_seq(leader)
+    scheduler.add_seq(sibling)
+    assert planned(step(scheduler)) == [("multi", 8)]     # a chunk: the prompt is not cached
+    scheduler.finish_seq(leader, SequenceStatus.FINISHED_ABORTED)
+    # The sibling prefills the rest itself (the leader's one finished chunk is still cached).
+    assert planned(step(scheduler)) == [("multi", 4)]
+    assert sibling.status == SequenceStatus.RUNNING and sibling.num_cached_tokens == 8
+
+
+def test_short_prompts_and_disabled_prefix_caching_admit_siblings_together():
+    for tokens, caching in ((range(4), True), (range(10), False)):
+        scheduler = make_scheduler(num_blocks=32, max_num_batched_tokens=32,
+                                   enable_prefix_caching=caching)
+        for seq in _siblings(tokens, 2):
+            scheduler.add_seq(seq)
+        assert planned(step(scheduler)) == [("multi", len(tokens))] * 2

@@ -71,6 +71,10 @@ class BlockManager:
         """Fraction of blocks referenced by some sequence, in [0, 1]."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def num_registered_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of live `seq` that are in the prefix cache (registered or hits)."""
+        return self._num_registered.get(seq.seq_id, 0)
+
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Longest prefix-cache hit for a waiting ``seq``: (block ids, number of tokens).
 

@@ -21,9 +21,7 @@ from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
-from jaxserve.quantization import check_mode
 from jaxserve.quantization.cost import measured_cost
-from jaxserve.quantization.int8 import quantize_params_int8
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
@@ -104,52 +102,36 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     target_platform: build the step for another platform than the devices here (dtype and
     attention backend follow it), to export it (runner.export_step) rather than run it;
     implies warmup=False."""
-    from jaxserve.loader import load_model
-    from jaxserve.parallel.placement import ModelPlacement
+    from jaxserve.engine.model_source import place_model
 
     platform = target_platform or jax.default_backend()
     warmup = warmup and target_platform is None
     config.finalize(platform)
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
-    dtype = resolve_dtype(mc.dtype, platform)
-    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     if jax.default_backend() == "cpu":
         keep_freed_memory_in_heap()
 
     t0 = time.perf_counter()
-    quantization = check_mode(mc.quantization)
-    loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
-                        load_format=mc.load_format, quantization=quantization)
-    arch = read_arch(loaded.hf_config)
-    family = family_for(arch.architecture)
-    max_model_len = resolve_max_model_len(mc.max_model_len, arch)
+    # Read + convert + place, or (a converted checkpoint) restore straight onto the devices.
+    placed = place_model(config, mesh, platform)
+    dtype, quantization, placement = placed.dtype, placed.quantization, placed.placement
+    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
+    family = family_for(placed.source_arch.architecture)
+    max_model_len = resolve_max_model_len(mc.max_model_len, placed.source_arch)
     if not sc.enable_chunked_prefill:
         sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
         if sc.max_prompt_logprobs_per_step:   # a prompt is never split: it must fit whole
             sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
-    num_params = sum(int(np.prod(s)) for s in family.weight_shapes(arch).values())
-    # Sharding (jaxserve/parallel/placement.py): with tp > 1 each device receives only its
-    # shard of every weight and its KV heads; with one device this is a plain device_put.
-    placement = ModelPlacement.create(config.parallel_config, arch, mesh)
-    if placement.arch.num_kv_heads != arch.num_kv_heads and quantization == "gguf":
-        raise ValueError(f"tensor_parallel_size={placement.tp} > {arch.num_kv_heads} KV heads "
-                         "replicates KV heads, which packed GGUF weights do not support yet; "
-                         "use quantization=None or int8, or a smaller tensor_parallel_size")
-    arch = placement.arch
-    host_params = family.params_from_weights(placement.prepare(loaded.weights), arch)
-    if quantization == "int8":
-        host_params = quantize_params_int8(host_params)
-    resident_bytes = sum(np.asarray(w).nbytes for w in jax.tree.leaves(host_params))
-    params = placement.place(host_params)
-    del loaded.weights, host_params
+    num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
+    arch, params, resident_bytes = placed.arch, placed.params, placed.resident_bytes
     weight_bytes = placement.weight_bytes_per_device(params, resident_bytes)
     load_seconds = time.perf_counter() - t0
 
     devices = jax.devices()
     logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
                 "weights, %.2fx %s), on %d %s device(s) (%s) [%.1f s]",
-                loaded.model_path, arch.architecture, num_params / 1e6, np.dtype(dtype).name,
+                placed.model_path, arch.architecture, num_params / 1e6, np.dtype(dtype).name,
                 quantization, resident_bytes / 2**20,
                 resident_bytes / (num_params * np.dtype(dtype).itemsize), np.dtype(dtype).name,
                 len(devices), platform, devices[0].device_kind, load_seconds)
@@ -196,7 +178,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if cost:
         logger.warning(cost)
 
-    eos = eos_ids(loaded.tokenizer, loaded.generation_config)
+    eos = eos_ids(placed.tokenizer, placed.generation_config)
     backend = placement.shard_backend(
         get_attention_backend(config.runner_config.attention_backend, platform))
     lora_stacks = lora_registry = None
@@ -212,6 +194,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings,
         lora=lora_stacks)
+    if cache_dir is not None and jax.process_count() == 1:
+        # Serialized step executables beside JAX's cache: a warm start skips tracing too.
+        runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
@@ -235,12 +220,12 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
 
     overrides = {}
     if mc.generation_config != "vllm":
-        overrides = {k: v for k, v in loaded.generation_config.items() if k in _GEN_CONFIG_KEYS}
+        overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
         if overrides:
             logger.info("default sampling params from generation_config.json: %s", overrides)
-    return ModelSetup(arch=arch, tokenizer=loaded.tokenizer, runner=runner, kv_plan=kv_plan,
+    return ModelSetup(arch=arch, tokenizer=placed.tokenizer, runner=runner, kv_plan=kv_plan,
                       max_model_len=max_model_len, dtype=dtype, eos_token_ids=eos,
-                      default_sampling_overrides=overrides, model_path=loaded.model_path,
+                      default_sampling_overrides=overrides, model_path=placed.model_path,
                       num_params=num_params, weight_bytes=resident_bytes,
                       warmup_seconds=warmup_seconds,
                       load_seconds=load_seconds, draft_proposer=draft_proposer,

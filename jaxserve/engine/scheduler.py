@@ -19,6 +19,13 @@ prompt positions fit the runner's fixed-size prompt-logprobs gather
 (``max_prompt_logprobs_per_step``), and it skips prefix-cache hits (as vLLM does): a cached
 position would have no logits to give.
 
+A request with ``n > 1`` prefills its shared prompt once: the first of its sequences to be
+admitted leads, and its siblings keep their place in the waiting queue until the leader's
+prompt blocks are in the prefix cache; admitted then, each finds every full prompt block
+there and computes only the tail (at most one block, and at least the last prompt token,
+whose logits it samples from). Without this every child would prefill the whole prompt in
+the same steps, before any of it could be cached.
+
 Structured outputs: a sequence whose grammar is still compiling is passed over in the
 waiting queue (keeping its place), and a constrained sequence is not scheduled while it
 has a pending token, since its next grammar bitmask depends on that token.
@@ -83,6 +90,8 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._finished_ids: list[int] = []    # rows the runner should drop next step
         self._rolled_back: dict[int, int] = {}  # seq id -> block table length after rollback
+        # n > 1: request id -> the sibling prefilling the shared prompt for the others.
+        self._prefill_leaders: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_constrained = 0              # unfinished sequences with a grammar
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
@@ -210,15 +219,17 @@ class Scheduler:
             i += 1
 
         # Then admit waiting sequences in FIFO order, unless the cache was just short.
-        # Skipped, keeping their place: grammar not compiled yet, or no LoRA slot for them.
-        compiling: list[Sequence] = []
+        # Passed over this step, keeping their place: grammar not compiled yet, no LoRA slot
+        # for them, or a sibling still prefilling the shared prompt.
+        passed_over: list[Sequence] = []
         if not out.preempted_seq_ids:
             while self._waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = self._waiting[0]
                 if seq.num_pending_tokens:
                     break   # preempted while a step ran: wait for that step's token
-                if seq.grammar is not None and not seq.grammar.is_ready:
-                    compiling.append(self._waiting.popleft())
+                if (seq.grammar is not None and not seq.grammar.is_ready) or \
+                        self._waits_for_sibling(seq):
+                    passed_over.append(self._waiting.popleft())
                     continue
                 cap = min(budget, self._chunk_cap(prefill_used, num_decodes))
                 if cap <= 0:
@@ -235,7 +246,7 @@ class Scheduler:
                     if not self.enable_chunked_prefill or num_partial >= self.max_num_partial_prefills:
                         break
                 if seq.lora is not None and not self._acquire_lora(seq, out):
-                    compiling.append(self._waiting.popleft())
+                    passed_over.append(self._waiting.popleft())
                     continue
                 if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                     self._release_lora(seq)
@@ -249,11 +260,12 @@ class Scheduler:
                     list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed,
                     seq.lora_slot))
                 self._plan(seq, num_new, out)
+                self._maybe_lead_prefill(seq)
                 budget -= num_new
                 prefill_used += num_new
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     num_partial += 1
-        self._waiting.extendleft(reversed(compiling))
+        self._waiting.extendleft(reversed(passed_over))
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
@@ -281,6 +293,32 @@ class Scheduler:
         running = sorted({s.lora.name for s in self._running if s.lora is not None})
         waiting = sorted({s.lora.name for s in self._waiting if s.lora is not None})
         return running, waiting
+
+    def _shared_prompt_blocks(self, seq: Sequence) -> int:
+        """Prompt blocks a sibling of `seq` can take from the prefix cache (the last prompt
+        token always runs, so at most (P - 1) // block_size)."""
+        return (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+
+    def _maybe_lead_prefill(self, seq: Sequence) -> None:
+        """`seq` was just admitted: if siblings could share its prompt, they wait for it."""
+        params = seq.sampling_params
+        if (params.n > 1 and seq.num_output_tokens == 0 and params.prompt_logprobs is None
+                and self.block_manager.enable_prefix_caching
+                and seq.request_id not in self._prefill_leaders
+                and seq.num_cached_tokens < self._shared_prompt_blocks(seq)
+                * self.block_manager.block_size):
+            self._prefill_leaders[seq.request_id] = seq
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """Whether waiting `seq` should let its request's leader finish caching the prompt."""
+        leader = self._prefill_leaders.get(seq.request_id)
+        if leader is None or leader is seq:
+            return False
+        if not leader.is_finished and self.block_manager.num_registered_blocks(leader) < \
+                self._shared_prompt_blocks(seq):
+            return True
+        del self._prefill_leaders[seq.request_id]   # cached (or the leader is gone): go
+        return False
 
     def _chunk_cap(self, prefill_used: int, num_decodes: int) -> int:
         """Most prompt tokens the next sequence may take this step (<= 0: none).
@@ -453,6 +491,8 @@ class Scheduler:
         seq.status = status
         self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
+        if self._prefill_leaders.get(seq.request_id) is seq:
+            del self._prefill_leaders[seq.request_id]     # its siblings prefill themselves
         self.num_constrained -= seq.grammar is not None
 
     def abort_request(self, request_id: str,

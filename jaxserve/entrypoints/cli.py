@@ -1,4 +1,5 @@
-"""`jaxserve serve [MODEL]`, `jaxserve chat [MODEL]` and `jaxserve export-tokenizer OUT_DIR`.
+"""`jaxserve serve [MODEL]`, `jaxserve chat [MODEL]`, `jaxserve convert MODEL OUT` and
+`jaxserve export-tokenizer OUT_DIR`.
 
 Flags are generated from the config tree (`jaxserve.config`): one `--long-name`
 per leaf field, vLLM's names, help text from the field. `--config FILE.yaml`
@@ -36,6 +37,8 @@ prefix caching) with an OpenAI-compatible API.
   jaxserve serve --config configs/cpu.yaml --port 8080
   jaxserve chat                       chat with a model in the terminal
   jaxserve export-tokenizer tok/      the served model's tokenizer as a HF directory
+  jaxserve convert default ckpt/      save the model as placed in device memory (orbax);
+  jaxserve serve ckpt/                then serve it: restarts in seconds
 """
 
 
@@ -189,6 +192,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model's")
     export.add_argument("--log-level", default="warning",
                         choices=["debug", "info", "warning", "error"])
+
+    convert = commands.add_parser(
+        "convert", help="save a model as it sits in device memory (orbax), for fast restarts",
+        usage="jaxserve convert MODEL OUT [--quantization int8] [--tensor-parallel-size N]",
+        description="Load MODEL as `serve` would (final dtype, quantized, sharded over "
+        "--tensor-parallel-size devices) and write the arrays with orbax-checkpoint, plus "
+        "the config and tokenizer, to OUT. `jaxserve serve OUT` / LLM(OUT) then restore each "
+        "array straight onto its device. MODEL 'default' is the embedded SmolLM2.")
+    convert.add_argument("model", metavar="MODEL",
+                         help="model directory, .gguf file, cached HF name, or 'default'")
+    convert.add_argument("out", metavar="OUT", help="directory to write (must be new or empty)")
+    convert.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"])
+    convert.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    convert.add_argument("--dtype", default="auto",
+                         help="auto (float32 on CPU, bfloat16 elsewhere), bfloat16, float32 ...")
+    convert.add_argument("--tokenizer", default=None,
+                         help="tokenizer directory or name, if not the model's")
+    convert.add_argument("--log-level", default="info",
+                         choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -266,7 +288,20 @@ def cmd_export_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_export_tokenizer}
+def cmd_convert(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    from jaxserve.entrypoints.convert import convert_model
+
+    model = None if args.model == "default" else args.model
+    path = convert_model(model, args.out, quantization=args.quantization,
+                         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+                         tokenizer=args.tokenizer)
+    print(f"wrote {path}; serve it with `jaxserve serve {path}`")
+    return 0
+
+
+_COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_export_tokenizer,
+             "convert": cmd_convert}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -277,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
         # Bad options, files or values: one readable line (the traceback with --log-level debug).
         # Anything else is a bug and keeps its traceback.
         if args.log_level == "debug":

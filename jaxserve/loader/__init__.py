@@ -95,6 +95,10 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
 
     numpy_dtype = as_numpy_dtype(dtype)
     resolved = resolve_model(model)
+    if resolved.format == "orbax":
+        raise ValueError(f"{resolved.path} is a checkpoint `jaxserve convert` wrote: its arrays "
+                         "are restored onto the devices by the engine (LLM(path), `jaxserve "
+                         "serve path`), not loaded as host weights; pass the source model here")
     start = time.perf_counter()
     if resolved.format == "gguf":
         from jaxserve.loader.gguf_loader import (

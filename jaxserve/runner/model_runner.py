@@ -11,6 +11,7 @@ read this step's samples from ``last_tokens`` on the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -214,6 +215,19 @@ class ModelRunner:
         self._steps = {}   # (T, S) -> compiled executable
         self._prompt_logits_fns: dict = {}   # padded length -> jitted forward (prompt_logits)
         self._device_constants: dict[int, dict[str, jax.Array]] = {}
+        self.executable_cache: Any = None     # runner/executable_cache.py, when enabled
+        self._settings = {
+            "arch": arch, "dtype": np.dtype(dtype).name, "kv_dtype": np.dtype(kv_dtype).name,
+            "cache_shape": cache_shape, "max_model_len": max_model_len,
+            "shapes": self.buckets.all_shapes(), "num_top_logprobs": max_logprobs,
+            "prompt_logprobs_cap": prompt_logprobs_cap, "num_spec_tokens": num_spec_tokens,
+            "max_spec_rows": max_spec_rows, "max_num_seqs": max_num_seqs,
+            "eos_token_ids": list(eos_token_ids), "backend": backend.name,
+            "kv_sharding": kv_sharding, "input_sharding": input_sharding,
+            "logits_shardings": self.logits_shardings,
+            "small_batch_layer_matmul": getattr(self.model, "small_batch_layer_matmul", False),
+            "lora": None if lora is None else jax.tree.map(
+                lambda x: (x.shape, x.dtype), self._lora_stacks())}
 
     # -- compilation ---------------------------------------------------------------------------
     def _jitted(self, layout: StepLayout):
@@ -224,15 +238,33 @@ class ModelRunner:
             logits_shardings=self.logits_shardings),
             donate_argnums=(1, 2, 3))
 
+    def enable_executable_cache(self, directory: str) -> None:
+        """Load step executables serialized by an earlier start with the same key (no
+        tracing), and save the ones compiled here (runner/executable_cache.py)."""
+        from jaxserve.runner.executable_cache import ExecutableCache, executable_key
+
+        key = executable_key({**self._settings, "model_constants": jax.tree.map(
+            lambda x: (x.shape, x.dtype), self.model_constants)}, self.params)
+        self.executable_cache = ExecutableCache(directory, key)
+
     def _compile(self, num_tokens: int, num_seqs: int):
         """Ahead-of-time compile one bucket; returns the executable (called directly later)."""
+        cache = self.executable_cache
+        if cache is not None:
+            executable = cache.load((num_tokens, num_seqs))
+            if executable is not None:
+                return executable
         layout = self._layout(num_tokens, num_seqs)
         consts = self._constants(num_seqs)
-        return self._jitted(layout).lower(
-            self.params, self.k_cache, self.v_cache, self.last_tokens,
-            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-            consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"],
-            self._lora_stacks()).compile()
+        with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
+            executable = self._jitted(layout).lower(
+                self.params, self.k_cache, self.v_cache, self.last_tokens,
+                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+                consts["bias_token_ids"], consts["bias_values"],
+                consts["grammar_bitmask"], self._lora_stacks()).compile()
+            if cache is not None and not hit():
+                cache.store((num_tokens, num_seqs), executable)
+        return executable
 
     def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
         return StepLayout(num_tokens, num_seqs, self.width, self.prompt_logprobs_cap,
@@ -260,7 +292,9 @@ class ModelRunner:
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - start
-        logger.info("warm-up compiled %d step shapes in %.1f s", len(shapes), elapsed)
+        cache = self.executable_cache
+        loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
+        logger.info("warm-up compiled %d step shapes in %.1f s%s", len(shapes), elapsed, loaded)
         return elapsed
 
     def export_step(self, num_tokens: int, num_seqs: int, platform: str) -> Any:

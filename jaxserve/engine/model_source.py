@@ -1,0 +1,138 @@
+"""Parameters on their devices, from a model checkpoint or from a converted orbax checkpoint.
+
+    placed = place_model(config, mesh, platform)
+    placed.params        # device arrays, sharded as placed.placement says
+    placed.arch          # what the sharded model runs (KV heads possibly replicated)
+
+A Hugging Face directory or GGUF file is read into host numpy arrays, converted to the
+family's params tree, quantized (int8), then placed shard by shard. A converted orbax
+checkpoint (`jaxserve convert`, loader/orbax_checkpoint.py) skips all of that: each array
+is restored straight onto its sharding, and neither torch nor a transformers config class
+is imported on the way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.models.arch import ModelArch
+from jaxserve.models.registry import family_for, read_arch
+from jaxserve.quantization import check_mode
+from jaxserve.quantization.int8 import quantize_params_int8
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PlacedModel:
+    arch: ModelArch              # placement.arch
+    source_arch: ModelArch       # the checkpoint's
+    placement: Any               # parallel/placement.py ModelPlacement
+    params: Any
+    resident_bytes: int          # parameter bytes as stored (all devices together)
+    dtype: Any                   # the float dtype of weights and activations (jnp dtype)
+    quantization: str | None
+    hf_config: Any
+    tokenizer: Any
+    generation_config: dict[str, Any]
+    model_path: str
+    source_format: str           # "hf", "gguf" or "orbax"
+
+
+def place_model(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
+    from jaxserve.loader.resolve import resolve_model
+
+    resolved = resolve_model(config.model_config.model)
+    if resolved.format == "orbax":
+        return _restore(config, resolved.path, mesh, platform)
+    return _load_and_place(config, mesh, platform)
+
+
+def _placement(config: EngineConfig, arch: ModelArch, mesh: Any) -> Any:
+    from jaxserve.parallel.placement import ModelPlacement
+
+    return ModelPlacement.create(config.parallel_config, arch, mesh)
+
+
+def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
+    from jaxserve.engine.model_setup import resolve_dtype
+    from jaxserve.loader import load_model
+
+    mc = config.model_config
+    dtype = resolve_dtype(mc.dtype, platform)
+    quantization = check_mode(mc.quantization)
+    loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
+                        load_format=mc.load_format, quantization=quantization)
+    source_arch = read_arch(loaded.hf_config)
+    family = family_for(source_arch.architecture)
+    # Sharding (jaxserve/parallel/placement.py): with tp > 1 each device receives only its
+    # shard of every weight and its KV heads; with one device this is a plain device_put.
+    placement = _placement(config, source_arch, mesh)
+    if placement.arch.num_kv_heads != source_arch.num_kv_heads and quantization == "gguf":
+        raise ValueError(f"tensor_parallel_size={placement.tp} > {source_arch.num_kv_heads} KV "
+                         "heads replicates KV heads, which packed GGUF weights do not support "
+                         "yet; use quantization=None or int8, or a smaller tensor_parallel_size")
+    host_params = family.params_from_weights(placement.prepare(loaded.weights), placement.arch)
+    if quantization == "int8":
+        host_params = quantize_params_int8(host_params)
+    resident_bytes = sum(np.asarray(w).nbytes for w in jax.tree.leaves(host_params))
+    params = placement.place(host_params)
+    del loaded.weights, host_params
+    return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,
+                       params=params, resident_bytes=resident_bytes, dtype=dtype,
+                       quantization=quantization, hf_config=loaded.hf_config,
+                       tokenizer=loaded.tokenizer, generation_config=loaded.generation_config,
+                       model_path=loaded.model_path,
+                       source_format="gguf" if loaded.model_path.endswith(".gguf") else "hf")
+
+
+def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> PlacedModel:
+    from jaxserve.engine.model_setup import resolve_dtype
+    from jaxserve.loader.orbax_checkpoint import (
+        load_checkpoint_tokenizer,
+        read_checkpoint,
+        restore_params,
+    )
+    from jaxserve.parallel.partition import kv_replication
+    from jaxserve.tokenizer import load_tokenizer
+
+    mc = config.model_config
+    info = read_checkpoint(path)
+    # The checkpoint fixes what conversion chose; asking for something else is an error
+    # rather than a silent re-quantization or cast (re-run `jaxserve convert` for that).
+    if mc.load_format != "auto":
+        raise ValueError(f"{path} is a converted checkpoint; load_format={mc.load_format!r} "
+                         "does not apply to it (use auto)")
+    dtype = resolve_dtype(info.dtype, platform)
+    if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform) != dtype:
+        raise ValueError(f"{path} was converted in {info.dtype}; dtype={mc.dtype!r} needs "
+                         f"`jaxserve convert --dtype {mc.dtype}`")
+    quantization = check_mode(mc.quantization)
+    if quantization is not None and quantization != info.quantization:
+        raise ValueError(f"{path} was converted with quantization={info.quantization!r}; "
+                         f"quantization={quantization!r} needs a new `jaxserve convert`")
+    source_arch = read_arch(info.hf_config)
+    placement = _placement(config, source_arch, mesh)
+    copies = kv_replication(source_arch, placement.tp)
+    if copies != info.kv_head_copies:
+        raise ValueError(
+            f"{path} was converted at tensor_parallel_size="
+            f"{info.manifest.get('converted_tensor_parallel_size')} with each of its "
+            f"{source_arch.num_kv_heads} KV heads stored {info.kv_head_copies}x; "
+            f"tensor_parallel_size={placement.tp} needs {copies}x: convert again at that size")
+    family = family_for(placement.arch.architecture)
+    params = restore_params(info, placement.mesh, family.param_spec_for(placement.arch))
+    resident_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    tokenizer = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
+                 else load_checkpoint_tokenizer(path))
+    return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,
+                       params=params, resident_bytes=resident_bytes, dtype=dtype,
+                       quantization=info.quantization, hf_config=info.hf_config,
+                       tokenizer=tokenizer, generation_config=info.generation_config,
+                       model_path=str(path), source_format="orbax")

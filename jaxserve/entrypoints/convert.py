@@ -1,0 +1,58 @@
+"""`jaxserve convert MODEL OUT`: write a model as it sits in device memory, for fast restarts.
+
+    convert_model(None, "smol-ckpt")                          # the embedded SmolLM2, float32 on CPU
+    convert_model("/models/Qwen3-0.6B", "q-int8", quantization="int8", tensor_parallel_size=2)
+    LLM("q-int8", tensor_parallel_size=2)                      # restores each shard onto its device
+
+The weights go through exactly the steps serving applies (read, family layout, KV-head
+replication for tp, int8 quantization, sharded placement); what lands on the devices is
+saved with orbax (loader/orbax_checkpoint.py), with the config and tokenizer beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax
+
+from jaxserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def convert_model(model: str | None, out: str, *, quantization: str | None = None,
+                  tensor_parallel_size: int = 1, dtype: str = "auto",
+                  tokenizer: str | None = None) -> Path:
+    """Load `model` as serving would (on this process's devices) and save it to `out`."""
+    from jaxserve.engine.model_source import place_model
+    from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
+    from jaxserve.loader.resolve import resolve_model
+    from jaxserve.parallel.partition import kv_replication
+
+    if resolve_model(model).format == "orbax":
+        raise ValueError(f"{model} is already a converted checkpoint; convert its source model")
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
+    config = EngineConfig.from_kwargs(model=model, quantization=quantization, dtype=dtype,
+                                      tokenizer=tokenizer,
+                                      tensor_parallel_size=tensor_parallel_size)
+    start = time.perf_counter()
+    placed = place_model(config, None, jax.default_backend())
+    loaded_at = time.perf_counter()
+    try:
+        path = save_checkpoint(
+            out, placed.params, hf_config=placed.hf_config, tokenizer=placed.tokenizer,
+            generation_config=placed.generation_config,
+            dtype=jax.numpy.dtype(placed.dtype).name, quantization=placed.quantization,
+            kv_head_copies=kv_replication(placed.source_arch, placed.placement.tp),
+            tensor_parallel_size=placed.placement.tp, source=placed.model_path)
+    except BaseException:
+        remove_incomplete(out)     # never leave a directory that looks half like a checkpoint
+        raise
+    logger.info("converted %s to %s (%.1f MiB, %s, quantization %s, tp %d): load %.1f s, "
+                "save %.1f s", placed.model_path, path, placed.resident_bytes / 2**20,
+                jax.numpy.dtype(placed.dtype).name, placed.quantization, placed.placement.tp,
+                loaded_at - start, time.perf_counter() - loaded_at)
+    return path
