@@ -73,7 +73,7 @@ class BlockManager:
 
     def num_registered_blocks(self, seq: Sequence) -> int:
         """Leading blocks of live `seq` that are in the prefix cache (registered or hits)."""
-        return self._num_registered.get(seq.seq_id, 0)
+        return self.num_registered.get(seq.seq_id, 0)
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Longest prefix-cache hit for a waiting ``seq``: (block ids, number of tokens).
