@@ -160,3 +160,28 @@ def test_quantized_kv_engines_serve_on_the_cpu_kernel_close_to_float32(make_tiny
         assert diff < {"int8": 0.1, "fp8": 0.4}[kv]
         assert not np.array_equal(logits, ref_logits)        # the cache really is quantized
         del llm, setup
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+def test_cpu_kernel_quantized_rows_off_the_simd_width_match_the_reference(kv):
+    """head_dim 20: the C++ kernel's scalar path and its conversion tails (not a multiple of
+    the SIMD width), on rows spanning 2^-11 .. 2^4 (fp8 subnormals inside scaled rows)."""
+    from jaxserve.attention.cpu import loader, paged_attention
+
+    if jax.default_backend() != "cpu" or loader.find_compiler() is None:
+        pytest.skip("the C++ kernel needs the CPU platform and a C++ compiler")
+    rng = np.random.default_rng(4)
+    seqs, heads, kv_heads, dim, block = 3, 4, 2, 20, 8
+    shape = (seqs * 5, block, kv_heads, dim)
+
+    def cache(spread):
+        x = rng.standard_normal(shape) * np.exp(rng.uniform(-spread, 3, shape[:-1] + (1,)))
+        return QuantizedKV(*quantize_rows(jnp.asarray(x, jnp.float32), KV_DTYPES[kv]))
+
+    q = jnp.asarray(rng.standard_normal((seqs, heads, dim)), jnp.float32)
+    k, v = cache(8), cache(2)
+    tables = jnp.asarray(rng.permutation(seqs * 5).reshape(seqs, 5), jnp.int32)
+    args = (q, k, v, jnp.asarray([37, 20, 5], jnp.int32), tables,
+            jnp.arange(seqs + 1, dtype=jnp.int32), seqs)
+    out = paged_attention(*args)
+    np.testing.assert_allclose(out, reference(*args), atol=1e-5)
