@@ -102,14 +102,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/quant-cpu.json"))
+    parser.add_argument("--modes", default=None,
+                        help="a subset, e.g. 'float32:auto,int8:fp8' (weights:kv; the first "
+                             "must be float32:auto, the baseline); a subset run does not "
+                             "rewrite jaxserve/quantization/measured_cost.json")
     args = parser.parse_args()
+    modes = MODES
+    if args.modes:
+        modes = [(None if w in ("float32", "none") else w, kv)
+                 for w, kv in (m.split(":") for m in args.modes.split(","))]
+        if modes[0] != (None, "auto"):
+            parser.error("--modes must start with float32:auto (the baseline)")
     import jax
 
     from jaxserve.quantization import int8
 
     rows, base = [], None
     tokenizer = None
-    for quantization, kv in MODES:
+    for quantization, kv in modes:
         if tokenizer is None:
             from jaxserve.loader import load_model
 
@@ -136,7 +146,7 @@ def main() -> None:
                       "compare rows of this one run only",
               "modes": rows}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    if args.model is None:   # the table the engine quotes at start-up
+    if args.model is None and not args.modes:   # the table the engine quotes at start-up
         from jaxserve.quantization.cost import MEASURED
 
         MEASURED.write_text(json.dumps(report, indent=1) + "\n")
