@@ -27,7 +27,10 @@ from jaxserve import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "tests" / "data" / "public_domain.txt"
-MODES = [(None, "auto"), ("int8", "auto"), ("gguf", "auto"), (None, "fp8"), ("int8", "fp8")]
+# "int8-per-column": int8 weights with one scale per output column (the layout before
+# group-wise scales), measured in the same run as the group-wise default for before/after.
+MODES = [(None, "auto"), ("int8-per-column", "auto"), ("int8", "auto"), ("gguf", "auto"),
+         (None, "fp8"), (None, "int8"), ("int8", "fp8"), ("int8", "int8")]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "The three primary colors are", "Water boils at", "import numpy as np\n",
            "The best way to learn a language is", "In 1969, astronauts"]
@@ -45,8 +48,17 @@ def mode_name(quantization: str | None, kv: str) -> str:
 
 
 def measure(model: str | None, quantization: str | None, kv: str, windows, prompts):
-    llm = LLM(model, quantization=quantization, kv_cache_dtype=kv, max_model_len=512,
-              max_num_seqs=64, max_num_batched_tokens=128, kv_cache_memory_bytes=256 << 20)
+    from jaxserve.quantization import int8
+
+    groups = int8.GROUP_SIZES
+    if quantization == "int8-per-column":
+        int8.GROUP_SIZES = ()            # no group size: one scale per output column
+    try:
+        llm = LLM(model, quantization=quantization and quantization.split("-")[0],
+                  kv_cache_dtype=kv, max_model_len=512, max_num_seqs=64,
+                  max_num_batched_tokens=128, kv_cache_memory_bytes=256 << 20)
+    finally:
+        int8.GROUP_SIZES = groups
     setup = llm.llm_engine.setup
     logprobs = [log_softmax(llm.llm_engine.prompt_logits(w)) for w in windows]
     greedy = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
@@ -90,12 +102,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/quant-cpu.json"))
+    parser.add_argument("--modes", default=None,
+                        help="a subset, e.g. 'float32:auto,int8:fp8' (weights:kv; the first "
+                             "must be float32:auto, the baseline); a subset run does not "
+                             "rewrite jaxserve/quantization/measured_cost.json")
     args = parser.parse_args()
+    modes = MODES
+    if args.modes:
+        modes = [(None if w in ("float32", "none") else w, kv)
+                 for w, kv in (m.split(":") for m in args.modes.split(","))]
+        if modes[0] != (None, "auto"):
+            parser.error("--modes must start with float32:auto (the baseline)")
     import jax
+
+    from jaxserve.quantization import int8
 
     rows, base = [], None
     tokenizer = None
-    for quantization, kv in MODES:
+    for quantization, kv in modes:
         if tokenizer is None:
             from jaxserve.loader import load_model
 
@@ -114,9 +138,15 @@ def main() -> None:
               "platform": jax.default_backend(), "device": jax.devices()[0].device_kind,
               "text": str(TEXT.relative_to(ROOT)), "window_tokens": WINDOW,
               "teacher_forced_positions": sum(len(w) - 1 for w in windows),
-              "baseline": "weights=float32 (the GGUF dequantized) kv=float32", "modes": rows}
+              "baseline": "weights=float32 (the GGUF dequantized) kv=float32",
+              "int8_weight_scales": f"group-wise, {int8.GROUP_SIZES[0]} input rows per scale "
+                                    "(int8-per-column: one per output column, before)",
+              "kv_scales": "int8 / fp8 KV: one 1-byte scale code per token and KV head",
+              "note": "CPU box shared (2 cores, other jobs running): tok/s are contended; "
+                      "compare rows of this one run only",
+              "modes": rows}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    if args.model is None:   # the table the engine quotes at start-up
+    if args.model is None and not args.modes:   # the table the engine quotes at start-up
         from jaxserve.quantization.cost import MEASURED
 
         MEASURED.write_text(json.dumps(report, indent=1) + "\n")

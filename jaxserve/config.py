@@ -70,8 +70,8 @@ class CacheConfig:
         None, "KV cache size in bytes; overrides --gpu-memory-utilization.")
     kv_cache_dtype: str = opt(
         "auto", "KV cache dtype (vLLM's flag): auto (the model dtype), float32, bfloat16, "
-        "float16, or fp8 (e4m3, static scale 1.0; 4x the tokens of float32; on CPU it uses "
-        "the reference attention backend). See jaxserve/quantization/kv.py.",
+        "float16, fp8 (e4m3) or int8; fp8 and int8 store a 1-byte scale per token and KV "
+        "head (3.9x the tokens of float32 at head_dim 64). See jaxserve/quantization/kv.py.",
         choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8"])
     enable_prefix_caching: bool = opt(True, "Reuse KV blocks of identical prompt prefixes.")
     num_gpu_blocks_override: int | None = opt(None, "Force this many KV-cache blocks.")
@@ -201,15 +201,9 @@ class EngineConfig(FlatOptions):
         on_cpu = platform == "cpu"
         if s.max_num_batched_tokens is None:
             s.max_num_batched_tokens = 512 if on_cpu else 2048
-        fp8_kv = c.kv_cache_dtype.startswith("fp8")
-        if fp8_kv and self.runner_config.attention_backend == "cpu":
-            raise ValueError("attention backend 'cpu' (the C++ kernel) reads float32/bfloat16/"
-                             "float16 KV caches only; with kv_cache_dtype "
-                             f"{c.kv_cache_dtype!r} use 'auto' or 'reference'")
+        # every backend reads int8 / fp8 caches (jaxserve/quantization/kv.py)
         if self.runner_config.attention_backend == "auto":
-            if on_cpu and fp8_kv:
-                self.runner_config.attention_backend = "reference"
-            elif on_cpu:
+            if on_cpu:
                 from jaxserve.attention.cpu import available  # warns once if it cannot build
 
                 self.runner_config.attention_backend = "cpu" if available() else "reference"

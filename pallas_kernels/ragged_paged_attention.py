@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.quantization.kv import SCALE_STEPS_PER_OCTAVE, QuantizedKV
 from pallas_kernels.reference import num_query_blocks, query_blocks
 
 # Finite "minus infinity": keeps fully masked rows free of inf - inf = NaN.
@@ -75,15 +76,17 @@ def _kernel(
     q_ref,  # [T * Hq, D]
     k_ref,  # [num_blocks * block_size, Hkv * D]
     v_ref,  # [num_blocks * block_size, Hkv * D]
-    # outputs: final [T * Hq, D]; or, with splits, partials
+    # quantized caches only: k and v scale codes [num_blocks * block_size * Hkv] int8;
+    # then the outputs: final [T * Hq, D]; or, with splits, partials
     # acc [splits * T * Hq, D] f32, max and sum [splits * T * Hq] f32
-    *out_refs,
+    *refs,
     num_tokens: int,
     num_q_heads: int,
     group: int,
     group_padded: int,
     head_dim: int,
     head_dim_padded: int,
+    num_kv_heads: int,
     block_size: int,
     num_blocks: int,
     max_blocks: int,
@@ -93,7 +96,13 @@ def _kernel(
     scale_log2: float,
     soft_cap: float,
     precision,
+    quantized: bool,
 ):
+    if quantized:
+        k_scale_ref, v_scale_ref, *out_refs = refs
+    else:
+        k_scale_ref = v_scale_ref = None
+        out_refs = refs
     block_idx = pl.program_id(0)
     kv_head = pl.program_id(1)
     split = pl.program_id(2)
@@ -142,14 +151,20 @@ def _kernel(
     kv_stop = jnp.minimum(kv_end, kv_start + split_len)
     num_steps = pl.cdiv(jnp.maximum(kv_stop - kv_start, 0), block_kv)
 
-    def load_kv(ref, slot, kv_mask):
-        """A [block_kv, D] tile of K or V in q's dtype: a quantized (fp8) cache is
-        dequantized here, tile by tile. Triton cannot splat an integer `other` into fp8,
-        so fp8 tiles load unfilled and masked lanes are zeroed after the cast."""
-        if jnp.dtype(ref.dtype).itemsize == 1:
-            tile = plgpu.load(ref.at[slot[:, None], kv_col], mask=kv_mask)
-            return jnp.where(kv_mask, tile.astype(q.dtype), 0)
-        return plgpu.load(ref.at[slot[:, None], kv_col], mask=kv_mask, other=0).astype(q.dtype)
+    def load_kv(ref, scale_ref, slot, key_valid, kv_mask):
+        """A [block_kv, D] tile of K or V in q's dtype: a quantized (int8 / fp8) cache is
+        dequantized here, tile by tile (values in float32 times each slot's head scale,
+        2 ** (code / 8): jaxserve/quantization/kv.py). Triton cannot splat an integer
+        `other` into fp8, so 1-byte tiles load unfilled and masked lanes are zeroed after
+        the cast."""
+        if scale_ref is None:
+            tile = plgpu.load(ref.at[slot[:, None], kv_col], mask=kv_mask, other=0)
+            return tile.astype(q.dtype)
+        tile = plgpu.load(ref.at[slot[:, None], kv_col], mask=kv_mask)
+        code = plgpu.load(scale_ref.at[slot * num_kv_heads + kv_head], mask=key_valid, other=0)
+        scale = jnp.exp2(code.astype(jnp.float32) * (1.0 / SCALE_STEPS_PER_OCTAVE))
+        tile = jnp.where(kv_mask, tile.astype(jnp.float32) * scale[:, None], 0)
+        return tile.astype(q.dtype)
 
     def body(step, carry):
         acc, m_prev, l_prev = carry
@@ -160,7 +175,7 @@ def _kernel(
         block_id = jnp.clip(block_id, 0, num_blocks - 1)
         slot = block_id * block_size + key_pos % block_size
         kv_mask = row_col_mask(key_valid)
-        k = load_kv(k_ref, slot, kv_mask)
+        k = load_kv(k_ref, k_scale_ref, slot, key_valid, kv_mask)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision)
         if soft_cap:
             logits = soft_cap * jnp.tanh(logits * (scale_log2 / _LOG2_E / soft_cap)) * _LOG2_E
@@ -173,7 +188,7 @@ def _kernel(
         correction = jnp.exp2(m_prev - m_next)
         p = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)
         l_next = l_prev * correction + p.sum(axis=1)
-        v = load_kv(v_ref, slot, kv_mask)
+        v = load_kv(v_ref, v_scale_ref, slot, key_valid, kv_mask)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_next, l_next
 
@@ -259,6 +274,9 @@ def ragged_paged_attention(
         raise ValueError(f"logits_soft_cap={logits_soft_cap} must be >= 0 (0 = off)")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    quantized = isinstance(k_cache, QuantizedKV)
+    if quantized != isinstance(v_cache, QuantizedKV):
+        raise ValueError("k_cache and v_cache must both be quantized (QuantizedKV) or neither")
     num_padded_seqs, max_blocks = block_tables.shape
     if kv_head_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -312,6 +330,10 @@ def ragged_paged_attention(
 
     num_rows = num_tokens * num_q_heads
     q_flat = q.reshape(num_rows, head_dim)
+    scales = ()
+    if quantized:   # the scale codes ride as two more flat inputs
+        scales = (k_cache.scale.reshape(-1), v_cache.scale.reshape(-1))
+        k_cache, v_cache = k_cache.data, v_cache.data
     k_flat = k_cache.reshape(num_blocks * block_size, num_kv_heads * head_dim)
     v_flat = v_cache.reshape(num_blocks * block_size, num_kv_heads * head_dim)
 
@@ -331,6 +353,7 @@ def ragged_paged_attention(
         group_padded=group_padded,
         head_dim=head_dim,
         head_dim_padded=_next_power_of_2(head_dim),
+        num_kv_heads=num_kv_heads,
         block_size=block_size,
         num_blocks=num_blocks,
         max_blocks=max_blocks,
@@ -341,6 +364,7 @@ def ragged_paged_attention(
         soft_cap=float(logits_soft_cap),
         # f32 inputs: exact f32 dots (no TF32) so the kernel matches the reference.
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        quantized=quantized,
     )
     outputs = pl.pallas_call(
         kernel,
@@ -361,6 +385,7 @@ def ragged_paged_attention(
         q_flat,
         k_flat,
         v_flat,
+        *scales,
     )
 
     if num_kv_splits > 1:

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.quantization.kv import QuantizedKV, decode_scale
+
 # Elements of the per-chunk gathered K (or V) tile [num_q_blocks, chunk_tokens,
 # Hkv, D] the automatic chunk size aims for: big enough to amortise the loop,
 # small enough that a long prefill does not gather gigabytes per step.
@@ -112,6 +114,15 @@ def default_chunk_blocks(num_rows: int, num_kv_heads: int, head_dim: int, block_
     tokens = _GATHER_BUDGET_ELEMENTS // max(1, num_rows * num_kv_heads * head_dim)
     tokens = max(block_size, min(_MAX_CHUNK_TOKENS, tokens))
     return max(1, tokens // block_size)
+
+
+def read_pages(cache, pages: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Gather pages of a cache as float32 [.., chunk_tokens, Hkv, D]; a quantized cache
+    (QuantizedKV: int8 / fp8 values + per-slot-head scales) is dequantized here, per chunk."""
+    if isinstance(cache, QuantizedKV):
+        scale = decode_scale(cache.scale[pages].reshape(*shape[:-1], 1))
+        return cache.data[pages].reshape(shape).astype(jnp.float32) * scale
+    return cache[pages].reshape(shape).astype(jnp.float32)
 
 
 def ragged_paged_attention_reference(
@@ -213,8 +224,7 @@ def ragged_paged_attention_reference(
         pages = block_tables[blocks.seq_ids[:, None], jnp.minimum(page_idx, max_blocks - 1)]
         pages = jnp.clip(pages, 0, num_blocks - 1)  # [P, chunk_blocks]
         kv_shape = (num_q_blocks, chunk_blocks * block_size, num_kv_heads, head_dim)
-        k = k_cache[pages].reshape(kv_shape).astype(jnp.float32)
-        v = v_cache[pages].reshape(kv_shape).astype(jnp.float32)
+        k, v = read_pages(k_cache, pages, kv_shape), read_pages(v_cache, pages, kv_shape)
         logits = jnp.einsum("pqhgd,pchd->pqhgc", qf, k, preferred_element_type=jnp.float32)
         if logits_soft_cap:
             logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)

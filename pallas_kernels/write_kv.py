@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.quantization.kv import QuantizedKV, quantize_rows
+
 
 def write_kv(
     k_cache: jax.Array,
@@ -15,7 +17,9 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter k, v into the caches at their slots.
 
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D];
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], or QuantizedKV (int8 / fp8 values
+    of that shape + scale codes [.., Hkv, 1]: each written row is quantized with its own
+    scale, jaxserve/quantization/kv.py); k, v: [T, Hkv, D];
     slot_mapping: int32[T], slot = block_id * block_size + row, -1 = skip.
     Returns the updated (k_cache, v_cache). Inside a jitted step that donates
     the caches XLA performs the scatter in place; slots that are -1 (or
@@ -29,13 +33,16 @@ def write_kv(
     # range instead so mode="drop" discards it.
     slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
 
-    def scatter(cache, new):
-        if jnp.issubdtype(cache.dtype, jnp.floating) and jnp.finfo(cache.dtype).bits == 8:
-            # fp8 KV (e4m3fn has no inf: an overflow would become NaN): saturate instead.
-            top = float(jnp.finfo(cache.dtype).max)
-            new = jnp.clip(new.astype(jnp.float32), -top, top)
-        flat = cache.reshape(num_slots, num_kv_heads, head_dim)
+    def put(cache, new):
+        flat = cache.reshape(num_slots, *cache.shape[2:])
         flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)
+
+    def scatter(cache, new):
+        if isinstance(cache, QuantizedKV):
+            # int8 / fp8: each (token, head) row quantized with its own scale, stored beside
+            values, codes = quantize_rows(new, cache.data.dtype)
+            return QuantizedKV(put(cache.data, values), put(cache.scale, codes))
+        return put(cache, new)
 
     return scatter(k_cache, k), scatter(v_cache, v)

@@ -95,11 +95,16 @@ def _placement_facts(llm) -> dict:
     from jaxserve.parallel.partition import per_device_bytes
 
     runner = llm.llm_engine.runner
+    values = getattr(runner.k_cache, "data", runner.k_cache)    # QuantizedKV: its values
+    scales = getattr(runner.k_cache, "scale", None)
     return {"per_device_param_bytes": per_device_bytes(runner.params),
             "total_param_bytes": sum(x.nbytes for x in jax.tree.leaves(runner.params)),
-            "kv_shard_shape": list(runner.k_cache.addressable_shards[0].data.shape),
+            "kv_shard_shape": list(values.addressable_shards[0].data.shape),
+            "kv_scale_shard_shape": None if scales is None
+            else list(scales.addressable_shards[0].data.shape),
             "kv_shape": list(runner.k_cache.shape),
             "num_blocks": runner.num_blocks,
+            "kv_capacity_tokens": llm.llm_engine.setup.kv_plan.capacity_tokens,
             "backend": runner.model.backend.name}
 
 
@@ -119,13 +124,15 @@ def _generate_counting_compiles(llm, prompts, params) -> tuple[list, list[str]]:
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def _run_tp(model: str | None, tp: int, prompts, max_tokens: int, kv_bytes: int) -> dict:
+def _run_tp(model: str | None, tp: int, prompts, max_tokens: int, kv_bytes: int,
+            **engine_kwargs) -> dict:
     import gc
 
     from jaxserve import LLM
 
     start = time.perf_counter()
-    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory_bytes=kv_bytes, **ENGINE_KWARGS)
+    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory_bytes=kv_bytes, **ENGINE_KWARGS,
+              **engine_kwargs)
     built = time.perf_counter() - start
     outputs, compiles = _generate_counting_compiles(llm, prompts, _greedy(max_tokens))
     result = _results(outputs)
@@ -259,9 +266,13 @@ def worker(spec: dict) -> None:
 
     results: dict = {}
 
-    def section(name, fn, *args):
+    only = spec.get("only")     # a subset of sections (a quick manual run), else all
+
+    def section(name, fn, *args, **kwargs):
+        if only and name not in only:
+            return
         try:
-            results[name] = fn(*args)
+            results[name] = fn(*args, **kwargs)
         except Exception:   # noqa: BLE001 - reported to the test that needs it
             results[name] = {"error": traceback.format_exc()}
         Path(spec["out"]).write_text(json.dumps(results))
@@ -271,6 +282,10 @@ def worker(spec: dict) -> None:
     tiny = spec["tiny"]
     for tp in (1, 2, 4):
         section(f"tiny_tp{tp}", _run_tp, tiny, tp, TINY_PROMPTS, TINY_MAX_TOKENS, TINY_KV_BYTES)
+    # int8 KV (QuantizedKV: values + scale codes, both sharded on KV heads under shard_map)
+    for tp in (1, 2):
+        section(f"tiny_tp{tp}_int8kv", _run_tp, tiny, tp, TINY_PROMPTS, TINY_MAX_TOKENS,
+                TINY_KV_BYTES, kv_cache_dtype="int8")
     section("tiny_dp2", _run_dp, tiny)
     if spec["smol"]:
         for tp in (1, 3):
@@ -341,6 +356,26 @@ def test_tensor_parallel_greedy_outputs_equal_single_device(worker_results, name
 @pytest.mark.parametrize("name", ["tiny_tp2", "tiny_tp4", "tiny_dp2", "smol_tp3"])
 def test_sharded_serving_compiles_nothing_after_warmup(worker_results, name):
     assert _section(worker_results, name)["compiles_while_serving"] == []
+
+
+def test_int8_kv_cache_sharded_on_kv_heads_serves_like_one_device(worker_results):
+    """Per-token-per-head scales split with their heads: tp=2 reads the same dequantized
+    values as tp=1, so greedy tokens agree; the scale codes are sharded like the values."""
+    tp2, tp1 = _section(worker_results, "tiny_tp2_int8kv"), _section(worker_results,
+                                                                     "tiny_tp1_int8kv")
+    _assert_same_greedy(tp2, tp1)
+    assert tp2["compiles_while_serving"] == []
+    assert tp2["kv_shard_shape"][2] == 1 and tp1["kv_shape"][2] == 2
+    assert tp2["kv_scale_shard_shape"] == tp2["kv_shard_shape"][:3] + [1]
+    assert tp2["kv_capacity_tokens"] == tp1["kv_capacity_tokens"]
+
+
+def test_tp3_kv_pool_holds_tp1s_tokens_in_the_same_host_ram(worker_results):
+    """Simulated devices share host RAM: tp=3's KV pool is tp=1's budget split three ways
+    (each device a third of the KV heads), so it holds the same tokens, not 3x."""
+    tp3, tp1 = _section(worker_results, "smol_tp3"), _section(worker_results, "smol_tp1")
+    assert tp3["kv_shard_shape"][2] * 3 == tp1["kv_shape"][2] == 3
+    assert abs(tp3["kv_capacity_tokens"] - tp1["kv_capacity_tokens"]) <= 3 * 16
 
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them(worker_results):

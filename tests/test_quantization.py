@@ -15,7 +15,7 @@ from jaxserve.models.layers import Embedding, Linear
 from jaxserve.models.llama import FAMILY as LLAMA
 from jaxserve.parallel.mesh import MODEL_AXIS
 from jaxserve.quantization.gguf_packed import BYTES_PER_BLOCK, dequantize
-from jaxserve.quantization.int8 import quantize_int8
+from jaxserve.quantization.int8 import dequantize_int8, group_size_for, quantize_int8
 
 
 @contextlib.contextmanager
@@ -44,11 +44,29 @@ def _gguf_pack(w: np.ndarray, fmt: str) -> np.ndarray:
 def test_int8_quantization_round_trips_within_half_a_step_per_column():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 48, 40)).astype(np.float32) * rng.uniform(0.01, 3, (3, 1, 40))
-    q, scale = quantize_int8(w)
-    assert q.dtype == np.int8 and scale.shape == (3, 40)
-    assert np.all(np.abs(q.astype(np.float32) * scale[:, None, :] - w)
-                  <= scale[:, None, :] / 2 + 1e-7)
+    q, scale = quantize_int8(w, group_size=48)          # one group = the whole column
+    assert q.dtype == np.int8 and scale.shape == (3, 1, 40)
+    assert np.all(np.abs(q.astype(np.float32) * scale - w) <= scale / 2 + 1e-7)
     assert np.abs(q).max() == 127          # each column's largest weight uses the full range
+
+
+def test_int8_group_scales_round_trip_within_half_a_group_step_and_beat_per_column():
+    rng = np.random.default_rng(5)
+    # runs of input rows of very different magnitude: one per-column scale would waste
+    # most levels on the small runs
+    magnitude = np.repeat(np.exp(rng.uniform(-4, 1, (2, 3, 1))), 32, axis=1)
+    w = (rng.standard_normal((2, 96, 40)) * magnitude).astype(np.float32)
+    q, scale = quantize_int8(w)
+    assert group_size_for(96) == 32 and scale.shape == (2, 3, 40)
+    step = np.repeat(scale, 32, axis=1)                 # group g covers input rows 32g..32g+31
+    assert np.all(np.abs(q.astype(np.float32) * step - w) <= step / 2 + 1e-7)
+    assert (np.abs(q).max(axis=1) == 127).all()       # every group's top uses the full range
+    np.testing.assert_array_equal(dequantize_int8(q, scale), q.astype(np.float32) * step)
+    per_column = dequantize_int8(*quantize_int8(w, group_size=96))
+    # error relative to each run's magnitude: groups keep the small runs precise
+    grouped_err = (np.abs(dequantize_int8(q, scale) - w) / magnitude).mean()
+    assert grouped_err < 0.5 * (np.abs(per_column - w) / magnitude).mean()
+    assert group_size_for(576) == 32 and group_size_for(50) == 50   # no divisor: per column
 
 
 @pytest.mark.parametrize("fmt", sorted(BYTES_PER_BLOCK))
@@ -74,9 +92,13 @@ def test_linear_reads_float_int8_and_packed_params_as_the_dequantized_matmul():
     layer = Linear(32, use_bias=True)
     dense = layer.apply({"params": {"kernel": w, "bias": bias}}, x)
     np.testing.assert_allclose(dense, x @ w + bias, rtol=1e-5, atol=1e-5)
-    q, scale = quantize_int8(w)
-    int8 = layer.apply({"params": {"kernel": q, "scale": scale, "bias": bias}}, x)
-    np.testing.assert_allclose(int8, x @ (q * scale) + bias, rtol=1e-5, atol=1e-4)
+    for group in (32, 64):          # group-wise [in // g, out] and per column [out]
+        q, scale = quantize_int8(w, group_size=group)
+        if group == 64:
+            scale = scale[0]
+        int8 = layer.apply({"params": {"kernel": q, "scale": scale, "bias": bias}}, x)
+        want = x @ dequantize_int8(q, scale.reshape(-1, 32)) + bias
+        np.testing.assert_allclose(int8, want, rtol=1e-5, atol=1e-4)
     packed = _gguf_pack(w.T, "q4_1")                             # [out, packed in]
     deq = np.asarray(dequantize(packed, "q4_1"))
     y = layer.apply({"params": {"q4_1": packed, "bias": bias}}, x)
@@ -117,7 +139,7 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
     llm = LLM(str(model_dir), quantization="int8", **kwargs)
     layers = llm.llm_engine.setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["kernel"].dtype == jnp.int8
-    assert layers["down_proj"]["scale"].shape == (2, 64)
+    assert layers["down_proj"]["scale"].shape == (2, 128 // 32, 64)   # [L, in / 32, out]
     assert llm.llm_engine.setup.runner.params["params"]["lm_head"]["kernel"].dtype == jnp.int8
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in ("Hello, world!", "The quick brown fox",

@@ -68,10 +68,17 @@ def test_speculative_verification_step_exports_for_cuda(make_tiny_model):
         assert exported.platforms == ("cuda",)
 
 
-def test_int8_weights_and_fp8_kv_step_exports_for_cuda_with_the_pallas_kernel(make_tiny_model):
-    _, runner = cuda_runner(make_tiny_model("llama"), quantization="int8", kv_cache_dtype="fp8")
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_int8_weights_and_quantized_kv_step_exports_for_cuda_with_the_pallas_kernel(
+        make_tiny_model, kv):
+    """The Pallas kernel's scaled tile loads (int8 / fp8 values + per-slot-head scale codes)
+    lower through Triton: no GPU here, so exporting the step for cuda is the check."""
+    _, runner = cuda_runner(make_tiny_model("llama"), quantization="int8", kv_cache_dtype=kv)
     assert runner.params["params"]["layers"]["q_proj"]["kernel"].dtype.name == "int8"
-    assert runner.k_cache.dtype.name == "float8_e4m3fn"
+    assert runner.k_cache.dtype.name == {"fp8": "float8_e4m3fn", "int8": "int8"}[kv]
+    assert runner.k_cache.scale.dtype.name == "int8"
     t, s = runner.buckets.all_shapes()[0]
     mlir = runner.export_step(t, s, "cuda").mlir_module()
-    assert mlir.count(TRITON) >= 1 and "f8E4M3FN" in mlir
+    assert mlir.count(TRITON) >= 1
+    if kv == "fp8":
+        assert "f8E4M3FN" in mlir

@@ -136,11 +136,20 @@ class ModelFamily:
         leaf = path[-1]
         if leaf in PACKED_FORMATS:
             return _packed_spec(kind, leaf, shape, tp, "/".join(path))
-        if leaf == "scale" and kind in (VOCAB_ROWS, VOCAB_COLS):   # int8 lm_head [V]
-            return P(MODEL_AXIS) if shape[-1] % tp == 0 else P()
+        if leaf == "scale" and kind in (VOCAB_ROWS, VOCAB_COLS):   # int8 lm_head [V] / [H/g, V]
+            return P(*([None] * (len(shape) - 1)), MODEL_AXIS) if shape[-1] % tp == 0 else P()
+        # int8 scales (quantization/int8.py): [L, out] per column, [L, in/g, out] group-wise
+        grouped = leaf == "scale" and len(shape) == 3
         if kind == COLUMN:
-            return P(None, None, MODEL_AXIS) if leaf == "kernel" else P(None, MODEL_AXIS)
+            if leaf == "kernel" or grouped:
+                return P(None, None, MODEL_AXIS)
+            return P(None, MODEL_AXIS)
         if kind == ROW:
+            if grouped:     # the row split cuts `in`, so it cuts the groups with it
+                if shape[1] % tp:
+                    raise ValueError(f"{'/'.join(path)}: {shape[1]} int8 groups do not split "
+                                     f"over tp={tp}; choose another tensor_parallel_size")
+                return P(None, MODEL_AXIS, None)
             return P(None, MODEL_AXIS, None) if leaf == "kernel" else P()
         if kind in (VOCAB_ROWS, VOCAB_COLS):
             return _vocab_or_hidden(shape, 0 if kind == VOCAB_ROWS else 1, tp)

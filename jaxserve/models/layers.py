@@ -72,6 +72,7 @@ class Linear(nn.Module):
     (jaxserve/quantization), chosen by which leaves the params tree holds:
       kernel [in, out] float                     plain (nn.Dense, bit for bit)
       kernel [in, out] int8 + scale [out]        w8a16: (x @ kernel) * scale
+      kernel [in, out] int8 + scale [in/g, out]  w8a16 group-wise: x @ (kernel * scale)
       q8_0 / q4_0 / q4_1 uint8 [out, packed]     GGUF blocks, dequantized in the jit
     so one module serves every family in every mode, and init makes the plain one.
     With LoRA on, the tree also holds the adapter slots ``lora_a`` [S, in, r] and ``lora_b``
@@ -89,9 +90,20 @@ class Linear(nn.Module):
             y = packed_matmul(x, self.get_variable("params", fmt), fmt, self.dtype)
         elif "scale" in names:
             kernel = self.get_variable("params", "kernel")
-            y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
-                                    (((x.ndim - 1,), (0,)), ((), ())))
-            y = y * self.get_variable("params", "scale").astype(self.dtype)
+            scale = self.get_variable("params", "scale").astype(self.dtype)
+            if scale.ndim == kernel.ndim:
+                # group-wise [in // g, out] (quantization/int8.py): dequantize in the jit,
+                # one fused convert-and-scale pass feeding the dot (on CPU as fast as the
+                # per-column path, which converts the int8 kernel all the same).
+                n_in, n_out = kernel.shape
+                w = kernel.astype(self.dtype).reshape(scale.shape[0], -1, n_out)
+                w = (w * scale[:, None, :]).reshape(n_in, n_out)
+                y = jax.lax.dot_general(x.astype(self.dtype), w,
+                                        (((x.ndim - 1,), (0,)), ((), ())))
+            else:   # per output column [out]: the scale multiplies the output
+                y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                                        (((x.ndim - 1,), (0,)), ((), ())))
+                y = y * scale
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(),
                                 (x.shape[-1], self.features), self.dtype)

@@ -1,8 +1,9 @@
 """Quantized weights (`--quantization`): what each mode stores and how a layer reads it.
 
     None    weights in --dtype (a GGUF file is dequantized at load, as before)
-    int8    w8a16: every projection kernel int8 [in, out] + a float32 `scale` [out] per output
-            column, quantized at load from any float checkpoint (int8.py)
+    int8    w8a16: every projection kernel int8 [in, out] + a float32 `scale` [in / 32, out],
+            one per 32 input rows of each output column, quantized at load from any float
+            checkpoint (int8.py)
     gguf    a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors stay packed in device memory (the raw
             llama.cpp blocks) and are dequantized inside the jitted matmul (gguf_packed.py)
 

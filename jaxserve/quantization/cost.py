@@ -24,9 +24,11 @@ def measured_cost(quantization: str | None, kv_cache_dtype: str) -> str | None:
         return f"quantization {quantization}, KV {kv_cache_dtype}: accuracy cost not measured"
     for row in report.get("modes", []):
         if row.get("quantization") == quantization and row.get("kv_cache_dtype") == kv:
+            greedy = row.get("greedy_128_agreement")   # absent: teacher-forced only
+            greedy = "not measured" if greedy is None else f"{greedy:.1%}"
             return (f"measured cost of {row['mode']} on {report['model']} ({report['platform']}; "
                     f"benchmarks/bench_quant.py): next-token KL vs float32 mean "
                     f"{row['kl_mean']:.2e} / p99 {row['kl_p99']:.2e}, top-1 agreement "
                     f"{row['top1_agreement']:.1%}, greedy 128-token agreement "
-                    f"{row['greedy_128_agreement']:.1%}, perplexity {row['perplexity']:.2f}")
+                    f"{greedy}, perplexity {row['perplexity']:.2f}")
     return f"quantization {quantization}, KV {kv_cache_dtype}: accuracy cost not measured"

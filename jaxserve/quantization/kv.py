@@ -1,46 +1,135 @@
-"""KV-cache dtypes (`--kv-cache-dtype`, vLLM's flag).
+"""KV-cache dtypes (`--kv-cache-dtype`, vLLM's flag) and the quantized cache layout.
 
     auto      the model dtype (float32 on CPU, bfloat16 on GPU)
     float32 / bfloat16 / float16
-    fp8       float8 e4m3 (fp8_e4m3 is the same): 1 byte per value, 4x the tokens of a
-              float32 cache in the same memory.
+    fp8       float8 e4m3 (fp8_e4m3 is the same), 1 byte a value + a per-token-per-head scale
+    int8      symmetric int8, 1 byte a value + a per-token-per-head scale
 
-fp8 scales: one static per-tensor scale of 1.0, as vLLM uses when a checkpoint ships no
-calibrated k/v scales. e4m3 keeps ~3 significant bits over 2^-9 .. 448 whatever the scale,
-so K/V activations (|x| well below 448 in the models we serve) lose only relative precision;
-write_kv saturates at +-448 rather than overflow to NaN. Per-token or per-head scales would
-cost a second array per cache (and 4 bytes per head-token: below the 3.9x capacity target at
-head_dim 64) and a change to every backend's signature; not done. int8 KV needs such scales
-(its range is fixed), so it is refused until they exist.
+A quantized cache is a `QuantizedKV` pytree: `data` [blocks, block_size, Hkv, D] (int8 or
+e4m3) and `scale` [blocks, block_size, Hkv, 1], one scale per (slot, KV head), written by
+write_kv beside the values it scales. The trailing 1 keeps the scale 4-D so the cache's
+sharding (heads on the model axis) and shard_map specs apply to both leaves unchanged.
 
-Readers dequantize by casting each tile to the query dtype inside their loop: the reference
-attention and the Pallas kernel. The C++ CPU kernel reads float32/bfloat16/float16 only, so
-with fp8 `auto` picks the reference backend on CPU and `cpu` is refused.
+Scale granularity, per token and head (not per head, static): write_kv sees each token's
+K/V row as it stores it, so it can size the scale to that row's max|x| with no calibration.
+int8 has a fixed range (a static scale would have to cover the largest token ever seen,
+wasting levels on every other token); e4m3 keeps ~3 significant bits at any magnitude but
+flushes values below 2^-6 to subnormals (fewer bits) and below 2^-9 to 0, so a static
+scale of 1.0 (vLLM's default without calibrated scales) loses the small K/V rows; scaled
+per row, every row's largest value lands on 448 (fp8) or 127 (int8).
+
+Scale storage: 1 byte, a log-scale code c (int8) with scale = 2^(c / 8). A float32 scale
+per head-token would cost 4 bytes next to D = 64 values: 256 / 68 = 3.76x the tokens of a
+float32 cache, short of the 3.9x target; one byte gives 256 / 65 = 3.94x. Rounding the
+scale up to the next 2^(1/8) costs at most 9% of int8's range (a fraction of a bit) and
+nothing for fp8 (e4m3's relative precision does not depend on the scale).
+
+Readers dequantize tile by tile inside their loops (data cast to float32 times the scale):
+the reference attention, the Pallas kernel and the C++ CPU kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 _FIXED = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-          "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+          "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "int8": jnp.int8}
+SCALE_STEPS_PER_OCTAVE = 8          # scale = 2 ** (code / 8), code int8
+SCALE_CODE_MIN, SCALE_CODE_MAX = -128, 127
 
 
 def is_quantized_kv(name: str) -> bool:
-    return name.startswith("fp8")
+    return name.startswith("fp8") or name == "int8"
+
+
+def is_quantized_dtype(dtype: Any) -> bool:
+    """int8 and e4m3 caches carry scales; wider float caches are stored as they are."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: Any) -> Any:
-    """--kv-cache-dtype -> the jnp dtype of the K and V caches."""
-    if name == "int8":
-        raise ValueError("kv_cache_dtype='int8' is not supported yet (int8 needs per-token "
-                         "scales the cache does not store); use fp8 for a 1-byte KV cache")
+    """--kv-cache-dtype -> the jnp dtype of the K and V cache values."""
     if name == "auto":
         return model_dtype
     if name not in _FIXED:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of "
                          f"{', '.join(KV_CACHE_DTYPES)}")
     return _FIXED[name]
+
+
+def bytes_per_head_token(dtype: Any, head_dim: int) -> int:
+    """Bytes one token costs in one KV head of K (or V): values plus the 1-byte scale."""
+    values = head_dim * jnp.dtype(dtype).itemsize
+    return values + 1 if is_quantized_dtype(dtype) else values
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+    """A quantized K (or V) cache: values and their per-(slot, head) scale codes."""
+    data: jax.Array      # [num_blocks, block_size, Hkv, D] int8 | float8_e4m3fn
+    scale: jax.Array     # [num_blocks, block_size, Hkv, 1] int8 code: 2 ** (code / 8)
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+
+def empty_cache(shape: tuple[int, ...], dtype: Any) -> jax.Array | QuantizedKV:
+    """Zeros of a cache in `dtype` (a QuantizedKV for int8 / fp8)."""
+    if not is_quantized_dtype(dtype):
+        return jnp.zeros(shape, dtype)
+    return QuantizedKV(jnp.zeros(shape, dtype), jnp.zeros((*shape[:-1], 1), jnp.int8))
+
+
+def qmax(dtype: Any) -> float:
+    return 127.0 if jnp.dtype(dtype) == jnp.dtype(jnp.int8) else float(jnp.finfo(dtype).max)
+
+
+def decode_scale(code: jax.Array) -> jax.Array:
+    """int8 codes -> float32 scales 2 ** (code / 8)."""
+    return jnp.exp2(code.astype(jnp.float32) * (1.0 / SCALE_STEPS_PER_OCTAVE))
+
+
+def quantize_rows(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] float -> (values [..., D] in dtype, codes int8 [..., 1]): each row scaled so
+    its max |x| lands at (just under) the dtype's top, rounded to the 2^(1/8) code grid."""
+    x = x.astype(jnp.float32)
+    top = qmax(dtype)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    # smallest code whose scale covers amax / top; an all-zero row gets the smallest scale
+    need = jnp.log2(jnp.maximum(amax, 1e-30) / top) * SCALE_STEPS_PER_OCTAVE
+    code = jnp.clip(jnp.ceil(need), SCALE_CODE_MIN, SCALE_CODE_MAX)
+    y = x / decode_scale(code)
+    if jnp.dtype(dtype) == jnp.dtype(jnp.int8):
+        values = jnp.clip(jnp.round(y), -top, top).astype(jnp.int8)
+    else:   # e4m3fn has no inf: saturate rather than overflow to NaN
+        values = jnp.clip(y, -top, top).astype(dtype)
+    return values, code.astype(jnp.int8)
+
+
+def dequantize(cache: jax.Array | QuantizedKV) -> jax.Array:
+    """The float32 values a reader sees (whole cache; tests and tools)."""
+    if isinstance(cache, QuantizedKV):
+        return cache.data.astype(jnp.float32) * decode_scale(cache.scale)
+    return cache.astype(jnp.float32)
+
+
+def dequantize_np(data: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """numpy twin of `dequantize`, for oracles."""
+    return np.asarray(data, np.float32) * np.exp2(
+        np.asarray(scale, np.float32) / SCALE_STEPS_PER_OCTAVE)

@@ -6,10 +6,10 @@ import logging
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 
 from jaxserve.config import CacheConfig
 from jaxserve.models.arch import ModelArch
+from jaxserve.quantization.kv import bytes_per_head_token
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def devices_per_pool(device: jax.Device, tp_size: int) -> int:
 def bytes_per_block(arch: ModelArch, block_size: int, dtype, tp_size: int = 1) -> int:
     """Bytes one block costs on one device: K and V, every layer, this device's KV heads."""
     kv_heads = max(1, arch.num_kv_heads // tp_size) if arch.num_kv_heads >= tp_size else 1
-    return 2 * arch.num_layers * block_size * kv_heads * arch.head_dim * np.dtype(dtype).itemsize
+    # int8 / fp8 add a 1-byte scale per head-token (jaxserve/quantization/kv.py)
+    return 2 * arch.num_layers * block_size * kv_heads * bytes_per_head_token(dtype, arch.head_dim)
 
 
 def available_host_memory() -> int:

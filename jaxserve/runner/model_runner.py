@@ -36,6 +36,7 @@ from jaxserve.lora.stacks import LoRAStacks, with_lora
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
 from jaxserve.parallel.mesh import put_replicated
+from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, StepInputs
 from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
@@ -208,8 +209,9 @@ class ModelRunner:
                                 prompt_logprobs_cap=prompt_logprobs_cap,
                                 vocab_size=arch.vocab_size, lora=lora is not None)
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        kv_dtype = kv_cache_dtype or dtype   # fp8: jaxserve/quantization/kv.py
-        zeros = jax.jit(lambda: jnp.zeros(cache_shape, kv_dtype), out_shardings=kv_sharding)
+        kv_dtype = kv_cache_dtype or dtype
+        # int8 / fp8: a QuantizedKV (values + per-slot-head scales), jaxserve/quantization/kv.py
+        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype), out_shardings=kv_sharding)
         self.k_cache, self.v_cache = zeros(), zeros()
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
         self._steps = {}   # (T, S) -> compiled executable

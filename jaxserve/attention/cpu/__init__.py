@@ -20,10 +20,12 @@ from jaxserve.attention.cpu.loader import (
     build,
     register,
 )
+from jaxserve.quantization.kv import QuantizedKV
 
 __all__ = ["paged_attention", "available", "build", "register", "CpuAttentionBuildError"]
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_EMPTY_SCALES = np.zeros((0,), np.int8)
 
 
 def paged_attention(
@@ -46,13 +48,23 @@ def paged_attention(
     kv_lens: int32[S]; block_tables: int32[S, max_blocks]; query_start_loc:
     int32[S + 1]; num_seqs: int32 scalar (may be traced). Returns [T, Hq, D] in
     q's dtype; rows of tokens outside the first num_seqs sequences are 0.
-    Dtypes: float32, bfloat16, float16; accumulation is float32.
+    Dtypes: float32, bfloat16, float16; accumulation is float32. Caches may also be
+    QuantizedKV (int8 / fp8 values + scale codes, jaxserve/quantization/kv.py): the kernel
+    dequantizes each cache row it reads.
     sliding_window > 0: a query at position p sees keys at p - sliding_window < pos <= p;
     an int32 operand, so it may be traced (a per-layer window scanned over layers).
     logits_soft_cap > 0: logits = cap * tanh(logits / cap) after scaling.
     max_threads > 0 caps the threads of XLA's intra-op pool this call uses (0: all of them).
     """
     register()
+    quantized = isinstance(k_cache, QuantizedKV)
+    if quantized != isinstance(v_cache, QuantizedKV):
+        raise ValueError("k_cache and v_cache must both be quantized (QuantizedKV) or neither")
+    if quantized:   # int8 / fp8 values + per-(slot, head) scale codes, read row by row
+        scales = (k_cache.scale, v_cache.scale)
+        k_cache, v_cache = k_cache.data, v_cache.data
+    else:
+        scales = (_EMPTY_SCALES, _EMPTY_SCALES)
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"want q [T, Hq, D] and caches [blocks, block_size, Hkv, D] of one "
                          f"shape; got {q.shape}, {k_cache.shape}, {v_cache.shape}")
@@ -61,16 +73,18 @@ def paged_attention(
     if k_cache.shape[3] != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} must be a multiple of Hkv={num_kv_heads} and head "
                          f"dims must match: q {q.shape}, cache {k_cache.shape}")
-    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES or k_cache.dtype != v_cache.dtype:
+    kv_dtypes = _DTYPES + ((jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)) if quantized else ())
+    if q.dtype not in _DTYPES or k_cache.dtype not in kv_dtypes or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"dtypes q={q.dtype}, k={k_cache.dtype}, v={v_cache.dtype}: the CPU "
-                         f"kernel takes float32/bfloat16/float16 with k and v alike")
+                         f"kernel takes float32/bfloat16/float16 q and caches (or a QuantizedKV "
+                         f"of int8 / float8_e4m3fn) with k and v alike")
     if logits_soft_cap < 0 or (isinstance(sliding_window, int) and sliding_window < 0):
         raise ValueError("sliding_window and logits_soft_cap must be >= 0 (0 = off)")
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     num_seqs_arr = jnp.asarray(num_seqs, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
-        q, k_cache, v_cache,
+        q, k_cache, v_cache, *scales,
         kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
         query_start_loc.astype(jnp.int32), num_seqs_arr,
         jnp.asarray(sliding_window, jnp.int32).reshape(()),

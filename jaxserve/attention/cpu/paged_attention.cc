@@ -3,7 +3,9 @@
 //
 // Same contract as pallas_kernels/reference.py::ragged_paged_attention_reference:
 //   q               [T, Hq, D]                       f32 | bf16 | f16
-//   k_cache/v_cache [num_blocks, block_size, Hkv, D] f32 | bf16 | f16 (same dtype)
+//   k_cache/v_cache [num_blocks, block_size, Hkv, D] f32 | bf16 | f16 | s8 | f8e4m3fn (same)
+//   k_scale/v_scale int8 [num_blocks, block_size, Hkv, 1] scale codes (2^(code/8)) of an
+//                   s8 / f8e4m3fn cache, dequantized row by row; empty for float caches
 //   kv_lens         int32[S], block_tables int32[S, max_blocks],
 //   query_start_loc int32[S + 1], num_seqs int32[] (sequences >= num_seqs are padding),
 //   sliding_window  int32[] (0 = off; an operand, not an attribute, so a per-layer window
@@ -55,6 +57,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct bf16_t { uint16_t bits; };
 struct f16_t { uint16_t bits; };
+struct f8e4m3_t { uint8_t bits; };   // float8 e4m3fn (no inf; 0x7f / 0xff are NaN)
 
 inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t f32_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -73,6 +76,34 @@ inline float to_f32(f16_t x) {
   if (exp == 31) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
   return bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
 }
+
+inline float to_f32(int8_t x) { return float(x); }
+
+// e4m3fn -> f32 through a 256-entry table at namespace scope (1 KiB, stays in L1; a
+// function-local static would pay its init guard per element): sign, 4-bit exponent with
+// bias 7, 3-bit mantissa; exponent 0 is subnormal, m * 2^-9; 0x7f / 0xff are NaN (never
+// stored: write_kv saturates at +-448).
+struct F8Table {
+  float v[256];
+  F8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
+      v[b] = (b & 128) ? -x : x;
+    }
+  }
+};
+const F8Table kF8Table;
+inline float to_f32(f8e4m3_t x) { return kF8Table.v[x.bits]; }
+
+// Scale codes of a quantized cache (jaxserve/quantization/kv.py): scale = 2^(code / 8).
+struct ScaleTable {
+  float v[256];
+  ScaleTable() { for (int c = -128; c < 128; ++c) v[c + 128] = std::exp2(c / 8.0f); }
+};
+const ScaleTable kScaleTable;   // namespace scope: no per-call static-init guard
+inline float decode_scale(int8_t code) { return kScaleTable.v[int(code) + 128]; }
 
 template <typename T> T from_f32(float f);
 template <> inline float from_f32<float>(float f) { return f; }
@@ -131,6 +162,10 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* block_tables;
   const int32_t* qsl;
+  // int8 / fp8 caches: one scale code per (slot, kv head) [num_blocks * block_size * Hkv];
+  // null for float caches.
+  const int8_t* k_scale = nullptr;
+  const int8_t* v_scale = nullptr;
 };
 
 // Query tokens [t0, t1) of sequence `seq`, kv heads [h0, h1). Rows are ordered
@@ -160,6 +195,7 @@ constexpr int W = 4;
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint8_t vb __attribute__((vector_size(W)));     // W fp8 values
 
 inline vf splat(float x) { return vf{} + x; }
 inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -321,13 +357,33 @@ inline int64_t key_slot(const Problem& p, const int32_t* table, int64_t key) {
 }
 
 // One cache row (a slot's kv head) as f32: f32 caches are read in place, others are
-// converted into `buf`.
+// converted into `buf`; quantized (int8 / fp8) rows are dequantized with their scale.
 template <typename KV>
 inline const float* cache_row(const KV* cache, const Problem& p, int64_t slot, int64_t head,
-                              float* buf) {
+                              float* buf, const int8_t* scales) {
   const KV* src = cache + (slot * p.Hkv + head) * p.D;
   if constexpr (std::is_same_v<KV, float>) {
     return src;
+  } else if constexpr (std::is_same_v<KV, int8_t> || std::is_same_v<KV, f8e4m3_t>) {
+    const float s = decode_scale(scales[slot * p.Hkv + head]);
+    const vf sv = splat(s);
+    int64_t d = 0;
+    // int8: the plain loop below (GCC vectorizes it); fp8: W values at a time by hand
+    for (; std::is_same_v<KV, f8e4m3_t> && d + W <= p.D; d += W) {
+      if constexpr (std::is_same_v<KV, f8e4m3_t>) {
+        // e4m3fn bits -> f32 bits: a normal value's exponent+mantissa move into place,
+        // rebiased (+120); exponent 0 is subnormal, m * 2^-9 (NaN is never stored).
+        vb x;
+        std::memcpy(&x, src + d, sizeof(x));
+        const vi b = __builtin_convertvector(x, vi);
+        const vi em = b & 0x7f, sign = (b & 0x80) << 24;
+        const vi normal = sign | ((em + (120 << 3)) << 20);
+        const vi sub = sign | (vi)(__builtin_convertvector(em, vf) * 0.001953125f);
+        storeu(buf + d, (vf)(em < 8 ? sub : normal) * sv);
+      }
+    }
+    for (; d < p.D; ++d) buf[d] = to_f32(src[d]) * s;
+    return buf;
   } else {
     if constexpr (std::is_same_v<KV, bf16_t>) {
       int64_t d = 0;
@@ -450,8 +506,8 @@ void attend_simd(const Problem& p, const Task& t, const KV* k_cache, const KV* v
         if (slot[i] < 0) {
           krow[i] = vrow[i] = sc.zero.data();
         } else {
-          krow[i] = cache_row(k_cache, p, slot[i], h, sc.k.data() + i * D);
-          vrow[i] = cache_row(v_cache, p, slot[i], h, sc.v.data() + i * D);
+          krow[i] = cache_row(k_cache, p, slot[i], h, sc.k.data() + i * D, p.k_scale);
+          vrow[i] = cache_row(v_cache, p, slot[i], h, sc.v.data() + i * D, p.v_scale);
         }
       }
       const int64_t base = (h - t.h0) * R;
@@ -480,8 +536,8 @@ void attend_scalar(const Problem& p, const Task& t, const KV* k_cache, const KV*
   for (int64_t key = t.key_lo; key < t.key_hi; ++key) {
     const int64_t slot = key_slot(p, table, key);
     for (int64_t h = t.h0; h < t.h1; ++h) {
-      const float* k = cache_row(k_cache, p, slot, h, sc.k.data());
-      const float* v = cache_row(v_cache, p, slot, h, sc.v.data());
+      const float* k = cache_row(k_cache, p, slot, h, sc.k.data(), p.k_scale);
+      const float* v = cache_row(v_cache, p, slot, h, sc.v.data(), p.v_scale);
       for (int64_t r = (h - t.h0) * R; r < (h - t.h0 + 1) * R; ++r) {
         const int64_t pr = sc.pos[r];
         if (key > pr || (p.window > 0 && pr - key >= p.window)) continue;
@@ -637,6 +693,8 @@ size_t dtype_size(ffi::DataType t) {
     case ffi::DataType::F32: return 4;
     case ffi::DataType::BF16:
     case ffi::DataType::F16: return 2;
+    case ffi::DataType::S8:
+    case ffi::DataType::F8E4M3FN: return 1;   // quantized caches only, never q
     default: return 0;
   }
 }
@@ -648,7 +706,8 @@ std::string dims_str(ffi::AnyBuffer::Dimensions d) {
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
-                              ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::AnyBuffer v_cache, ffi::AnyBuffer k_scale,
+                              ffi::AnyBuffer v_scale, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> query_start_loc,
                               ffi::Buffer<ffi::S32> num_seqs_buf,
@@ -666,7 +725,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                                        dims_str(qd) + ", k " + dims_str(kd));
   if (k_cache.element_type() != v_cache.element_type() || dtype_size(k_cache.element_type()) == 0)
     return ffi::Error::InvalidArgument("paged_attention: k/v caches must share a dtype "
-                                       "(float32, bfloat16 or float16)");
+                                       "(float32, bfloat16, float16, int8 or float8_e4m3fn)");
+  const bool quantized = dtype_size(k_cache.element_type()) == 1;
+  const size_t scale_count = quantized ? size_t(kd[0] * kd[1] * kd[2]) : 0;
+  if (k_scale.element_type() != ffi::DataType::S8 || v_scale.element_type() != ffi::DataType::S8 ||
+      k_scale.element_count() != scale_count || v_scale.element_count() != scale_count)
+    return ffi::Error::InvalidArgument("paged_attention: int8 / fp8 caches need int8 scale "
+                                       "codes [num_blocks, block_size, Hkv, 1] for k and v "
+                                       "(empty for float caches)");
   if (out->element_type() != q.element_type() || dims_str(out->dimensions()) != dims_str(qd))
     return ffi::Error::InvalidArgument("paged_attention: output must match q");
   if (btd.size() != 2 || kv_lens.element_count() != size_t(btd[0]) ||
@@ -684,9 +750,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   p.kv_lens = kv_lens.typed_data();
   p.block_tables = block_tables.typed_data();
   p.qsl = query_start_loc.typed_data();
+  if (quantized) {
+    p.k_scale = static_cast<const int8_t*>(k_scale.untyped_data());
+    p.v_scale = static_cast<const int8_t*>(v_scale.untyped_data());
+  }
 
   const size_t row_bytes = size_t(p.Hq * p.D) * dtype_size(q.element_type());
-  if (dtype_size(q.element_type()) == 0)
+  if (dtype_size(q.element_type()) < 2)
     return ffi::Error::InvalidArgument("paged_attention: q must be float32, bfloat16 or float16");
   char* out_bytes = static_cast<char*>(out->untyped_data());
   if (p.T == 0 || p.Hq == 0 || p.D == 0) return ffi::Error::Success();
@@ -704,6 +774,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   switch (k_cache.element_type()) {
     case ffi::DataType::F32: run_all<float>(p, tasks, io, kp, vp, pool, total_cost, max_threads); break;
     case ffi::DataType::BF16: run_all<bf16_t>(p, tasks, io, kp, vp, pool, total_cost, max_threads); break;
+    case ffi::DataType::S8: run_all<int8_t>(p, tasks, io, kp, vp, pool, total_cost, max_threads); break;
+    case ffi::DataType::F8E4M3FN: run_all<f8e4m3_t>(p, tasks, io, kp, vp, pool, total_cost, max_threads); break;
     default: run_all<f16_t>(p, tasks, io, kp, vp, pool, total_cost, max_threads); break;
   }
   return ffi::Error::Success();
@@ -782,6 +854,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()       // q
                                   .Arg<ffi::AnyBuffer>()       // k_cache
                                   .Arg<ffi::AnyBuffer>()       // v_cache
+                                  .Arg<ffi::AnyBuffer>()       // k_scale (int8 codes; empty)
+                                  .Arg<ffi::AnyBuffer>()       // v_scale
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
