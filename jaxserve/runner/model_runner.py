@@ -245,8 +245,14 @@ class ModelRunner:
         tracing), and save the ones compiled here (runner/executable_cache.py)."""
         from jaxserve.runner.executable_cache import ExecutableCache, executable_key
 
-        key = executable_key({**self._settings, "model_constants": jax.tree.map(
-            lambda x: (x.shape, x.dtype), self.model_constants)}, self.params)
+        # The devices this runner's arrays live on: a sharding's repr names its mesh axes, not
+        # its devices, and data-parallel replicas differ only there.
+        devices = sorted({d.id for x in jax.tree.leaves((self.params, self.k_cache))
+                          for d in x.devices()})
+        key = executable_key({**self._settings, "placement_devices": devices,
+                              "model_constants": jax.tree.map(
+                                  lambda x: (x.shape, x.dtype), self.model_constants)},
+                             self.params)
         self.executable_cache = ExecutableCache(directory, key)
 
     def _compile(self, num_tokens: int, num_seqs: int):
