@@ -153,12 +153,7 @@ class LlamaFamily(ModelFamily):
 
     def from_gguf(self, name: str, weight: np.ndarray, arch: ModelArch,
                   gguf_arch: str) -> np.ndarray:
-        # llama.cpp's converter permutes the rows of Llama's q and k (not Qwen's).
-        if gguf_arch == "llama" and name == "layers.q_proj.kernel":
-            return unpermute_rows(weight, arch.num_heads)
-        if gguf_arch == "llama" and name == "layers.k_proj.kernel":
-            return unpermute_rows(weight, arch.num_kv_heads)
-        return weight
+        return unpermute_llama_qk(name, weight, arch, gguf_arch)
 
     def build(self, arch, backend, num_blocks, block_size, dtype):
         return CausalLM(arch, LlamaDecoderLayer, PagedCache(backend, num_blocks, block_size),
@@ -166,6 +161,17 @@ class LlamaFamily(ModelFamily):
 
     def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
         return layer_constants(arch, [arch.options.rope.inv_freq(arch.head_dim)])
+
+
+def unpermute_llama_qk(name: str, weight: np.ndarray, arch: ModelArch,
+                       gguf_arch: str) -> np.ndarray:
+    """llama.cpp's converter permutes the rows of q and k in "llama" files (Llama's, and
+    Mixtral's, which llama.cpp writes as "llama"; not Qwen's): undo it, pass others through."""
+    if gguf_arch == "llama" and name == "layers.q_proj.kernel":
+        return unpermute_rows(weight, arch.num_heads)
+    if gguf_arch == "llama" and name == "layers.k_proj.kernel":
+        return unpermute_rows(weight, arch.num_kv_heads)
+    return weight
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -38,7 +38,7 @@ from jaxserve.models.family import (
     stacked_layer_shapes,
 )
 from jaxserve.models.layers import AttentionConfig, PagedCache
-from jaxserve.models.llama import unpermute_rows
+from jaxserve.models.llama import unpermute_llama_qk
 from jaxserve.models.moe import ExpertSharding, MoEConfig, moe_block
 from jaxserve.models.rope import Rope, hf_rope_parameters
 from jaxserve.parallel.mesh import MODEL_AXIS
@@ -120,12 +120,7 @@ class MixtralFamily(ModelFamily):
 
     def from_gguf(self, name: str, weight: np.ndarray, arch: ModelArch,
                   gguf_arch: str) -> np.ndarray:
-        # llama.cpp's converter permutes q/k rows for "llama" files, Mixtral's included.
-        if gguf_arch == "llama" and name == "layers.q_proj.kernel":
-            return unpermute_rows(weight, arch.num_heads)
-        if gguf_arch == "llama" and name == "layers.k_proj.kernel":
-            return unpermute_rows(weight, arch.num_kv_heads)
-        return weight
+        return unpermute_llama_qk(name, weight, arch, gguf_arch)
 
     # -- config ------------------------------------------------------------------------------
     def read_config(self, config: Any, architecture: str) -> ModelArch:
