@@ -309,8 +309,11 @@ def test_engine_cpu_backend_gives_the_reference_backends_greedy_tokens(make_tiny
     assert all(len(tokens) == 16 for tokens in outputs["cpu"])
 
 
-@pytest.mark.parametrize("rows,fan_in,fan_out", [(1, 576, 1536), (3, 1536, 576), (8, 64, 192),
-                                                 (2, 5, 7)])
+# Every row count the kernel specializes (1..8), whole tiles, single-vector tails and fewer
+# than a vector of columns left over (300 = 2 x 128 + 2 x 16 + 12), one or two workers.
+@pytest.mark.parametrize("rows,fan_in,fan_out", [(1, 576, 1536), (2, 5, 7), (3, 1536, 576),
+                                                 (4, 100, 300), (5, 33, 1000), (6, 576, 192),
+                                                 (7, 17, 129), (8, 64, 192), (8, 576, 1536)])
 def test_layer_matmul_reads_the_named_layer_of_stacked_weights(rows, fan_in, fan_out):
     from jaxserve.models.layer_matmul import layer_matmul
 

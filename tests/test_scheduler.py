@@ -55,6 +55,24 @@ def step(scheduler: Scheduler, max_len: dict[str, int] | None = None,
     return out
 
 
+@pytest.mark.parametrize("k,cut,max_num_seqs", [(4, 4, 8), (7, 8, 64), (2, 1, 4), (0, 0, 16)])
+def test_bucket_shapes_cover_every_step_and_verify_steps_pay_for_their_own_rows(k, cut,
+                                                                                max_num_seqs):
+    buckets = BucketPolicy(256, max_num_seqs, num_spec_tokens=k, max_spec_rows=cut)
+    shapes = buckets.all_shapes()
+    assert shapes == sorted(set(shapes)) and shapes[-1] == (256, min(256, next_power_of_2(
+        max_num_seqs)))
+    for seqs in range(1, max_num_seqs + 1):
+        for tokens in range(seqs, 257, max(1, seqs // 3)):
+            t, s = buckets.shape_for(tokens, seqs)
+            assert (t, s) in shapes and t >= tokens and s >= seqs
+            if tokens == seqs:                               # a decode step: the (p, p) shape
+                assert (t, s) == (next_power_of_2(seqs), next_power_of_2(seqs))
+            elif k and seqs <= cut and tokens <= seqs * (k + 1):   # a verify step: its rows only
+                assert s == next_power_of_2(seqs)
+    assert len(shapes) == len(buckets.token_buckets) + len(buckets.spec_shapes)
+
+
 def test_chunked_prefill_splits_long_prompt_under_the_budget():
     scheduler = make_scheduler(max_num_batched_tokens=8, max_model_len=32)
     seq = make_seq(range(20))

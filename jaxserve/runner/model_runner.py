@@ -182,7 +182,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.width = math.ceil(max_model_len / block_size)
-        self.buckets = BucketPolicy(max_num_batched_tokens, max_num_seqs)
+        self.buckets = BucketPolicy(max_num_batched_tokens, max_num_seqs,
+                                    num_spec_tokens=num_spec_tokens, max_spec_rows=max_spec_rows)
         self.num_top_logprobs = max_logprobs
         self.prompt_logprobs_cap = prompt_logprobs_cap
         # Speculative decoding: k drafts per row at most, verified for the first
