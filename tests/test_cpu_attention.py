@@ -305,6 +305,10 @@ def test_engine_cpu_backend_gives_the_reference_backends_greedy_tokens(make_tiny
             small, big = runner._steps[(1, 1)].as_text(), runner._steps[(16, 4)].as_text()
             assert "jaxserve_layer_matmul" in small and sliced not in small   # no weight copy
             assert "jaxserve_layer_matmul" not in big                         # XLA's dot
+            # Tied logits of a few rows (both buckets sample S <= 4 rows): the C++ kernel,
+            # not XNNPACK (layer_matmul.small_logits).
+            for hlo in (small, big):
+                assert ("jaxserve_small_logits" in hlo) == runner.arch.tie_word_embeddings
     assert outputs["cpu"] == outputs["reference"]
     assert all(len(tokens) == 16 for tokens in outputs["cpu"])
 
@@ -327,6 +331,21 @@ def test_layer_matmul_reads_the_named_layer_of_stacked_weights(rows, fan_in, fan
                                    rtol=1e-5, atol=1e-4 * np.sqrt(fan_in))
     with pytest.raises(ValueError, match="at most|want"):
         layer_matmul(jnp.ones((9, fan_in)), stacked, 0)
+
+
+@pytest.mark.parametrize("rows,hidden,vocab", [(1, 576, 4099), (2, 70, 1001), (5, 64, 2048),
+                                               (8, 576, 777), (3, 15, 64)])
+def test_small_logits_equal_the_dot_with_the_transposed_table(rows, hidden, vocab):
+    from jaxserve.models.layer_matmul import small_logits
+
+    rng = np.random.default_rng(rows * hidden + vocab)
+    table = jnp.asarray(rng.standard_normal((vocab, hidden), np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32))
+    got = jax.jit(small_logits)(x, table)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(table).T,
+                               rtol=1e-5, atol=1e-4 * np.sqrt(hidden))
+    with pytest.raises(ValueError, match="at most|wants"):
+        small_logits(jnp.ones((9, hidden)), table)
 
 
 def test_missing_compiler_raises_a_clear_error(monkeypatch, tmp_path):

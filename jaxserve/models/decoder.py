@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
         opts = self.arch.options
         x = self.norm(hidden)
         if self.arch.tie_word_embeddings:
-            logits = self.embed_tokens.attend(x)
+            logits = self.embed_tokens.attend(x, small_rows_kernel=self.small_batch_layer_matmul)
         else:
             logits = self.lm_head(x)
         logits = logits.astype(jnp.float32)

@@ -91,3 +91,20 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any) -> jax.Array:
     call = jax.ffi.ffi_call(LAYER_MATMUL_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], stacked.shape[2]), jnp.float32))
     return call(x.astype(jnp.float32), stacked, jnp.asarray(layer, jnp.int32).reshape(()))
+
+
+def small_logits(x: jax.Array, table: jax.Array) -> jax.Array:
+    """x [T, H] @ table[V, H]^T ([V, H] float32, a tied embedding) -> [T, V], T <= MAX_ROWS.
+
+    The C++ kernel `jaxserve_small_logits`: XLA:CPU hands this dot at 2..8 rows to XNNPACK,
+    ~5x slower than its one-row GEMV on SmolLM2's table, and a speculative verify step's
+    logits are k + 1 rows."""
+    from jaxserve.attention.cpu.loader import SMALL_LOGITS_TARGET, register
+
+    register()
+    if x.ndim != 2 or x.shape[0] > MAX_ROWS or table.ndim != 2 or x.shape[1] != table.shape[1]:
+        raise ValueError(f"small_logits wants x [T <= {MAX_ROWS}, H] and a table [V, H]; "
+                         f"got {x.shape} and {table.shape}")
+    call = jax.ffi.ffi_call(SMALL_LOGITS_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], table.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), table)

@@ -24,7 +24,7 @@ from jaxserve.quantization.gguf_packed import (
     packed_format_of,
     packed_matmul,
 )
-from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, stacked_kernel
+from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, small_logits, stacked_kernel
 from jaxserve.runner.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -150,9 +150,14 @@ class Embedding(nn.Module):
             return jnp.take(self.embedding, ids, axis=0)
         return dequantize(jnp.take(self._packed(), ids, axis=0), self.packed_format, self.dtype)
 
-    def attend(self, query: jax.Array) -> jax.Array:
-        """query [N, H] -> [N, V]: query @ table.T."""
+    def attend(self, query: jax.Array, small_rows_kernel: bool = False) -> jax.Array:
+        """query [N, H] -> [N, V]: query @ table.T. small_rows_kernel (CPU, one device): a
+        float32 table with at most MAX_ROWS rows of query goes to the C++ kernel
+        (layer_matmul.small_logits), not XLA's dot."""
         if self.packed_format is None:
+            if small_rows_kernel and query.ndim == 2 and query.shape[0] <= MAX_ROWS \
+                    and self.embedding.dtype == jnp.float32:
+                return small_logits(query, self.embedding).astype(self.dtype)
             return jnp.dot(query.astype(self.dtype), self.embedding.T)
         return packed_matmul(query, self._packed(), self.packed_format, self.dtype)
 

@@ -34,6 +34,9 @@ HANDLER_SYMBOL = "JaxservePagedAttention"
 # The library's second kernel (models/layer_matmul.py): one layer of stacked weights, in place.
 LAYER_MATMUL_TARGET = "jaxserve_layer_matmul"
 LAYER_MATMUL_SYMBOL = "JaxserveLayerMatmul"
+# The third: a few rows' logits against a tied embedding table (models/layer_matmul.py).
+SMALL_LOGITS_TARGET = "jaxserve_small_logits"
+SMALL_LOGITS_SYMBOL = "JaxserveSmallLogits"
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
               "-ffp-contract=fast")
 NATIVE_FLAGS = ("-march=native",)
@@ -198,7 +201,8 @@ def register() -> Path:
             try:
                 handle = ctypes.CDLL(str(lib))
                 symbols = {TARGET_NAME: getattr(handle, HANDLER_SYMBOL),
-                           LAYER_MATMUL_TARGET: getattr(handle, LAYER_MATMUL_SYMBOL)}
+                           LAYER_MATMUL_TARGET: getattr(handle, LAYER_MATMUL_SYMBOL),
+                           SMALL_LOGITS_TARGET: getattr(handle, SMALL_LOGITS_SYMBOL)}
             except (OSError, AttributeError) as e:
                 raise CpuAttentionBuildError(
                     f"loading the CPU attention kernel {lib} failed ({e}); delete it to rebuild. "
