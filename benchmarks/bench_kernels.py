@@ -155,12 +155,13 @@ def cases(args) -> list[Case]:
     return out
 
 
-def make_inputs(case: Case, args, max_blocks: int, key: jax.Array):
-    """Random q and caches holding exactly the pages this case needs, shuffled."""
+def make_inputs(case: Case, args, max_blocks: int, key: jax.Array, num_blocks: int = 0):
+    """Random q and caches holding exactly the pages this case needs (or num_blocks pages),
+    shuffled."""
     dtype = jnp.dtype(args.dtype)
     block_size = args.block_size
     pages_per_seq = -(-case.context // block_size)
-    num_blocks = case.num_seqs * pages_per_seq + 1
+    num_blocks = max(num_blocks, case.num_seqs * pages_per_seq + 1)
     k_q, k_k, k_v = jax.random.split(key, 3)
     cache_shape = (num_blocks, block_size, args.num_kv_heads, args.head_dim)
     k_cache = jax.random.normal(k_k, cache_shape, dtype)
@@ -221,6 +222,22 @@ def time_adaptive(fn, args_tuple, budget_s: float = 0.6, min_iters: int = 3,
         jax.block_until_ready(fn(*args_tuple))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def time_paired(fn, a_args, b_args, budget_s: float = 1.0, min_pairs: int = 20,
+                max_pairs: int = 400) -> tuple[float, float]:
+    """Median seconds of fn(*a_args) and fn(*b_args), run alternately (a, b, a, b, ...) so
+    both see the same box: a ratio of two separately timed cases at tens of microseconds
+    is mostly the box's mood at the time (it read 1.42x for equal work on an idle box)."""
+    jax.block_until_ready(fn(*a_args))
+    jax.block_until_ready(fn(*b_args))
+    ta, tb = [], []
+    while len(ta) < min_pairs or (sum(ta) + sum(tb) < budget_s and len(ta) < max_pairs):
+        for args_tuple, times in ((a_args, ta), (b_args, tb)):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args_tuple))
+            times.append(time.perf_counter() - start)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def machine_info() -> dict:
@@ -295,14 +312,31 @@ def cpu_main(args) -> list[dict]:
             ref_s = time_adaptive(reference, inputs, min_iters=2, budget_s=1.0)
             diff = float(jnp.max(jnp.abs(kernel(*inputs).astype(jnp.float32)
                                          - reference(*inputs).astype(jnp.float32))))
-        del inputs
         row = {**dataclasses.asdict(case), "num_tokens": case.num_tokens,
                "sliding_window": window, "cpu_ms": cpu_s * 1e3, "cpu_1thread_ms": cpu_1t_s * 1e3,
                "reference_ms": None if ref_s is None else ref_s * 1e3,
                "cpu_gbs": num_bytes / cpu_s / 1e9, "cpu_1thread_gbs": num_bytes / cpu_1t_s / 1e9,
                "reference_gbs": None if ref_s is None else num_bytes / ref_s / 1e9,
                "kv_bytes_read": num_bytes, "cache_bytes": cache_bytes, "max_abs_diff": diff}
+        if window and case.context > window:
+            # The cost question -- does a window of w at context c cost what context w costs?
+            # -- timed as a pair, alternating with the no-window case at context w, whose
+            # pages lie in a pool of the same size (an engine's pool does not shrink with
+            # the context; a pool that fits in L2 would flatter the base case).
+            base_case = dataclasses.replace(case, context=window)
+            key, sub = jax.random.split(key)
+            base = make_inputs(base_case, args, max_blocks, sub,
+                               num_blocks=inputs[1].shape[0]) + (jnp.int32(0),)
+            fns = {"cpu": kernel, "cpu_1thread": kernel_1t}
+            if not args.skip_reference:
+                fns["reference"] = reference
+            row["paired_with_no_window_at_context_window"] = {
+                name: dict(zip(("window_ms", "base_ms"),
+                               (t * 1e3 for t in time_paired(fn, inputs, base))))
+                for name, fn in fns.items()}
+            del base
         rows.append(row)
+        del inputs
         fmt = lambda x, spec: "-" if x is None else format(x, spec)
         print(f"{case.mode:7} {case.num_seqs:>5} {case.context:>8} {window:>6} "
               f"{cpu_s * 1e3:>8.3f} "
@@ -334,22 +368,23 @@ def cpu_main(args) -> list[dict]:
 
 
 def sliding_window_cost(rows: list[dict]) -> list[dict]:
-    """For each windowed row: its time over the time of the unwindowed row whose context
-    equals the window (same batch), i.e. how far cost follows the window, not the context."""
-    full = {(r["mode"], r["num_seqs"], r["context"]): r for r in rows if not r["sliding_window"]}
+    """For each windowed row: its time over the time of the unwindowed case whose context
+    equals the window (same batch), i.e. how far cost follows the window, not the context --
+    from the paired (alternating) timing."""
     out = []
     for r in rows:
-        base = full.get((r["mode"], r["num_seqs"], r["sliding_window"]))
-        if not r["sliding_window"] or base is None or r["context"] <= r["sliding_window"]:
+        paired = r.get("paired_with_no_window_at_context_window")
+        if not paired:
             continue
 
-        def ratio(key):
-            return None if r[key] is None or base[key] is None else r[key] / base[key]
+        def ratio(name):
+            p = paired.get(name)
+            return None if p is None else p["window_ms"] / p["base_ms"]
 
         out.append({"mode": r["mode"], "num_seqs": r["num_seqs"], "context": r["context"],
-                    "sliding_window": r["sliding_window"], "cpu_ratio": ratio("cpu_ms"),
-                    "cpu_1thread_ratio": ratio("cpu_1thread_ms"),
-                    "reference_ratio": ratio("reference_ms")})
+                    "sliding_window": r["sliding_window"], "cpu_ratio": ratio("cpu"),
+                    "cpu_1thread_ratio": ratio("cpu_1thread"),
+                    "reference_ratio": ratio("reference")})
     return out
 
 
@@ -406,6 +441,7 @@ def main(argv=None) -> list[dict]:
             "max_abs_diff": diff,
         }
         rows.append(row)
+        del inputs
         fmt = lambda x, spec: "-" if x is None else format(x, spec)
         print(
             f"{case.mode:8} {case.num_seqs:>5} {case.q_len:>6} {case.context:>8} "
