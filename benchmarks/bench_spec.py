@@ -1,13 +1,13 @@
 """Speculative decoding on CPU: SmolLM2-135M, n-gram prompt lookup vs no speculation.
 
-One process, two engines of the default model (speculation off; ngram k=4), 256 output
+One process, two engines of the default model (speculation off; ngram, k drafts: -k, default 4), 256 output
 tokens, single stream and batch 8:
 
   (a) repetitive: "repeat this passage with one change" / a code edit — the output copies
       the prompt, so n-gram drafts are mostly accepted;
   (b) open-ended chat — little to copy: the proposer mostly finds nothing and the
       per-request backoff keeps rejected drafts rare (what it costs is the point);
-  (c) --draft-model: the default model drafting for itself (method draft_model, k=4): the
+  (c) --draft-model: the default model drafting for itself (method draft_model, same k): the
       upper bound of a draft model — acceptance rate, speed-up, acceptance per position —
       merged into the same results file.
 
@@ -104,6 +104,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "spec-cpu.json"))
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
+                        help="k, drafts per verify step (a single stream's verify step is "
+                             "padded to 8 tokens: k = 7 fills it)")
     parser.add_argument("--draft-model", action="store_true",
                         help="run only (c), the default model drafting for itself")
     args = parser.parse_args()
@@ -112,9 +115,10 @@ def main() -> None:
         from jaxserve.loader.resolve import default_gguf_path
 
         spec = {"method": "draft_model", "model": str(default_gguf_path()),
-                "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+                "num_speculative_tokens": args.num_speculative_tokens, "disable_by_batch_size": 8}
     else:
-        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2, "disable_by_batch_size": 8}
     off, on = build(None), build(spec)
     engine = on.llm_engine
