@@ -152,10 +152,10 @@ class Embedding(nn.Module):
 
     def attend(self, query: jax.Array, small_rows_kernel: bool = False) -> jax.Array:
         """query [N, H] -> [N, V]: query @ table.T. small_rows_kernel (CPU, one device): a
-        float32 table with at most MAX_ROWS rows of query goes to the C++ kernel
-        (layer_matmul.small_logits), not XLA's dot."""
+        float32 table with 2..MAX_ROWS rows of query goes to the C++ kernel
+        (layer_matmul.small_logits), not XLA's dot (whose one-row GEMV is as fast)."""
         if self.packed_format is None:
-            if small_rows_kernel and query.ndim == 2 and query.shape[0] <= MAX_ROWS \
+            if small_rows_kernel and query.ndim == 2 and 2 <= query.shape[0] <= MAX_ROWS \
                     and self.embedding.dtype == jnp.float32:
                 return small_logits(query, self.embedding).astype(self.dtype)
             return jnp.dot(query.astype(self.dtype), self.embedding.T)

@@ -894,62 +894,52 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // Small-batch logits against a tied embedding table: y[T, V] = x[T, H] @ table[V, H]^T, T <=
 // kMaxGemvRows. XLA:CPU sends this dot to XNNPACK, which at 2..8 rows costs 5x its one-row
 // GEMV (measured on SmolLM2's [49152, 576] table: ~26 ms at 2-8 rows vs ~5.5 ms at 1) --
-// a speculative verify step's logits are k + 1 rows. Each table row is read once, as two
-// rows at a time are dotted with every x row held in L1.
+// a speculative verify step's logits are k + 1 rows.
 // ---------------------------------------------------------------------------
 
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int l = 0; l < W; ++l) s += v[l];
-  return s;
-}
+// Rows [v0, v1) of y (v0 a multiple of W): W table rows at a time, one contiguous block
+// of W * H floats read from memory once. The block is walked kRowsDotChunk columns at a
+// time (W x kRowsDotChunk floats stay in L1) with every x row in turn, each x row with its
+// W accumulators (kept in `acc` between chunks); one transpose_sum per x row then packs
+// the W dot products into a vector of W logits.
+constexpr int64_t kRowsDotChunk = 8 * W;
 
-template <int T>
-void rows_dot(const float* X, const float* E, float* Y, int64_t H, int64_t V, int64_t v0,
-              int64_t v1) {
+void rows_dot(const float* X, const float* E, float* Y, int64_t T, int64_t H, int64_t V,
+              int64_t v0, int64_t v1) {
   const int64_t hv = H / W * W;
+  vf acc[kMaxGemvRows][W];
   int64_t v = v0;
-  for (; v + 2 <= v1; v += 2) {
-    const float* e0 = E + v * H;
-    const float* e1 = e0 + H;
-    vf a0[T], a1[T];
-    for (int t = 0; t < T; ++t) a0[t] = a1[t] = vf{};
-    for (int64_t h = 0; h < hv; h += W) {
-      const vf w0 = loadu(e0 + h), w1 = loadu(e1 + h);
-      for (int t = 0; t < T; ++t) {
-        const vf xv = loadu(X + t * H + h);
-        a0[t] += xv * w0;
-        a1[t] += xv * w1;
+  for (; v + W <= v1; v += W) {
+    const float* e = E + v * H;
+    for (int64_t t = 0; t < T; ++t)
+      for (int r = 0; r < W; ++r) acc[t][r] = vf{};
+    for (int64_t h0 = 0; h0 < hv; h0 += kRowsDotChunk) {
+      const int64_t h1 = std::min(hv, h0 + kRowsDotChunk);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* x = X + t * H;
+        vf a[W];
+        for (int r = 0; r < W; ++r) a[r] = acc[t][r];
+        for (int64_t h = h0; h < h1; h += W) {
+          const vf xv = loadu(x + h);
+          for (int r = 0; r < W; ++r) a[r] += xv * loadu(e + r * H + h);
+        }
+        for (int r = 0; r < W; ++r) acc[t][r] = a[r];
       }
     }
-    for (int t = 0; t < T; ++t) {
-      float s0 = hsum(a0[t]), s1 = hsum(a1[t]);
-      for (int64_t h = hv; h < H; ++h) {
-        s0 += X[t * H + h] * e0[h];
-        s1 += X[t * H + h] * e1[h];
-      }
-      Y[t * V + v] = s0;
-      Y[t * V + v + 1] = s1;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* x = X + t * H;
+      vf sums = transpose_sum(acc[t]);
+      for (int r = 0; r < W && hv < H; ++r)           // H % W leftover columns
+        for (int64_t h = hv; h < H; ++h) sums[r] += x[h] * e[r * H + h];
+      storeu(Y + t * V + v, sums);
     }
   }
-  for (; v < v1; ++v)                      // an odd last row
-    for (int t = 0; t < T; ++t) {
-      float s = 0.f;
-      for (int64_t h = 0; h < H; ++h) s += X[t * H + h] * E[v * H + h];
-      Y[t * V + v] = s;
+  for (; v < v1; ++v)                                  // V % W leftover rows
+    for (int64_t t = 0; t < T; ++t) {
+      float sum = 0.f;
+      for (int64_t h = 0; h < H; ++h) sum += X[t * H + h] * E[v * H + h];
+      Y[t * V + v] = sum;
     }
-}
-
-template <int T>
-void rows_dot_parallel(ffi::ThreadPool& pool, const float* X, const float* E, float* Y,
-                       int64_t H, int64_t V) {
-  int64_t workers = H * V < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
-  workers = std::max<int64_t>(1, std::min<int64_t>(workers, V / 64));
-  parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
-    const int64_t r0 = V * part / workers / 2 * 2, r1 = part + 1 == workers ? V
-                                                      : V * (part + 1) / workers / 2 * 2;
-    rows_dot<T>(X, E, Y, H, V, r0, r1);
-  });
 }
 
 ffi::Error SmallLogitsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -967,16 +957,14 @@ ffi::Error SmallLogitsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* X = x.typed_data();
   const float* E = table.typed_data();
   float* Y = y->typed_data();
-  switch (T) {
-    case 1: rows_dot_parallel<1>(pool, X, E, Y, H, V); break;
-    case 2: rows_dot_parallel<2>(pool, X, E, Y, H, V); break;
-    case 3: rows_dot_parallel<3>(pool, X, E, Y, H, V); break;
-    case 4: rows_dot_parallel<4>(pool, X, E, Y, H, V); break;
-    case 5: rows_dot_parallel<5>(pool, X, E, Y, H, V); break;
-    case 6: rows_dot_parallel<6>(pool, X, E, Y, H, V); break;
-    case 7: rows_dot_parallel<7>(pool, X, E, Y, H, V); break;
-    default: rows_dot_parallel<8>(pool, X, E, Y, H, V); break;
-  }
+  // Workers take contiguous ranges of whole W-row blocks. Below ~256 KB, one core.
+  int64_t workers = H * V < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t blocks = (V + W - 1) / W;
+  workers = std::max<int64_t>(1, std::min<int64_t>(workers, blocks));
+  parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
+    rows_dot(X, E, Y, T, H, V, std::min(V, blocks * part / workers * W),
+             std::min(V, blocks * (part + 1) / workers * W));
+  });
   return ffi::Error::Success();
 }
 
