@@ -42,6 +42,7 @@ _FIXED = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
           "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "int8": jnp.int8}
 SCALE_STEPS_PER_OCTAVE = 8          # scale = 2 ** (code / 8), code int8
 SCALE_CODE_MIN, SCALE_CODE_MAX = -128, 127
+FP8_SCALE_SEARCH = 8                # fp8 rows: best of this many codes (one octave)
 
 
 def is_quantized_kv(name: str) -> bool:
@@ -107,19 +108,68 @@ def decode_scale(code: jax.Array) -> jax.Array:
 
 def quantize_rows(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """x [..., D] float -> (values [..., D] in dtype, codes int8 [..., 1]): each row scaled so
-    its max |x| lands at (just under) the dtype's top, rounded to the 2^(1/8) code grid."""
+    its max |x| lands at (just under) the dtype's top, rounded to the 2^(1/8) code grid.
+
+    fp8 rows then try the next FP8_SCALE_SEARCH - 1 codes too (coarser scales, so nothing
+    saturates) and keep the one with the least squared error: e4m3's grid is the same in
+    every octave, so the 8 codes of one octave are 8 shifts of the grid against the row,
+    and the best of them often puts the row's largest values (which dominate q.k) on grid
+    points. int8 keeps the smallest code (a coarser scale only widens int8's steps)."""
     x = x.astype(jnp.float32)
     top = qmax(dtype)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     # smallest code whose scale covers amax / top; an all-zero row gets the smallest scale
     need = jnp.log2(jnp.maximum(amax, 1e-30) / top) * SCALE_STEPS_PER_OCTAVE
     code = jnp.clip(jnp.ceil(need), SCALE_CODE_MIN, SCALE_CODE_MAX)
-    y = x / decode_scale(code)
     if jnp.dtype(dtype) == jnp.dtype(jnp.int8):
-        values = jnp.clip(jnp.round(y), -top, top).astype(jnp.int8)
-    else:   # e4m3fn has no inf: saturate rather than overflow to NaN
-        values = jnp.clip(y, -top, top).astype(dtype)
-    return values, code.astype(jnp.int8)
+        values = jnp.clip(jnp.round(x / decode_scale(code)), -top, top).astype(jnp.int8)
+        return values, code.astype(jnp.int8)
+
+    def fp8(code):      # e4m3fn has no inf: saturate rather than overflow to NaN
+        scale = decode_scale(code)
+        values = jnp.clip(x / scale, -top, top).astype(dtype)
+        err = jnp.sum(jnp.square(values.astype(jnp.float32) * scale - x), -1, keepdims=True)
+        return values, err
+
+    values, err = fp8(code)
+    best = code
+    for step in range(1, FP8_SCALE_SEARCH):
+        c = jnp.minimum(code + step, SCALE_CODE_MAX)
+        v, e = fp8(c)
+        better = e < err      # ties keep the finer scale
+        values = jnp.where(better, v, values)
+        err, best = jnp.where(better, e, err), jnp.where(better, c, best)
+    return values, best.astype(jnp.int8)
+
+
+def head_rotation(head_dim: int) -> np.ndarray:
+    """The [D, D] rotation quantized caches store K and V in: the normalized Hadamard matrix
+    (Sylvester's construction, entries +-1/sqrt(n)), block-diagonal with blocks of the largest
+    power of two n dividing head_dim (the whole head for 64, 128, 256). Orthogonal and
+    symmetric, so it is its own inverse. See `rotate_heads`."""
+    n = head_dim & -head_dim
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(head_dim // n), h / np.sqrt(n)).astype(np.float32)
+
+
+def rotate_heads(x: jax.Array, rotation: jax.Array | np.ndarray) -> jax.Array:
+    """x [..., D] @ rotation [D, D] in float32 (HIGHEST: no TF32/bf16 passes on GPU), back in
+    x's dtype.
+
+    Why quantized caches rotate (models/layers.py paged_self_attention, only when the cache
+    is a QuantizedKV): K rows carry a few outlier channels (attention sinks, massive
+    activations), and e4m3 keeps a fixed *relative* error per value, so a q.k dominated by
+    those channels keeps their error. With k' = k R and q' = q R after RoPE, q'.k' = q.k
+    exactly (R orthogonal) while the rotated rows spread every channel's energy over all D,
+    so the dot's quantization error averages down; v' = v R and the attention output
+    un-rotated (o = o' R^T) likewise. The kernels see plain (rotated) rows and are unchanged.
+    Measured on SmolLM2-135M (benchmarks/results/quant-cpu-kv-rotation.json): teacher-forced
+    top-1 vs float32 fp8 91.9% -> 95%+, int8 97.1% -> 98.7%."""
+    out = jnp.einsum("...d,de->...e", x.astype(jnp.float32),
+                     jnp.asarray(rotation, jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
 
 
 def dequantize(cache: jax.Array | QuantizedKV) -> jax.Array:
