@@ -187,7 +187,6 @@ def write_qwen3_moe_gguf(model_dir: Path, path: Path) -> None:
     writer.add_expert_used_count(c.num_experts_per_tok)
     writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     tensors = load_file(model_dir / "model.safetensors")
-    dequantized: dict[str, np.ndarray] = {}
     writer.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
     writer.add_tensor("output_norm.weight", tensors.pop("model.norm.weight"))
     tensors.pop("lm_head.weight", None)     # tied

@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.quantization.kv import QuantizedKV, head_rotation, rotate_heads
 from jaxserve.lora.layers import lora_delta
+from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, stacked_kernel
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
     packed_format_of,
     packed_matmul,
 )
-from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, stacked_kernel
+from jaxserve.quantization.kv import QuantizedKV, head_rotation, rotate_heads
 from jaxserve.runner.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
