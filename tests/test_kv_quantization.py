@@ -13,7 +13,15 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, EngineConfig
-from jaxserve.quantization.kv import QuantizedKV, dequantize_np, empty_cache, quantize_rows
+from jaxserve.quantization.kv import (
+    FP8_SCALE_SEARCH,
+    QuantizedKV,
+    dequantize_np,
+    empty_cache,
+    head_rotation,
+    quantize_rows,
+    rotate_heads,
+)
 from jaxserve.runner.memory import plan_kv_cache
 from pallas_kernels import ragged_paged_attention, write_kv
 from tests.test_kernels import (
@@ -100,10 +108,12 @@ def test_write_kv_round_trips_within_one_quantization_step(kv):
     scale = np.exp2(codes[slots[written]] / 8.0)
     amax = np.abs(want).max(-1, keepdims=True)
     # each row's scale: its max|x| at the dtype's top, rounded up to the 2^(1/8) grid
-    # (codes stop at 2^-16: tinier rows are stored on that finer-than-needed grid)
+    # (codes stop at 2^-16: tinier rows are stored on that finer-than-needed grid); fp8
+    # rows may take any of the octave's 8 codes from there, the one with least error
     top = float(jnp.finfo(dtype).max) if kv == "fp8" else 127.0
     ideal = np.maximum(amax / top, 2.0**-16)
-    assert np.all(scale >= ideal * 0.9999) and np.all(scale < ideal * 1.091)
+    octaves = FP8_SCALE_SEARCH / 8 if kv == "fp8" else 0
+    assert np.all(scale >= ideal * 0.9999) and np.all(scale < ideal * 1.091 * 2**octaves)
     if kv == "int8":
         step = scale                                     # uniform grid of the row's scale
         assert np.all(np.abs(got - want) <= step / 2 * 1.0001)
@@ -185,3 +195,45 @@ def test_cpu_kernel_quantized_rows_off_the_simd_width_match_the_reference(kv):
             jnp.arange(seqs + 1, dtype=jnp.int32), seqs)
     out = paged_attention(*args)
     np.testing.assert_allclose(out, reference(*args), atol=1e-5)
+
+
+def test_fp8_rows_take_the_code_of_least_error_and_never_saturate():
+    """fp8's scale search: each row's squared error is at most that of the smallest code
+    covering its max |x| (and of every other code of the octave); no value clips."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((256, 64)) * np.exp(rng.uniform(-4, 4, (256, 1)))
+    x[:, 3] += 20 * np.exp(rng.uniform(-1, 1, 256))             # an outlier channel
+    x = jnp.asarray(x, jnp.float32)
+    values, codes = quantize_rows(x, FP8)
+    got = dequantize_np(np.asarray(values.astype(jnp.float32)), np.asarray(codes))
+    err = ((got - np.asarray(x)) ** 2).sum(-1)
+    amax = np.abs(np.asarray(x)).max(-1, keepdims=True)
+    first = np.ceil(np.log2(amax / 448.0) * 8)
+    for step in range(FP8_SCALE_SEARCH):
+        scale = np.exp2((first + step) / 8)
+        other = np.clip(np.asarray(x) / scale, -448, 448).astype(FP8).astype(np.float32)
+        assert np.all(err <= ((other * scale - np.asarray(x)) ** 2).sum(-1) * (1 + 1e-6))
+    assert np.all(np.abs(np.asarray(values.astype(jnp.float32))) <= 448)
+    assert len(np.unique(np.asarray(codes) - first[:, 0])) > 1     # the search does pick
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 20])
+def test_head_rotation_is_orthogonal_and_symmetric(head_dim):
+    r = head_rotation(head_dim)
+    np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
+    np.testing.assert_array_equal(r, r.T)
+    if head_dim in (64, 128):   # a full Hadamard: every entry +-1/sqrt(D)
+        np.testing.assert_allclose(np.abs(r), head_dim ** -0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gqa8to1_d64_bs16", "mha_d64_bs16"])
+def test_rotated_qkv_leave_paged_attention_unchanged(name):
+    """What paged_self_attention does for quantized caches, on float32 caches: q, K and V
+    rotated over the head dim, the output rotated back, equals plain attention (f32)."""
+    rot = head_rotation(64)
+    for batch in sweep_batches(name, 2):
+        q, k_cache, v_cache, *rest = batch.args()
+        plain = reference(q, k_cache, v_cache, *rest, **REFERENCE_KNOBS[name])
+        rotated = reference(rotate_heads(q, rot), rotate_heads(k_cache, rot),
+                            rotate_heads(v_cache, rot), *rest, **REFERENCE_KNOBS[name])
+        assert_close_on_valid_rows(rotate_heads(rotated, rot.T), plain, batch, atol=1e-5)

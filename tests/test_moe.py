@@ -226,11 +226,16 @@ def test_qwen3_moe_gguf_written_like_llama_cpp_loads_like_the_safetensors(make_t
     assert (ours.intermediate_size, ours.head_dim) == (theirs.intermediate_size, theirs.head_dim)
 
 
-def write_mixtral_gguf(model_dir: Path, path: Path, merged_experts: bool) -> None:
+def write_mixtral_gguf(model_dir: Path, path: Path, merged_experts: bool,
+                       expert_type: str | None = None) -> dict[str, np.ndarray]:
     """A float32 GGUF of a tiny Mixtral as llama.cpp's converter writes it (its LlamaModel):
     architecture "llama" plus expert counts, q/k rows permuted, and the experts either
     stacked per layer ``ffn_gate_exps`` [E, out, in] (current llama.cpp) or one tensor per
-    expert ``ffn_gate.E`` (older files). Names spelled out here, not read from our tables."""
+    expert ``ffn_gate.E`` (older files). Names spelled out here, not read from our tables.
+
+    expert_type ("Q8_0", "Q4_0", "Q4_1", "Q4_K"): the expert tensors stored in that
+    llama.cpp block format (the rest float32); returns the checkpoint's expert weights as
+    the file's blocks dequantize (gguf.quants), by their Hugging Face names."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -250,6 +255,7 @@ def write_mixtral_gguf(model_dir: Path, path: Path, merged_experts: bool) -> Non
     writer.add_expert_count(c.num_local_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     tensors = load_file(model_dir / "model.safetensors")
+    dequantized: dict[str, np.ndarray] = {}
     writer.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
     writer.add_tensor("output_norm.weight", tensors.pop("model.norm.weight"))
     writer.add_tensor("output.weight", tensors.pop("lm_head.weight"))
@@ -266,18 +272,46 @@ def write_mixtral_gguf(model_dir: Path, path: Path, merged_experts: bool) -> Non
                 value = llama_cpp_permute(value, heads[g])
             writer.add_tensor(f"blk.{layer}.{g}.weight", value)
         for w, g in (("w1", "ffn_gate"), ("w3", "ffn_up"), ("w2", "ffn_down")):
-            experts = [tensors.pop(f"{prefix}block_sparse_moe.experts.{e}.{w}.weight")
-                       for e in range(c.num_local_experts)]
+            names = [f"{prefix}block_sparse_moe.experts.{e}.{w}.weight"
+                     for e in range(c.num_local_experts)]
+            experts = [tensors.pop(n) for n in names]
+            if expert_type is not None:
+                blocks = quantize_blocks(np.stack(experts), expert_type)
+                qtype = gguf.GGMLQuantizationType[expert_type]
+                dequantized.update(zip(names, gguf.quants.dequantize(blocks, qtype)))
+                experts = list(blocks)
+            kw = {} if expert_type is None else {"raw_dtype": qtype}
             if merged_experts:
-                writer.add_tensor(f"blk.{layer}.{g}_exps.weight", np.stack(experts))
+                writer.add_tensor(f"blk.{layer}.{g}_exps.weight", np.stack(experts), **kw)
             else:
                 for e, value in enumerate(experts):
-                    writer.add_tensor(f"blk.{layer}.{g}.{e}.weight", value)
+                    writer.add_tensor(f"blk.{layer}.{g}.{e}.weight", value, **kw)
     assert not tensors, sorted(tensors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return dequantized
+
+
+def quantize_blocks(w: np.ndarray, fmt: str) -> np.ndarray:
+    """w [..., n] float32 -> llama.cpp's blocks of `fmt` [..., bytes] (uint8). gguf-py
+    quantizes Q8_0 / Q4_0 / Q4_1; it only reads Q4_K, so Q4_K blocks are made here: random
+    6-bit sub-block scales and mins and 4-bit values under fp16 super-block d / dmin sized
+    to w's spread (the test compares against what the blocks dequantize to, not w)."""
+    import gguf
+
+    if fmt != "Q4_K":
+        return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[fmt])
+    assert w.shape[-1] % 256 == 0, "Q4_K blocks hold 256 values"
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (*w.shape[:-1], w.shape[-1] // 256, 144), dtype=np.uint8)
+    spread = float(np.abs(w).mean())
+    d = (spread / (15 * 32) * rng.uniform(0.5, 1.5, blocks.shape[:-1])).astype(np.float16)
+    dmin = (spread / 32 * rng.uniform(0.5, 1.5, blocks.shape[:-1])).astype(np.float16)
+    blocks[..., 0:2] = d[..., None].view(np.uint8)
+    blocks[..., 2:4] = dmin[..., None].view(np.uint8)
+    return blocks.reshape(*w.shape[:-1], -1)
 
 
 def test_llama_gguf_with_experts_is_mixtral_and_without_is_llama():
@@ -330,6 +364,41 @@ def test_mixtral_gguf_with_one_tensor_per_expert_loads_like_the_safetensors(mixt
         assert sorted(loaded.weights) == sorted(from_safetensors.weights)
         for name, value in from_safetensors.weights.items():
             np.testing.assert_array_equal(loaded.weights[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_mixtral_gguf_with_quantized_experts_matches_hf_on_the_dequantized_weights(
+        make_tiny_model, tmp_path, fmt, quantization):
+    """Expert tensors ffn_{gate,up,down}_exps [E, out, in] in llama.cpp's block formats:
+    dequantized (default) or with quantization="gguf" (packed where the dense path packs),
+    the logits and greedy tokens are HF's on a checkpoint holding what the blocks
+    dequantize to."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    overrides = dict(MIXTRAL[1])
+    if fmt == "Q4_K":       # 256-value super-blocks: both expert matmul widths must hold them
+        overrides.update(hidden_size=256, intermediate_size=256)
+    model_dir = make_tiny_model(MIXTRAL[0], **overrides)
+    path = tmp_path / f"mixtral-{fmt}.gguf"
+    dequantized = write_mixtral_gguf(model_dir, path, merged_experts=True, expert_type=fmt)
+    reference = tmp_path / "hf"
+    shutil.copytree(model_dir, reference)
+    tensors = load_file(reference / "model.safetensors")
+    assert set(dequantized) < set(tensors)
+    tensors.update({name: np.ascontiguousarray(w, np.float32) for name, w in dequantized.items()})
+    save_file(tensors, reference / "model.safetensors", metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype="float32").eval()
+    llm = LLM(str(path), tokenizer=str(model_dir), quantization=quantization,
+              max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8,
+              kv_cache_memory_bytes=2 << 20)
+    assert llm.llm_engine.setup.arch.architecture == "MixtralForCausalLM"
+    tok = llm.get_tokenizer()
+    worst = _check_parity(llm, hf, [tok.encode(t) for t in TEXTS], logits_tol=1e-4)
+    logger.warning("mixtral GGUF, %s experts (%s): max |logits - HF| = %.2e", fmt,
+                   quantization or "dequantized", worst)
 
 
 # -- sharded: tp, ep over simulated devices (one subprocess) ------------------------------------

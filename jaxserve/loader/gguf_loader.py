@@ -141,7 +141,12 @@ def _rope_parameters(reader: Any, arch: str, path: str) -> dict[str, Any]:
 
 
 def _packable(name: str) -> bool:
-    """Tensors a packed format may stand in for: projections and the embedding / LM head."""
+    """Tensors a packed format may stand in for: projections and the embedding / LM head.
+    Not the stacked experts (``layers.experts_gate_proj.kernel``, [E, in, out] a layer,
+    models/moe.py): the grouped expert matmul reads plain kernels, so quantized
+    ``ffn_*_exps`` tensors are dequantized like any other unpacked tensor."""
+    if ".experts_" in f".{name}":
+        return False
     return name.endswith(".kernel") or name in ("embed_tokens", "lm_head")
 
 

@@ -18,13 +18,14 @@ import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.lora.layers import lora_delta
+from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, small_logits, stacked_kernel
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
     packed_format_of,
     packed_matmul,
 )
-from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, small_logits, stacked_kernel
+from jaxserve.quantization.kv import QuantizedKV, head_rotation, rotate_heads
 from jaxserve.runner.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -210,6 +211,11 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
         q = RMSNorm(cfg.qk_norm_eps, dtype, cfg.norm_offset, name="q_norm")(q)
         k = RMSNorm(cfg.qk_norm_eps, dtype, cfg.norm_offset, name="k_norm")(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # int8 / fp8 caches hold K and V rotated over the head dim (q.k and the attention are
+    # unchanged; the quantization error averages over the head): jaxserve/quantization/kv.py
+    rotation = head_rotation(cfg.head_dim) if isinstance(k_cache, QuantizedKV) else None
+    if rotation is not None:
+        q, k, v = (rotate_heads(x, rotation) for x in (q, k, v))
 
     block_offset = layer_idx * cache.num_blocks
     slots = jnp.where(meta.slot_mapping >= 0,
@@ -223,6 +229,8 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
     attn = cache.backend.attention(q, k_cache, v_cache, meta.kv_lens,
                                    meta.block_tables + block_offset, meta.query_start_loc,
                                    meta.num_seqs, sliding_window=window, **static)
+    if rotation is not None:
+        attn = rotate_heads(attn, rotation.T)
     out = dense(cfg.hidden_size, "o_proj", dtype, cfg.o_bias)(
         attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), lora)
     return out, k_cache, v_cache
