@@ -109,7 +109,7 @@ class Linear(nn.Module):
                                 (x.shape[-1], self.features), self.dtype)
             stacked = stacked_kernel(self.scope.path) if x.ndim == 2 \
                 and x.shape[0] <= MAX_ROWS and kernel.dtype == jnp.float32 else None
-            if stacked is not None:   # a few rows: read this layer's weights in place
+            if stacked is not None:   # CPU, <= MAX_ROWS rows: read this layer's weights in place
                 y = layer_matmul(x, *stacked).astype(self.dtype)
             else:
                 y = jax.lax.dot_general(x.astype(self.dtype), kernel,

@@ -1,5 +1,5 @@
-// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI (and, at the
-// end of the file, the layer matmul that reads one layer of stacked weights in place).
+// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI. (The same
+// library holds the layer matmul, layer_matmul.cc; parallel_for.h is their shared loop.)
 //
 // Same contract as pallas_kernels/reference.py::ragged_paged_attention_reference:
 //   q               [T, Hq, D]                       f32 | bf16 | f16
@@ -44,10 +44,13 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_for.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxserve_cpu::parallel_for;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -577,48 +580,6 @@ void run_task(const Problem& p, const Task& t, const KV* k, const KV* v, const Q
   store_out(p, t, io, sc);
 }
 
-// ---------------------------------------------------------------------------
-// Parallel loop on XLA's intra-op pool. The caller takes tasks too; a helper that
-// starts after the caller has finished (pool busy) returns without touching them.
-// ---------------------------------------------------------------------------
-
-struct LoopState {
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  int active = 0;
-  bool closed = false;
-};
-
-template <typename Body>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t workers, const Body& body) {
-  if (workers <= 1 || n <= 1) {
-    for (int64_t i = 0; i < n; ++i) body(i, 0);
-    return;
-  }
-  auto state = std::make_shared<LoopState>();
-  const Body* fn = &body;
-  auto drain = [n](LoopState& st, const Body& f, int64_t worker) {
-    for (int64_t i = st.next.fetch_add(1); i < n; i = st.next.fetch_add(1)) f(i, worker);
-  };
-  for (int64_t w = 1; w < workers; ++w) {
-    pool.Schedule([state, fn, drain, w] {
-      {
-        std::lock_guard<std::mutex> lock(state->mu);
-        if (state->closed) return;
-        ++state->active;
-      }
-      drain(*state, *fn, w);
-      std::lock_guard<std::mutex> lock(state->mu);
-      if (--state->active == 0) state->cv.notify_all();
-    });
-  }
-  drain(*state, body, 0);
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->closed = true;
-  state->cv.wait(lock, [&] { return state->active == 0; });
-}
-
 template <typename KV>
 void run_all(const Problem& p, const std::vector<Task>& tasks, const QOut& io, const void* k,
              const void* v, ffi::ThreadPool& pool, int64_t total_cost, int64_t max_threads) {
@@ -781,72 +742,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// ---------------------------------------------------------------------------
-// Layer matmul (the second kernel of this library): y[T, out] = x[T, in] @ w[layer] with
-// w the stacked [L, in, out] float32 weights of every layer. Under the layer scan, XLA
-// hands a dot a dynamic slice of the stacked weights as a copy -- every layer's weights
-// copied in every step, which doubles a small batch's memory traffic (batch 1 reads the
-// weights once per token: it is all memory traffic). This reads w[layer] in place. It is
-// for a few rows only (T <= kMaxGemvRows): each pass over a weight row updates all T
-// accumulators, so the weights stream from memory once.
-// ---------------------------------------------------------------------------
-
-constexpr int64_t kMaxGemvRows = 8;
-
-ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
-                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] != wd[1] ||
-      yd[0] != xd[0] || yd[1] != wd[2] || layer_buf.element_count() != 1)
-    return ffi::Error::InvalidArgument("layer_matmul: want x [T, in], w [L, in, out], "
-                                       "layer [], y [T, out]; got x " + dims_str(xd) +
-                                       ", w " + dims_str(wd) + ", y " + dims_str(yd));
-  const int64_t T = xd[0], in = wd[1], out = wd[2], L = wd[0];
-  if (T > kMaxGemvRows)
-    return ffi::Error::InvalidArgument("layer_matmul: at most 8 rows, got " + std::to_string(T));
-  float* Y = y->typed_data();
-  if (T == 0 || out == 0) return ffi::Error::Success();
-  const int64_t layer = std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0), L - 1);
-  const float* W = w.typed_data() + layer * in * out;
-  const float* X = x.typed_data();
-  // Each worker streams a contiguous band of weight rows (the access pattern prefetchers
-  // like best) into its own [T, out] partial sums; the bands' sums are added at the end.
-  // Below ~256 KB of weights one core is quicker than waking another.
-  int64_t workers = in * out < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
-  workers = std::max<int64_t>(1, std::min<int64_t>(workers, in / 16));
-  std::vector<float> partial(size_t(workers) * T * out, 0.f);
-  parallel_for(pool, workers, workers, [&](int64_t band, int64_t) {
-    const int64_t i0 = in * band / workers, i1 = in * (band + 1) / workers;
-    float* acc = partial.data() + band * T * out;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* row = W + i * out;
-      for (int64_t t = 0; t < T; ++t) {
-        const float xv = X[t * in + i];
-        float* a = acc + t * out;
-#pragma omp simd
-        for (int64_t o = 0; o < out; ++o) a[o] += xv * row[o];
-      }
-    }
-  });
-  std::memcpy(Y, partial.data(), size_t(T * out) * sizeof(float));
-  for (int64_t band = 1; band < workers; ++band) {
-    const float* p = partial.data() + band * T * out;
-#pragma omp simd
-    for (int64_t k = 0; k < T * out; ++k) Y[k] += p[k];
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLayerMatmul, LayerMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, in, out]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [T, out]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
