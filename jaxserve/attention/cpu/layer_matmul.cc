@@ -190,7 +190,8 @@ void gemm_panel(const float* X, const float* W, float* Y, int64_t T, int64_t in,
   }
 }
 
-void gemm(ffi::ThreadPool& pool, const float* X, const float* W, float* Y, int64_t T,
+// False if the packing buffers could not be allocated.
+bool gemm(ffi::ThreadPool& pool, const float* X, const float* W, float* Y, int64_t T,
           int64_t in, int64_t out) {
   const int64_t panels = (out + kNR - 1) / kNR;
   int64_t workers = std::max<int64_t>(1, pool.num_threads());
@@ -201,11 +202,14 @@ void gemm(ffi::ThreadPool& pool, const float* X, const float* W, float* Y, int64
   const int64_t kc_max = std::min(kKC, in);
   const size_t buf_floats = size_t(kc_max * kNR);
   std::vector<std::unique_ptr<float, AlignedFree>> bufs;
-  for (int64_t w = 0; w < workers; ++w)
+  for (int64_t w = 0; w < workers; ++w) {
     bufs.emplace_back(static_cast<float*>(std::aligned_alloc(64, buf_floats * sizeof(float))));
+    if (!bufs.back()) return false;
+  }
   parallel_for(pool, panels, workers, [&](int64_t panel, int64_t worker) {
     gemm_panel(X, W, Y, T, in, out, panel, bufs[worker].get());
   });
+  return true;
 }
 
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -230,8 +234,8 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t limit = gemv_rows < 0 ? kMaxGemvRows : std::min(gemv_rows, kMaxGemvRows);
   if (T <= limit)
     gemv(pool, x.typed_data(), W, Y, T, in, out);
-  else
-    gemm(pool, x.typed_data(), W, Y, T, in, out);
+  else if (!gemm(pool, x.typed_data(), W, Y, T, in, out))
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "layer_matmul: out of memory");
   return ffi::Error::Success();
 }
 
