@@ -18,7 +18,13 @@ import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.lora.layers import lora_delta
-from jaxserve.models.layer_matmul import MAX_ROWS, layer_matmul, small_logits, stacked_kernel
+from jaxserve.models.layer_matmul import (
+    MAX_ROWS,
+    SMALL_LOGITS_MAX_ROWS,
+    layer_matmul,
+    small_logits,
+    stacked_kernel,
+)
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
@@ -110,7 +116,7 @@ class Linear(nn.Module):
                                 (x.shape[-1], self.features), self.dtype)
             stacked = stacked_kernel(self.scope.path) if x.ndim == 2 \
                 and x.shape[0] <= MAX_ROWS and kernel.dtype == jnp.float32 else None
-            if stacked is not None:   # a few rows: read this layer's weights in place
+            if stacked is not None:   # CPU, <= MAX_ROWS rows: read this layer's weights in place
                 y = layer_matmul(x, *stacked).astype(self.dtype)
             else:
                 y = jax.lax.dot_general(x.astype(self.dtype), kernel,
@@ -153,10 +159,11 @@ class Embedding(nn.Module):
 
     def attend(self, query: jax.Array, small_rows_kernel: bool = False) -> jax.Array:
         """query [N, H] -> [N, V]: query @ table.T. small_rows_kernel (CPU, one device): a
-        float32 table with 2..MAX_ROWS rows of query goes to the C++ kernel
+        float32 table with 2..SMALL_LOGITS_MAX_ROWS rows of query goes to the C++ kernel
         (layer_matmul.small_logits), not XLA's dot (whose one-row GEMV is as fast)."""
         if self.packed_format is None:
-            if small_rows_kernel and query.ndim == 2 and 2 <= query.shape[0] <= MAX_ROWS \
+            if small_rows_kernel and query.ndim == 2 \
+                    and 2 <= query.shape[0] <= SMALL_LOGITS_MAX_ROWS \
                     and self.embedding.dtype == jnp.float32:
                 return small_logits(query, self.embedding).astype(self.dtype)
             return jnp.dot(query.astype(self.dtype), self.embedding.T)

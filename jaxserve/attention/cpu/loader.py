@@ -1,9 +1,9 @@
-"""Compile the CPU attention kernel (paged_attention.cc) once and load it into XLA.
+"""Compile the CPU kernels (paged_attention.cc, layer_matmul.cc) once and load them into XLA.
 
 The shared library is cached under ``$JAXSERVE_FFI_CACHE`` (default
 ``~/.cache/jaxserve/ffi/``; a temp directory if that is not writable), keyed by a
-hash of the source, the compiler and its flags, the jax version and the host CPU
-(the build is ``-march=native``, hence the CPU in the key; if that does not compile, a
+hash of the sources (``SOURCES``: both .cc files and their shared header), the
+compiler and its flags, the jax version and the host CPU (the build is ``-march=native``, hence the CPU in the key; if that does not compile, a
 portable build is tried). A file lock keeps two processes from building the same key at
 once. The cache location is a build-environment setting, like ``CXX``, not an engine
 option: it changes where the file lives, never what the engine does. ``python -m jaxserve.attention.cpu.build`` builds it ahead of
@@ -29,9 +29,14 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cc")
+# Everything the library is built from: compiled (.cc) or included (.h); all are hashed
+# into the cache key.
+SOURCES = (SOURCE, Path(__file__).with_name("layer_matmul.cc"),
+           Path(__file__).with_name("parallel_for.h"))
 TARGET_NAME = "jaxserve_paged_attention"
 HANDLER_SYMBOL = "JaxservePagedAttention"
-# The library's second kernel (models/layer_matmul.py): one layer of stacked weights, in place.
+# The library's second kernel (layer_matmul.cc, used by models/layer_matmul.py): one layer of
+# stacked weights, in place.
 LAYER_MATMUL_TARGET = "jaxserve_layer_matmul"
 LAYER_MATMUL_SYMBOL = "JaxserveLayerMatmul"
 # The third: a few rows' logits against a tied embedding table (models/layer_matmul.py).
@@ -116,8 +121,8 @@ def library_path(compiler: str) -> Path:
     import jax
 
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), _compiler_version(compiler).encode(),
-                 " ".join(flag_sets()[0]).encode(), jax.__version__.encode(),
+    for part in (*(path.read_bytes() for path in SOURCES), compiler.encode(),
+                 _compiler_version(compiler).encode(), " ".join(flag_sets()[0]).encode(), jax.__version__.encode(),
                  _cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -139,15 +144,17 @@ def _file_lock(path: Path):
 def _compile(compiler: str, flags: tuple[str, ...], output: Path) -> subprocess.CompletedProcess:
     import jax
 
-    cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(output)]
+    compiled = [str(path) for path in SOURCES if path.suffix == ".cc"]
+    cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", *compiled, "-o", str(output)]
     logger.debug("compiling: %s", " ".join(cmd))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
 def build(force: bool = False) -> Path:
     """Path of the compiled kernel, compiling it first if this key has no library yet."""
-    if not SOURCE.exists():
-        raise CpuAttentionBuildError(f"kernel source {SOURCE} is missing (a broken install?). "
+    missing = [path for path in SOURCES if not path.exists()]
+    if missing:
+        raise CpuAttentionBuildError(f"kernel source {missing[0]} is missing (a broken install?). "
                                      f"{_FALLBACK_HINT}")
     compiler = find_compiler()
     if compiler is None:

@@ -1,5 +1,5 @@
-// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI (and, at the
-// end of the file, the layer matmul that reads one layer of stacked weights in place).
+// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI. (The same
+// library holds the layer matmul, layer_matmul.cc; parallel_for.h is their shared loop.)
 //
 // Same contract as pallas_kernels/reference.py::ragged_paged_attention_reference:
 //   q               [T, Hq, D]                       f32 | bf16 | f16
@@ -44,10 +44,13 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_for.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxserve_cpu::parallel_for;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -577,48 +580,6 @@ void run_task(const Problem& p, const Task& t, const KV* k, const KV* v, const Q
   store_out(p, t, io, sc);
 }
 
-// ---------------------------------------------------------------------------
-// Parallel loop on XLA's intra-op pool. The caller takes tasks too; a helper that
-// starts after the caller has finished (pool busy) returns without touching them.
-// ---------------------------------------------------------------------------
-
-struct LoopState {
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  int active = 0;
-  bool closed = false;
-};
-
-template <typename Body>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t workers, const Body& body) {
-  if (workers <= 1 || n <= 1) {
-    for (int64_t i = 0; i < n; ++i) body(i, 0);
-    return;
-  }
-  auto state = std::make_shared<LoopState>();
-  const Body* fn = &body;
-  auto drain = [n](LoopState& st, const Body& f, int64_t worker) {
-    for (int64_t i = st.next.fetch_add(1); i < n; i = st.next.fetch_add(1)) f(i, worker);
-  };
-  for (int64_t w = 1; w < workers; ++w) {
-    pool.Schedule([state, fn, drain, w] {
-      {
-        std::lock_guard<std::mutex> lock(state->mu);
-        if (state->closed) return;
-        ++state->active;
-      }
-      drain(*state, *fn, w);
-      std::lock_guard<std::mutex> lock(state->mu);
-      if (--state->active == 0) state->cv.notify_all();
-    });
-  }
-  drain(*state, body, 0);
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->closed = true;
-  state->cv.wait(lock, [&] { return state->active == 0; });
-}
-
 template <typename KV>
 void run_all(const Problem& p, const std::vector<Task>& tasks, const QOut& io, const void* k,
              const void* v, ffi::ThreadPool& pool, int64_t total_cost, int64_t max_threads) {
@@ -781,114 +742,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// ---------------------------------------------------------------------------
-// Layer matmul (the second kernel of this library): y[T, out] = x[T, in] @ w[layer] with
-// w the stacked [L, in, out] float32 weights of every layer. Under the layer scan, XLA
-// hands a dot a dynamic slice of the stacked weights as a copy -- every layer's weights
-// copied in every step, which doubles a small batch's memory traffic (batch 1 reads the
-// weights once per token: it is all memory traffic). This reads w[layer] in place. It is
-// for a few rows only (T <= kMaxGemvRows), where streaming the weights is the cost.
-//
-// Register-blocked: a tile of T rows x NV vectors of output columns lives in registers
-// while it walks a block of kGemvKBlock weight rows (kGemvKBlock short sequential streams,
-// which the prefetchers follow), then is stored and reloaded for the next block. The first
-// version kept every row's [out] accumulator in memory and updated it once per weight row:
-// T loads and stores per weight vector, 2x slower at T = 8 than this (measured on
-// SmolLM2's [576, 1536]: 0.75 -> 0.40 ms single-threaded; speculative verify steps carry
-// k + 1 <= 8 tokens, so that was their whole layer cost).
-// ---------------------------------------------------------------------------
-
-constexpr int64_t kMaxGemvRows = 8;
-constexpr int64_t kGemvKBlock = 8;
-constexpr int kGemvAccRegs = W == 16 ? 16 : 8;     // of 32 (AVX-512) or 16 vector registers
-
-// y[:, o0 : o0 + NV * W] (+)= x[:, k0 : k1] @ w[k0 : k1, o0 : o0 + NV * W] for T rows: the
-// first block (k0 == 0) starts from zero, the others add to what the previous one stored.
-template <int T, int NV>
-void gemv_tile(const float* X, const float* Wt, float* Y, int64_t in, int64_t out, int64_t o0,
-               int64_t k0, int64_t k1) {
-  vf acc[T][NV];
-  for (int t = 0; t < T; ++t)
-    for (int n = 0; n < NV; ++n) acc[t][n] = k0 == 0 ? vf{} : loadu(Y + t * out + o0 + n * W);
-  for (int64_t i = k0; i < k1; ++i) {
-    const float* w = Wt + i * out + o0;
-    vf wv[NV];
-    for (int n = 0; n < NV; ++n) wv[n] = loadu(w + n * W);
-    for (int t = 0; t < T; ++t) {
-      const vf xv = splat(X[t * in + i]);
-      for (int n = 0; n < NV; ++n) acc[t][n] += xv * wv[n];
-    }
-  }
-  for (int t = 0; t < T; ++t)
-    for (int n = 0; n < NV; ++n) storeu(Y + t * out + o0 + n * W, acc[t][n]);
-}
-
-// Columns [c0, c1) of y (c0 a multiple of the tile; c1 too, or `out`). Weight rows go in
-// blocks of kGemvKBlock, each block across all the tiles: kGemvKBlock sequential streams.
-template <int T>
-void gemv_columns(const float* X, const float* Wt, float* Y, int64_t in, int64_t out,
-                  int64_t c0, int64_t c1) {
-  constexpr int NV = std::max(1, std::min(8, kGemvAccRegs / T));
-  const int64_t full = c0 + (c1 - c0) / (NV * W) * (NV * W);    // end of the whole tiles
-  const int64_t vec = full + (c1 - full) / W * W;                // end of single vectors
-  for (int64_t k0 = 0; k0 < in; k0 += kGemvKBlock) {
-    const int64_t k1 = std::min<int64_t>(in, k0 + kGemvKBlock);
-    for (int64_t o = c0; o < full; o += NV * W) gemv_tile<T, NV>(X, Wt, Y, in, out, o, k0, k1);
-    for (int64_t o = full; o < vec; o += W) gemv_tile<T, 1>(X, Wt, Y, in, out, o, k0, k1);
-  }
-  for (int64_t o = vec; o < c1; ++o)          // fewer than W columns left (out % W)
-    for (int t = 0; t < T; ++t) {
-      float a = 0.f;
-      for (int64_t i = 0; i < in; ++i) a += X[t * in + i] * Wt[i * out + o];
-      Y[t * out + o] = a;
-    }
-}
-
-template <int T>
-void gemv(ffi::ThreadPool& pool, const float* X, const float* Wt, float* Y, int64_t in,
-          int64_t out) {
-  // Workers take contiguous column ranges (whole tiles), so no partial sums to add up.
-  // Below ~256 KB of weights one core is quicker than waking another.
-  constexpr int64_t tile = std::max(1, std::min(8, kGemvAccRegs / T)) * W;
-  const int64_t tiles = (out + tile - 1) / tile;
-  int64_t workers = in * out < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
-  workers = std::max<int64_t>(1, std::min<int64_t>(workers, tiles));
-  parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
-    const int64_t c0 = std::min(out, tiles * part / workers * tile);
-    const int64_t c1 = std::min(out, tiles * (part + 1) / workers * tile);
-    gemv_columns<T>(X, Wt, Y, in, out, c0, c1);
-  });
-}
-
-ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer_buf,
-                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] != wd[1] ||
-      yd[0] != xd[0] || yd[1] != wd[2] || layer_buf.element_count() != 1)
-    return ffi::Error::InvalidArgument("layer_matmul: want x [T, in], w [L, in, out], "
-                                       "layer [], y [T, out]; got x " + dims_str(xd) +
-                                       ", w " + dims_str(wd) + ", y " + dims_str(yd));
-  const int64_t T = xd[0], in = wd[1], out = wd[2], L = wd[0];
-  if (T > kMaxGemvRows)
-    return ffi::Error::InvalidArgument("layer_matmul: at most 8 rows, got " + std::to_string(T));
-  float* Y = y->typed_data();
-  if (T == 0 || out == 0) return ffi::Error::Success();
-  const int64_t layer = std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0), L - 1);
-  const float* Wt = w.typed_data() + layer * in * out;
-  const float* X = x.typed_data();
-  switch (T) {
-    case 1: gemv<1>(pool, X, Wt, Y, in, out); break;
-    case 2: gemv<2>(pool, X, Wt, Y, in, out); break;
-    case 3: gemv<3>(pool, X, Wt, Y, in, out); break;
-    case 4: gemv<4>(pool, X, Wt, Y, in, out); break;
-    case 5: gemv<5>(pool, X, Wt, Y, in, out); break;
-    case 6: gemv<6>(pool, X, Wt, Y, in, out); break;
-    case 7: gemv<7>(pool, X, Wt, Y, in, out); break;
-    default: gemv<8>(pool, X, Wt, Y, in, out); break;
-  }
-  return ffi::Error::Success();
-}
+constexpr int64_t kMaxGemvRows = 8;      // rows of x the small-logits kernel takes
 
 // ---------------------------------------------------------------------------
 // Small-batch logits against a tied embedding table: y[T, V] = x[T, H] @ table[V, H]^T, T <=
@@ -969,14 +823,6 @@ ffi::Error SmallLogitsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLayerMatmul, LayerMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, in]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, in, out]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [T, out]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallLogits, SmallLogitsImpl,
                               ffi::Ffi::Bind()
