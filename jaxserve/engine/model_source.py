@@ -14,7 +14,9 @@ is imported on the way.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -43,6 +45,8 @@ class PlacedModel:
     generation_config: dict[str, Any]
     model_path: str
     source_format: str           # "hf", "gguf" or "orbax"
+    # Seconds per loading phase, for the startup breakdown (ModelSetup.phases).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def place_model(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
@@ -127,12 +131,34 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
             f"{source_arch.num_kv_heads} KV heads stored {info.kv_head_copies}x; "
             f"tensor_parallel_size={placement.tp} needs {copies}x: convert again at that size")
     family = family_for(placement.arch.architecture)
-    params = restore_params(info, placement.mesh, family.param_spec_for(placement.arch))
+    # The tokenizer loads (importing transformers) in a thread while orbax restores: the
+    # restore mostly waits on its I/O threads, so the two overlap.
+    phases: dict[str, float] = {}
+    loaded: dict[str, Any] = {}
+
+    def load() -> None:
+        start = time.perf_counter()
+        try:
+            loaded["tokenizer"] = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
+                                   else load_checkpoint_tokenizer(path))
+        except BaseException as e:      # re-raised in the caller's thread
+            loaded["error"] = e
+        phases["tokenizer"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=load, name="jaxserve-tokenizer", daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    try:
+        params = restore_params(info, placement.mesh, family.param_spec_for(placement.arch))
+    finally:
+        phases["restore_weights"] = time.perf_counter() - start
+        thread.join()
+    if "error" in loaded:
+        raise loaded["error"]
+    tokenizer = loaded["tokenizer"]
     resident_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-    tokenizer = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
-                 else load_checkpoint_tokenizer(path))
     return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,
                        params=params, resident_bytes=resident_bytes, dtype=dtype,
                        quantization=info.quantization, hf_config=info.hf_config,
                        tokenizer=tokenizer, generation_config=info.generation_config,
-                       model_path=str(path), source_format="orbax")
+                       model_path=str(path), source_format="orbax", phases=phases)
