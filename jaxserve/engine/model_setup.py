@@ -206,8 +206,13 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
-    warmup_seconds = runner.warmup(progress=True) if warmup else 0.0
+    warmup_seconds = runner.warmup(
+        progress=True, background=config.runner_config.compile_in_background
+        and jax.process_count() == 1) if warmup else 0.0
     phases["warmup"] = warmup_seconds
+    # The KV cache zero-fills in a thread during warm-up: "kv_fill" overlaps "warmup", which
+    # includes "kv_wait" (the part warm-up had to wait for).
+    phases.update({f"kv_{k}": v for k, v in runner.kv_timings.items()})
     draft_proposer = None
     if draft is not None:
         from jaxserve.engine.block_manager import BlockManager
