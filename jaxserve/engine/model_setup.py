@@ -128,7 +128,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
             sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
     num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
     arch, params, resident_bytes = placed.arch, placed.params, placed.resident_bytes
-    weight_bytes = placement.weight_bytes_per_device(params, resident_bytes)
+    # A RestoringParams (model_source.py) is still being read: plan from its shapes.
+    weight_bytes = placement.weight_bytes_per_device(getattr(params, "spec", params),
+                                                     resident_bytes)
     load_seconds = time.perf_counter() - t0
     phases = {**placed.phases, "load": load_seconds}
 
@@ -210,9 +212,10 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         progress=True, background=config.runner_config.compile_in_background
         and jax.process_count() == 1) if warmup else 0.0
     phases["warmup"] = warmup_seconds
-    # The KV cache zero-fills in a thread during warm-up: "kv_fill" overlaps "warmup", which
-    # includes "kv_wait" (the part warm-up had to wait for).
-    phases.update({f"kv_{k}": v for k, v in runner.kv_timings.items()})
+    # The KV cache zero-fills (and an orbax checkpoint restores) in a thread during warm-up:
+    # "kv_fill" overlaps "warmup", which includes "kv_wait" and "params_wait" (the parts
+    # warm-up waited for them).
+    phases.update(runner.startup_timings)
     draft_proposer = None
     if draft is not None:
         from jaxserve.engine.block_manager import BlockManager

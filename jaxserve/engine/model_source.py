@@ -49,6 +49,32 @@ class PlacedModel:
     phases: dict[str, float] = field(default_factory=dict)
 
 
+class RestoringParams:
+    """Parameters being restored in a thread: their ShapeDtypeStructs (``spec``) now, the
+    arrays from ``result()``. The runner builds, plans and compiles on the spec meanwhile."""
+
+    def __init__(self, restore: Any, spec: Any, phases: dict[str, float]) -> None:
+        self.spec = spec
+        self._out: dict[str, Any] = {}
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                self._out["params"] = restore()
+            except BaseException as e:          # re-raised by result()
+                self._out["error"] = e
+            phases["restore_weights"] = time.perf_counter() - start
+
+        self._thread = threading.Thread(target=run, name="jaxserve-restore", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["params"]
+
+
 def place_model(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
     from jaxserve.loader.resolve import resolve_model
 
@@ -102,6 +128,7 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
         load_checkpoint_tokenizer,
         read_checkpoint,
         restore_params,
+        restore_targets,
     )
     from jaxserve.parallel.partition import kv_replication
     from jaxserve.tokenizer import load_tokenizer
@@ -131,32 +158,29 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
             f"{source_arch.num_kv_heads} KV heads stored {info.kv_head_copies}x; "
             f"tensor_parallel_size={placement.tp} needs {copies}x: convert again at that size")
     family = family_for(placement.arch.architecture)
-    # The tokenizer loads (importing transformers) in a thread while orbax restores: the
-    # restore mostly waits on its I/O threads, so the two overlap.
+    param_spec = family.param_spec_for(placement.arch)
+    target = restore_targets(info, placement.mesh, param_spec)
+    resident_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                         for x in jax.tree.leaves(target))
     phases: dict[str, float] = {}
-    loaded: dict[str, Any] = {}
 
-    def load() -> None:
+    def restore() -> Any:
+        return restore_params(info, placement.mesh, param_spec, target)
+
+    # One process: orbax restores in a thread while the tokenizer loads here and the engine
+    # plans its memory, zero-fills the KV cache and compiles (or loads) the steps against
+    # the params' shapes (ModelRunner waits for the arrays at the end of warm-up). Several
+    # processes restore collectively, in order, here.
+    if jax.process_count() == 1:
+        params: Any = RestoringParams(restore, target, phases)
+    else:
         start = time.perf_counter()
-        try:
-            loaded["tokenizer"] = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
-                                   else load_checkpoint_tokenizer(path))
-        except BaseException as e:      # re-raised in the caller's thread
-            loaded["error"] = e
-        phases["tokenizer"] = time.perf_counter() - start
-
-    thread = threading.Thread(target=load, name="jaxserve-tokenizer", daemon=True)
-    thread.start()
-    start = time.perf_counter()
-    try:
-        params = restore_params(info, placement.mesh, family.param_spec_for(placement.arch))
-    finally:
+        params = restore()
         phases["restore_weights"] = time.perf_counter() - start
-        thread.join()
-    if "error" in loaded:
-        raise loaded["error"]
-    tokenizer = loaded["tokenizer"]
-    resident_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    start = time.perf_counter()
+    tokenizer = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
+                 else load_checkpoint_tokenizer(path))
+    phases["tokenizer"] = time.perf_counter() - start
     return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,
                        params=params, resident_bytes=resident_bytes, dtype=dtype,
                        quantization=info.quantization, hf_config=info.hf_config,

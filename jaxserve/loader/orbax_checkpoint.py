@@ -136,9 +136,10 @@ def save_checkpoint(out: str | os.PathLike, params: Any, *, hf_config: Any, toke
     return out
 
 
-def restore_params(info: CheckpointInfo, mesh: Any, param_spec: Any) -> Any:
-    """The params tree restored onto `mesh` with the family's partition specs (each device
-    reads only its shards), or onto the default device when mesh is None."""
+def restore_targets(info: CheckpointInfo, mesh: Any, param_spec: Any) -> Any:
+    """The params tree as ShapeDtypeStructs on `mesh` with the family's partition specs (or
+    on the default device when mesh is None), read from the checkpoint's metadata: what
+    `restore_params` will return, known before a byte of it is read."""
     import jax
     import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -146,18 +147,31 @@ def restore_params(info: CheckpointInfo, mesh: Any, param_spec: Any) -> Any:
     from jaxserve.parallel import partition
     from jaxserve.parallel.mesh import MODEL_AXIS
 
-    directory = info.path / PARAMS_DIR
-    start = time.perf_counter()
-    checkpointer = ocp.StandardCheckpointer()
-    metadata = checkpointer.metadata(directory).item_metadata.tree
+    with ocp.StandardCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(info.path / PARAMS_DIR).item_metadata.tree
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, metadata)
     else:
         specs = partition.param_specs(metadata, mesh.shape[MODEL_AXIS], param_spec)
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
-    target = jax.tree.map(lambda meta, sharding: jax.ShapeDtypeStruct(
+    return jax.tree.map(lambda meta, sharding: jax.ShapeDtypeStruct(
         tuple(meta.shape), np.dtype(meta.dtype), sharding=sharding), metadata, shardings)
+
+
+def restore_params(info: CheckpointInfo, mesh: Any, param_spec: Any,
+                   target: Any = None) -> Any:
+    """The params tree restored onto `mesh` with the family's partition specs (each device
+    reads only its shards), or onto the default device when mesh is None. target: what
+    `restore_targets` returned, if the caller has it already."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    directory = info.path / PARAMS_DIR
+    start = time.perf_counter()
+    if target is None:
+        target = restore_targets(info, mesh, param_spec)
+    checkpointer = ocp.StandardCheckpointer()
     params = checkpointer.restore(directory, target)
     checkpointer.close()
     logger.info("restored %.1f MiB of parameters from %s in %.2f s",

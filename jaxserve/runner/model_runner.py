@@ -201,7 +201,13 @@ class ModelRunner:
                  input_sharding: Any = None, logits_shardings: tuple = (),
                  kv_cache_dtype: Any = None, lora: LoRAStacks | None = None) -> None:
         self.arch = arch
-        self.params = params
+        # params: device arrays, or a RestoringParams (engine/model_source.py) whose arrays
+        # are still being read: the step is built and compiled on their shapes meanwhile.
+        self._params_pending = params if hasattr(params, "result") else None
+        self._params = None if self._params_pending is not None else params
+        self._param_specs = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            params.spec if self._params_pending is not None else params)
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -244,7 +250,8 @@ class ModelRunner:
         cache_spec = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
         self._kv_fill: dict[str, Any] = {}
-        self.kv_timings: dict[str, float] = {}    # seconds: "fill" (thread), "wait" (caller)
+        # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
+        self.startup_timings: dict[str, float] = {}
         self._kv_thread: threading.Thread | None = threading.Thread(
             target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros", daemon=True)
         self._kv_thread.start()
@@ -284,7 +291,7 @@ class ModelRunner:
             self._kv_fill["v"] = jax.block_until_ready(zeros())
         except BaseException as e:       # re-raised where the cache is first used
             self._kv_fill["error"] = e
-        self.kv_timings["fill"] = time.perf_counter() - start
+        self.startup_timings["kv_fill"] = time.perf_counter() - start
 
     def _wait_kv_cache(self) -> None:
         thread = self._kv_thread
@@ -292,11 +299,28 @@ class ModelRunner:
             return
         start = time.perf_counter()
         thread.join()
-        self.kv_timings["wait"] = time.perf_counter() - start
+        self.startup_timings["kv_wait"] = time.perf_counter() - start
         if "error" in self._kv_fill:
             raise self._kv_fill["error"]
         self._k_cache, self._v_cache = self._kv_fill.pop("k"), self._kv_fill.pop("v")
         self._kv_thread = None
+
+    def _wait_params(self) -> None:
+        if self._params_pending is not None:
+            start = time.perf_counter()
+            self._params = self._params_pending.result()
+            self._params_pending = None
+            self.startup_timings["params_wait"] = time.perf_counter() - start
+
+    @property
+    def params(self) -> Any:
+        if self._params_pending is not None:
+            self._wait_params()
+        return self._params
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        self._params, self._params_pending = value, None
 
     @property
     def k_cache(self) -> Any:
@@ -334,12 +358,12 @@ class ModelRunner:
 
         # The devices this runner's arrays live on: a sharding's repr names its mesh axes, not
         # its devices, and data-parallel replicas differ only there.
-        devices = sorted({d.id for x in jax.tree.leaves((self.params, self._state_specs[0]))
-                          for d in x.sharding.device_set})
+        specs = (self._param_specs, self._state_specs[0])
+        devices = sorted({d.id for x in jax.tree.leaves(specs) for d in x.sharding.device_set})
         key = executable_key({**self._settings, "placement_devices": devices,
                               "model_constants": jax.tree.map(
                                   lambda x: (x.shape, x.dtype), self.model_constants)},
-                             self.params)
+                             self._param_specs)
         self.executable_cache = ExecutableCache(directory, key)
 
     def _compile(self, num_tokens: int, num_seqs: int):
@@ -353,7 +377,7 @@ class ModelRunner:
         consts = self._constants(num_seqs)
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
             executable = self._jitted(layout).lower(
-                self.params, *self._state_specs,
+                self._param_specs, *self._state_specs,
                 self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
                 consts["bias_token_ids"], consts["bias_values"],
                 consts["grammar_bitmask"], self._lora_stacks()).compile()
@@ -387,6 +411,7 @@ class ModelRunner:
             rest = shapes[1:-1]
         self._compile_all(first, progress, max_workers)
         self._wait_kv_cache()       # zero-filled in a thread meanwhile (__init__)
+        self._wait_params()         # and restored, from an orbax checkpoint
         elapsed = time.perf_counter() - start
         cache = self.executable_cache
         loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
