@@ -220,6 +220,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     # "kv_fill" overlaps "warmup", which includes "kv_wait" and "params_wait" (the parts
     # warm-up waited for them).
     phases.update(runner.startup_timings)
+    phases.update(placed.phases)     # restore_weights and tokenizer: their threads are done
     draft_proposer = None
     if draft is not None:
         from jaxserve.engine.block_manager import BlockManager
