@@ -86,7 +86,7 @@ def test_the_kv_cache_is_zero_filled_in_a_thread_and_waited_for(make_tiny_model)
     llm = LLM(str(make_tiny_model("llama")), **ENGINE_KWARGS)
     runner = llm.llm_engine.runner
     assert runner.wait_until_compiled(timeout=300)
-    assert runner._kv_pending is None and set(runner.startup_timings) == {"kv_fill", "kv_wait"}
+    assert runner._kv_thread is None and set(runner.startup_timings) == {"kv_fill", "kv_wait"}
     # Zeros, not uninitialized memory (no request has written a block yet).
     assert float(abs(runner.k_cache).max()) == 0.0 == float(abs(runner.v_cache).max())
     phases = llm.llm_engine.setup.phases

@@ -25,7 +25,7 @@ from jaxserve.quantization.cost import measured_cost
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
-from jaxserve.runner.model_runner import KVCacheFill, ModelRunner
+from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,8 @@ class ModelSetup:
     warmup_seconds: float
     load_seconds: float
     draft_proposer: Any = None       # speculative decoding's draft model (DraftModelProposer)
-    # Seconds per startup phase, for bench_offline.py --startup: load; runner (waiting for
-    # the tokenizer, attention backend, model); warmup, with kv_wait and params_wait, what it
-    # waited for the threads of kv_fill, restore_weights and tokenizer (an orbax restart).
+    # Seconds per startup phase, for bench_offline.py --startup: load (restore_weights, with
+    # tokenizer in a thread alongside), runner (attention backend, model, KV cache), warmup.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
 
@@ -181,15 +180,12 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                 kv_plan.total_bytes / 2**30,
                 kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
     logger.info(kv_plan.describe())
-    # Zero-fill the cache in a thread from now on (runner/model_runner.py KVCacheFill).
-    kv_fill = KVCacheFill.for_arch(arch, kv_plan.num_blocks, kv_plan.block_size, kv_dtype,
-                                   placement.kv_sharding)
     cost = measured_cost(quantization, cc.kv_cache_dtype)
     if cost:
         logger.warning(cost)
 
     t_runner = time.perf_counter()
-    eos = eos_ids(placed.resolve_tokenizer(), placed.generation_config)
+    eos = eos_ids(placed.tokenizer, placed.generation_config)
     backend = placement.shard_backend(
         get_attention_backend(config.runner_config.attention_backend, platform))
     lora_stacks = lora_registry = None
@@ -204,7 +200,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
         max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings,
-        lora=lora_stacks, kv_fill=kv_fill)
+        lora=lora_stacks)
     if cache_dir is not None and jax.process_count() == 1:
         # Serialized step executables beside JAX's cache: a warm start skips tracing too.
         runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))

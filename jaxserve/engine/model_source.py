@@ -47,48 +47,32 @@ class PlacedModel:
     source_format: str           # "hf", "gguf" or "orbax"
     # Seconds per loading phase, for the startup breakdown (ModelSetup.phases).
     phases: dict[str, float] = field(default_factory=dict)
-    pending_tokenizer: Any = None  # an orbax restart loads the tokenizer in a thread
-
-    def resolve_tokenizer(self) -> Any:
-        """The tokenizer, once its thread (if any) is done."""
-        if self.pending_tokenizer is not None:
-            self.tokenizer = self.pending_tokenizer.result()
-            self.pending_tokenizer = None
-        return self.tokenizer
 
 
-class InThread:
-    """``fn()`` running in a thread from construction on; ``result()`` waits for its value
-    (or raises its error). Its seconds go to ``phases[phase]``."""
+class RestoringParams:
+    """Parameters being restored in a thread: their ShapeDtypeStructs (``spec``) now, the
+    arrays from ``result()``. The runner builds, plans and compiles on the spec meanwhile."""
 
-    def __init__(self, fn: Any, phases: dict[str, float], phase: str) -> None:
+    def __init__(self, restore: Any, spec: Any, phases: dict[str, float]) -> None:
+        self.spec = spec
         self._out: dict[str, Any] = {}
 
         def run() -> None:
             start = time.perf_counter()
             try:
-                self._out["value"] = fn()
+                self._out["params"] = restore()
             except BaseException as e:          # re-raised by result()
                 self._out["error"] = e
-            phases[phase] = time.perf_counter() - start
+            phases["restore_weights"] = time.perf_counter() - start
 
-        self._thread = threading.Thread(target=run, name=f"jaxserve-{phase}", daemon=True)
+        self._thread = threading.Thread(target=run, name="jaxserve-restore", daemon=True)
         self._thread.start()
 
     def result(self) -> Any:
         self._thread.join()
         if "error" in self._out:
             raise self._out["error"]
-        return self._out["value"]
-
-
-class RestoringParams(InThread):
-    """Parameters being restored in a thread: their ShapeDtypeStructs (``spec``) now, the
-    arrays from ``result()``. The runner builds, plans and compiles on the spec meanwhile."""
-
-    def __init__(self, restore: Any, spec: Any, phases: dict[str, float]) -> None:
-        self.spec = spec
-        super().__init__(restore, phases, "restore_weights")
+        return self._out["params"]
 
 
 def place_model(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
@@ -183,21 +167,22 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
     def restore() -> Any:
         return restore_params(info, placement.mesh, param_spec, target)
 
-    # One process: orbax restores and the tokenizer loads (importing transformers) in
-    # threads while the engine plans its memory, zero-fills the KV cache and compiles (or
-    # loads) the steps against the params' shapes (ModelRunner waits for the arrays at the
-    # end of warm-up). Several processes restore collectively, in order, here.
+    # One process: orbax restores in a thread while the tokenizer loads here and the engine
+    # plans its memory, zero-fills the KV cache and compiles (or loads) the steps against
+    # the params' shapes (ModelRunner waits for the arrays at the end of warm-up). Several
+    # processes restore collectively, in order, here.
     if jax.process_count() == 1:
         params: Any = RestoringParams(restore, target, phases)
     else:
         start = time.perf_counter()
         params = restore()
         phases["restore_weights"] = time.perf_counter() - start
-    tokenizer = InThread(lambda: load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
-                         else load_checkpoint_tokenizer(path), phases, "tokenizer")
+    start = time.perf_counter()
+    tokenizer = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
+                 else load_checkpoint_tokenizer(path))
+    phases["tokenizer"] = time.perf_counter() - start
     return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,
                        params=params, resident_bytes=resident_bytes, dtype=dtype,
                        quantization=info.quantization, hf_config=info.hf_config,
-                       tokenizer=None, generation_config=info.generation_config,
-                       model_path=str(path), source_format="orbax", phases=phases,
-                       pending_tokenizer=tokenizer)
+                       tokenizer=tokenizer, generation_config=info.generation_config,
+                       model_path=str(path), source_format="orbax", phases=phases)

@@ -133,46 +133,6 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
     return k_cache, v_cache, last_tokens, (out, num_emitted), prompt_out
 
 
-class KVCacheFill:
-    """A KV cache's zeros (K and V), filled in a thread from construction on: the 4 GiB CPU
-    default costs ~2 s of page faults and memset. ``spec``: their shapes and shardings now;
-    ``result()``: the arrays (zeros, never uninitialized memory)."""
-
-    def __init__(self, cache_shape: tuple[int, ...], kv_dtype: Any, kv_sharding: Any) -> None:
-        # int8 / fp8: a QuantizedKV (values + per-slot-head scales), quantization/kv.py
-        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
-                        out_shardings=kv_sharding).lower().compile()
-        self.shape = cache_shape
-        self.spec = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
-        self.seconds = 0.0
-        self._out: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._fill, args=(zeros,), daemon=True,
-                                        name="jaxserve-kv-zeros")
-        self._thread.start()
-
-    @classmethod
-    def for_arch(cls, arch: ModelArch, num_blocks: int, block_size: int, kv_dtype: Any,
-                 kv_sharding: Any) -> KVCacheFill:
-        shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        return cls(shape, kv_dtype, kv_sharding)
-
-    def _fill(self, zeros: Any) -> None:
-        start = time.perf_counter()
-        try:
-            self._out["k"] = zeros()
-            self._out["v"] = jax.block_until_ready(zeros())
-        except BaseException as e:       # re-raised by result()
-            self._out["error"] = e
-        self.seconds = time.perf_counter() - start
-
-    def result(self) -> tuple[Any, Any]:
-        self._thread.join()
-        if "error" in self._out:
-            raise self._out["error"]
-        return self._out.pop("k"), self._out.pop("v")
-
-
 class PendingStep:
     """A dispatched step; `result()` waits for its samples and returns a RunnerOutput."""
 
@@ -239,8 +199,7 @@ class ModelRunner:
                  eos_token_ids: Seq[int], prompt_logprobs_cap: int = 0,
                  num_spec_tokens: int = 0, max_spec_rows: int = 0, kv_sharding: Any = None,
                  input_sharding: Any = None, logits_shardings: tuple = (),
-                 kv_cache_dtype: Any = None, lora: LoRAStacks | None = None,
-                 kv_fill: KVCacheFill | None = None) -> None:
+                 kv_cache_dtype: Any = None, lora: LoRAStacks | None = None) -> None:
         self.arch = arch
         # params: device arrays, or a RestoringParams (engine/model_source.py) whose arrays
         # are still being read: the step is built and compiled on their shapes meanwhile.
@@ -280,16 +239,22 @@ class ModelRunner:
                                 eos_token_ids=list(eos_token_ids),
                                 prompt_logprobs_cap=prompt_logprobs_cap,
                                 vocab_size=arch.vocab_size, lora=lora is not None)
+        cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         kv_dtype = kv_cache_dtype or dtype
-        if kv_fill is None:
-            kv_fill = KVCacheFill.for_arch(arch, num_blocks, block_size, kv_dtype, kv_sharding)
-        cache_shape = kv_fill.shape
-        # Zero-filling the cache runs in a thread (KVCacheFill) while warm-up compiles or loads
-        # the steps, which need only its shapes and shardings; warmup() waits for it.
-        self._kv_pending: KVCacheFill | None = kv_fill
-        cache_spec = kv_fill.spec
+        # int8 / fp8: a QuantizedKV (values + per-slot-head scales), jaxserve/quantization/kv.py
+        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
+                        out_shardings=kv_sharding).lower().compile()
+        # Zero-filling the cache (4 GiB by default on CPU: page faults and a memset, ~2 s
+        # here) runs in a thread while warm-up compiles or loads the steps, which need only
+        # its shapes and shardings; warmup() (or the first use of k_cache) waits for it.
+        cache_spec = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
+        self._kv_fill: dict[str, Any] = {}
         # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
         self.startup_timings: dict[str, float] = {}
+        self._kv_thread: threading.Thread | None = threading.Thread(
+            target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros", daemon=True)
+        self._kv_thread.start()
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
         self._steps = {}   # (T, S) -> compiled executable
         # Set once every bucket is compiled (warmup); until then a step may run padded in the
@@ -319,15 +284,26 @@ class ModelRunner:
                 lambda x: (x.shape, x.dtype), self._lora_stacks())}
 
     # -- the KV cache --------------------------------------------------------------------------
+    def _fill_kv_cache(self, zeros: Any) -> None:
+        start = time.perf_counter()
+        try:
+            self._kv_fill["k"] = zeros()
+            self._kv_fill["v"] = jax.block_until_ready(zeros())
+        except BaseException as e:       # re-raised where the cache is first used
+            self._kv_fill["error"] = e
+        self.startup_timings["kv_fill"] = time.perf_counter() - start
+
     def _wait_kv_cache(self) -> None:
-        pending = self._kv_pending
-        if pending is None:
+        thread = self._kv_thread
+        if thread is None:
             return
         start = time.perf_counter()
-        self._k_cache, self._v_cache = pending.result()
-        self._kv_pending = None
-        self.startup_timings.update(kv_wait=time.perf_counter() - start,
-                                    kv_fill=pending.seconds)
+        thread.join()
+        self.startup_timings["kv_wait"] = time.perf_counter() - start
+        if "error" in self._kv_fill:
+            raise self._kv_fill["error"]
+        self._k_cache, self._v_cache = self._kv_fill.pop("k"), self._kv_fill.pop("v")
+        self._kv_thread = None
 
     def _wait_params(self) -> None:
         if self._params_pending is not None:
@@ -348,7 +324,7 @@ class ModelRunner:
 
     @property
     def k_cache(self) -> Any:
-        if self._kv_pending is not None:
+        if self._kv_thread is not None:
             self._wait_kv_cache()
         return self._k_cache
 
@@ -358,7 +334,7 @@ class ModelRunner:
 
     @property
     def v_cache(self) -> Any:
-        if self._kv_pending is not None:
+        if self._kv_thread is not None:
             self._wait_kv_cache()
         return self._v_cache
 
