@@ -49,8 +49,10 @@ class ModelSetup:
     warmup_seconds: float
     load_seconds: float
     draft_proposer: Any = None       # speculative decoding's draft model (DraftModelProposer)
-    # Seconds per startup phase, for bench_offline.py --startup: load (restore_weights, with
-    # tokenizer in a thread alongside), runner (attention backend, model, KV cache), warmup.
+    # Seconds per startup phase, for bench_offline.py --startup: load (an orbax restart's
+    # tokenizer, with restore_weights in a thread alongside), runner (attention backend,
+    # model), warmup (with kv_wait / params_wait: what it waited for the kv_fill and
+    # restore_weights threads).
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
 
