@@ -91,12 +91,24 @@ import json, sys, time
 start = time.perf_counter()
 from jaxserve import LLM
 imported = time.perf_counter()
+import jax
+jax.devices()                       # what LLM() would do first: import jax, start the backend
+jax_ready = time.perf_counter()
 llm = LLM({model!r}, compilation_cache_dir={cache!r})
 ready = time.perf_counter()
 setup = llm.llm_engine.setup
 cache = llm.llm_engine.runner.executable_cache
+phases = {{"import_jaxserve": imported - start, "import_jax_and_backend": jax_ready - imported,
+          **setup.phases}}
+# Sequential phases: load (restore_weights + the tokenizer in a thread alongside), runner,
+# warmup (kv_fill runs in a thread alongside; kv_wait is the part of warmup spent waiting on it)
+accounted = phases["import_jaxserve"] + phases["import_jax_and_backend"] + sum(
+    setup.phases.get(k, 0.0) for k in ("load", "runner", "warmup"))
+phases["engine_rest"] = ready - start - accounted
 print(json.dumps({{"ready_s": ready - start, "import_s": imported - start,
                   "load_s": setup.load_seconds, "warmup_s": setup.warmup_seconds,
+                  "phases_s": {{k: round(v, 3) for k, v in phases.items()}},
+                  "cpu_s": time.process_time(),
                   "executables_loaded": cache.hits if cache else 0,
                   "torch_imported": "torch" in sys.modules}}))
 """
@@ -125,10 +137,13 @@ def bench_startup(model: str | None, tag: str, runs: int = 3) -> None:
     for name, results in (("cold", cold), ("warm", warm)):
         entry[f"{name}_median_s"] = float(np.median([r["ready_s"] for r in results]))
         entry[f"{name}_runs"] = results
+        phases = {k: round(float(np.median([r["phases_s"][k] for r in results])), 2)
+                  for k in results[0]["phases_s"]}
+        entry[f"{name}_median_phases_s"] = phases
         print(f"LLM() {name}: median {entry[f'{name}_median_s']:.1f} s of "
-              f"{[round(r['ready_s'], 1) for r in results]} (load {results[0]['load_s']:.1f} s, "
-              f"warm-up {results[0]['warmup_s']:.1f} s, torch imported: "
-              f"{any(r['torch_imported'] for r in results)})", flush=True)
+              f"{[round(r['ready_s'], 1) for r in results]} (torch imported: "
+              f"{any(r['torch_imported'] for r in results)}); median phases (s): {phases}",
+              flush=True)
     path = RESULTS / f"startup-{tag}.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results[entry["model"]] = entry

@@ -130,6 +130,12 @@ class RunnerConfig:
     compilation_cache_dir: str | None = opt(
         None, "JAX persistent compilation cache. Default: ~/.cache/jaxserve/jax. 'off' disables.")
     disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
+    compile_in_background: bool = opt(
+        True, "Start serving once the largest step bucket (which serves any step, padded) "
+        "and the one-token bucket are compiled, and compile the other buckets in a background "
+        "thread; until its own bucket is ready a step runs padded in the smallest compiled "
+        "one that fits. Off: compile every bucket before the engine starts (slower start, "
+        "never a padded step). Single-process engines only.")
 
 
 @dataclass

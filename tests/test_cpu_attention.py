@@ -303,6 +303,7 @@ def test_engine_cpu_backend_gives_the_reference_backends_greedy_tokens(make_tiny
                 if "self_attn" in runner.params["params"]["layers"] \
                 else runner.params["params"]["layers"]["q_proj"]["kernel"]
             sliced = "f32[1,%d,%d]" % q_kernel.shape[1:]
+            runner.wait_until_compiled()
             small, big = runner._steps[(1, 1)].as_text(), runner._steps[(16, 4)].as_text()
             for text in (small, big):
                 assert "jaxserve_layer_matmul" in text and sliced not in text   # no weight copy

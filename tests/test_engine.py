@@ -80,6 +80,9 @@ def test_serving_a_varied_workload_compiles_nothing_after_warmup(llm):
         if "compile" in event or "trace" in event:
             compiles.append(event)
 
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         prompts = _others(20, seed=5) + [PROMPT, PROMPT, list(range(5, 150))]
@@ -260,6 +263,9 @@ def _mixed_workload(engine) -> dict:
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, None, params, prompt_token_ids=prompt)
     finished, steps = {}, 0
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         while engine.has_unfinished_requests():

@@ -70,6 +70,9 @@ def test_gemma_serving_compiles_nothing_after_warmup(gemma):
     prompts = [rng.integers(5, 300, size=int(n)).tolist() for n in rng.integers(2, 60, 7)]
     params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
               for m in rng.integers(1, 20, len(prompts))]
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)

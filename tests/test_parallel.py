@@ -117,6 +117,9 @@ def _generate_counting_compiles(llm, prompts, params) -> tuple[list, list[str]]:
         if "compile" in event or "trace" in event:
             compiles.append(event)
 
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         return llm.generate(prompts, params, use_tqdm=False), compiles

@@ -101,6 +101,9 @@ def test_mixed_batch_compiles_nothing_and_max_tokens_zero_is_prefill_only(llm, h
         if "compile" in event or "trace" in event:
             compiles.append(event)
 
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)

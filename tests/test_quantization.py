@@ -28,6 +28,9 @@ def compile_events():
         if "compile" in event or "trace" in event:
             events.append(event)
 
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         yield events

@@ -290,6 +290,9 @@ def test_speculation_compiles_nothing_after_warmup(engines):
         if "compile" in event or "trace" in event:
             compiles.append(event)
 
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         prompts = _prompts(12, seed=7) + [list(range(5, 90))]

@@ -185,6 +185,9 @@ def _constrained_workload(engine) -> tuple[dict, list]:
                                 structured_outputs=constraint)
         engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt)
     finished = {}
+    from jaxserve.runner.model_runner import wait_for_background_compiles
+
+    wait_for_background_compiles()   # warm-up complete: every bucket compiled
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         while engine.has_unfinished_requests():

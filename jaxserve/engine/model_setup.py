@@ -49,6 +49,11 @@ class ModelSetup:
     warmup_seconds: float
     load_seconds: float
     draft_proposer: Any = None       # speculative decoding's draft model (DraftModelProposer)
+    # Seconds per startup phase, for bench_offline.py --startup: load (an orbax restart's
+    # tokenizer, with restore_weights in a thread alongside), runner (attention backend,
+    # model), warmup (with kv_wait / params_wait: what it waited for the kv_fill and
+    # restore_weights threads).
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
 
 
@@ -125,8 +130,11 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
             sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
     num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
     arch, params, resident_bytes = placed.arch, placed.params, placed.resident_bytes
-    weight_bytes = placement.weight_bytes_per_device(params, resident_bytes)
+    # A RestoringParams (model_source.py) is still being read: plan from its shapes.
+    weight_bytes = placement.weight_bytes_per_device(getattr(params, "spec", params),
+                                                     resident_bytes)
     load_seconds = time.perf_counter() - t0
+    phases = {**placed.phases, "load": load_seconds}
 
     devices = jax.devices()
     logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
@@ -178,6 +186,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if cost:
         logger.warning(cost)
 
+    t_runner = time.perf_counter()
     eos = eos_ids(placed.tokenizer, placed.generation_config)
     backend = placement.shard_backend(
         get_attention_backend(config.runner_config.attention_backend, platform))
@@ -197,10 +206,19 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if cache_dir is not None and jax.process_count() == 1:
         # Serialized step executables beside JAX's cache: a warm start skips tracing too.
         runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
+    phases["runner"] = time.perf_counter() - t_runner
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
-    warmup_seconds = runner.warmup(progress=True) if warmup else 0.0
+    warmup_seconds = runner.warmup(
+        progress=True, background=config.runner_config.compile_in_background
+        and jax.process_count() == 1) if warmup else 0.0
+    phases["warmup"] = warmup_seconds
+    # The KV cache zero-fills (and an orbax checkpoint restores) in a thread during warm-up:
+    # "kv_fill" overlaps "warmup", which includes "kv_wait" and "params_wait" (the parts
+    # warm-up waited for them).
+    phases.update(runner.startup_timings)
+    phases.update(placed.phases)     # restore_weights and tokenizer: their threads are done
     draft_proposer = None
     if draft is not None:
         from jaxserve.engine.block_manager import BlockManager
@@ -229,7 +247,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                       num_params=num_params, weight_bytes=resident_bytes,
                       warmup_seconds=warmup_seconds,
                       load_seconds=load_seconds, draft_proposer=draft_proposer,
-                      lora_registry=lora_registry)
+                      lora_registry=lora_registry, phases=phases)
 
 
 def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict,

@@ -14,7 +14,9 @@ is imported on the way.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -43,6 +45,34 @@ class PlacedModel:
     generation_config: dict[str, Any]
     model_path: str
     source_format: str           # "hf", "gguf" or "orbax"
+    # Seconds per loading phase, for the startup breakdown (ModelSetup.phases).
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class RestoringParams:
+    """Parameters being restored in a thread: their ShapeDtypeStructs (``spec``) now, the
+    arrays from ``result()``. The runner builds, plans and compiles on the spec meanwhile."""
+
+    def __init__(self, restore: Any, spec: Any, phases: dict[str, float]) -> None:
+        self.spec = spec
+        self._out: dict[str, Any] = {}
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                self._out["params"] = restore()
+            except BaseException as e:          # re-raised by result()
+                self._out["error"] = e
+            phases["restore_weights"] = time.perf_counter() - start
+
+        self._thread = threading.Thread(target=run, name="jaxserve-restore", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["params"]
 
 
 def place_model(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
@@ -98,6 +128,7 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
         load_checkpoint_tokenizer,
         read_checkpoint,
         restore_params,
+        restore_targets,
     )
     from jaxserve.parallel.partition import kv_replication
     from jaxserve.tokenizer import load_tokenizer
@@ -127,12 +158,31 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
             f"{source_arch.num_kv_heads} KV heads stored {info.kv_head_copies}x; "
             f"tensor_parallel_size={placement.tp} needs {copies}x: convert again at that size")
     family = family_for(placement.arch.architecture)
-    params = restore_params(info, placement.mesh, family.param_spec_for(placement.arch))
-    resident_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    param_spec = family.param_spec_for(placement.arch)
+    target = restore_targets(info, placement.mesh, param_spec)
+    resident_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                         for x in jax.tree.leaves(target))
+    phases: dict[str, float] = {}
+
+    def restore() -> Any:
+        return restore_params(info, placement.mesh, param_spec, target)
+
+    # One process: orbax restores in a thread while the tokenizer loads here and the engine
+    # plans its memory, zero-fills the KV cache and compiles (or loads) the steps against
+    # the params' shapes (ModelRunner waits for the arrays at the end of warm-up). Several
+    # processes restore collectively, in order, here.
+    if jax.process_count() == 1:
+        params: Any = RestoringParams(restore, target, phases)
+    else:
+        start = time.perf_counter()
+        params = restore()
+        phases["restore_weights"] = time.perf_counter() - start
+    start = time.perf_counter()
     tokenizer = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
                  else load_checkpoint_tokenizer(path))
+    phases["tokenizer"] = time.perf_counter() - start
     return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,
                        params=params, resident_bytes=resident_bytes, dtype=dtype,
                        quantization=info.quantization, hf_config=info.hf_config,
                        tokenizer=tokenizer, generation_config=info.generation_config,
-                       model_path=str(path), source_format="orbax")
+                       model_path=str(path), source_format="orbax", phases=phases)

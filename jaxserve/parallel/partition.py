@@ -141,6 +141,12 @@ def per_device_bytes(params: Any) -> int:
     """Bytes of parameters held by the busiest device (for logs, KV planning and tests)."""
     totals: dict[Any, int] = {}
     for leaf in jax.tree.leaves(params):
+        if not hasattr(leaf, "addressable_shards"):    # a ShapeDtypeStruct with a sharding
+            nbytes = int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * \
+                np.dtype(leaf.dtype).itemsize
+            for device in leaf.sharding.addressable_devices:
+                totals[device] = totals.get(device, 0) + nbytes
+            continue
         for shard in leaf.addressable_shards:
             totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
     return max(totals.values()) if totals else 0

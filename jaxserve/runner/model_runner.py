@@ -11,12 +11,15 @@ read this step's samples from ``last_tokens`` on the device.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
 import math
 import os
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 from typing import Sequence as Seq
@@ -46,6 +49,28 @@ from jaxserve.runner.step_inputs import StepLayout, resolve_token_ids
 from jaxserve.spec_decode.verify import last_emitted, sample_with_drafts
 
 logger = logging.getLogger(__name__)
+
+# Background compiles (ModelRunner.warmup(background=True)) still running; stopped at exit.
+_BACKGROUND_COMPILES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_compiles() -> None:
+    """At interpreter exit: start no new background compile, and wait for the ones in flight
+    (a compile torn down mid-way by interpreter finalization can crash the process)."""
+    for runner in list(_BACKGROUND_COMPILES):
+        runner._stop_compiling.set()
+    for runner in list(_BACKGROUND_COMPILES):
+        thread = runner._compile_thread
+        if thread is not None:
+            thread.join()
+
+
+def wait_for_background_compiles(timeout: float | None = None) -> bool:
+    """Block until every runner of this process has compiled all its buckets (tests that
+    assert "no compile after warm-up" wait here first). False on timeout."""
+    return all(runner.all_compiled.wait(timeout) for runner in list(_BACKGROUND_COMPILES))
+
 
 # What a dispatched step leaves on the device: the samples, and the prompt logprobs (None in
 # buckets without prompt-logprobs slots).
@@ -176,7 +201,13 @@ class ModelRunner:
                  input_sharding: Any = None, logits_shardings: tuple = (),
                  kv_cache_dtype: Any = None, lora: LoRAStacks | None = None) -> None:
         self.arch = arch
-        self.params = params
+        # params: device arrays, or a RestoringParams (engine/model_source.py) whose arrays
+        # are still being read: the step is built and compiled on their shapes meanwhile.
+        self._params_pending = params if hasattr(params, "result") else None
+        self._params = None if self._params_pending is not None else params
+        self._param_specs = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            params.spec if self._params_pending is not None else params)
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -212,10 +243,31 @@ class ModelRunner:
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         kv_dtype = kv_cache_dtype or dtype
         # int8 / fp8: a QuantizedKV (values + per-slot-head scales), jaxserve/quantization/kv.py
-        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype), out_shardings=kv_sharding)
-        self.k_cache, self.v_cache = zeros(), zeros()
+        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
+                        out_shardings=kv_sharding).lower().compile()
+        # Zero-filling the cache (4 GiB by default on CPU: page faults and a memset, ~2 s
+        # here) runs in a thread while warm-up compiles or loads the steps, which need only
+        # its shapes and shardings; warmup() (or the first use of k_cache) waits for it.
+        cache_spec = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
+        self._kv_fill: dict[str, Any] = {}
+        # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
+        self.startup_timings: dict[str, float] = {}
+        self._kv_thread: threading.Thread | None = threading.Thread(
+            target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros", daemon=True)
+        self._kv_thread.start()
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
         self._steps = {}   # (T, S) -> compiled executable
+        # Set once every bucket is compiled (warmup); until then a step may run padded in the
+        # smallest compiled bucket that fits (see warmup(background=True)).
+        self.all_compiled = threading.Event()
+        self._stop_compiling = threading.Event()
+        self._compile_thread: threading.Thread | None = None
+        self._wanted: set[tuple[int, int]] = set()   # buckets steps ran padded for, meanwhile
+        # What the step is lowered against: the donated arrays' shapes and shardings, never
+        # the arrays (a background compile must not read a buffer a step has just donated).
+        self._state_specs = (cache_spec, cache_spec, jax.ShapeDtypeStruct(
+            self.last_tokens.shape, self.last_tokens.dtype, sharding=self.last_tokens.sharding))
         self._prompt_logits_fns: dict = {}   # padded length -> jitted forward (prompt_logits)
         self._device_constants: dict[int, dict[str, jax.Array]] = {}
         self.executable_cache: Any = None     # runner/executable_cache.py, when enabled
@@ -231,6 +283,65 @@ class ModelRunner:
             "small_batch_layer_matmul": getattr(self.model, "small_batch_layer_matmul", False),
             "lora": None if lora is None else jax.tree.map(
                 lambda x: (x.shape, x.dtype), self._lora_stacks())}
+
+    # -- the KV cache --------------------------------------------------------------------------
+    def _fill_kv_cache(self, zeros: Any) -> None:
+        start = time.perf_counter()
+        try:
+            self._kv_fill["k"] = zeros()
+            self._kv_fill["v"] = jax.block_until_ready(zeros())
+        except BaseException as e:       # re-raised where the cache is first used
+            self._kv_fill["error"] = e
+        self.startup_timings["kv_fill"] = time.perf_counter() - start
+
+    def _wait_kv_cache(self) -> None:
+        thread = self._kv_thread
+        if thread is None:
+            return
+        start = time.perf_counter()
+        thread.join()
+        self.startup_timings["kv_wait"] = time.perf_counter() - start
+        if "error" in self._kv_fill:
+            raise self._kv_fill["error"]
+        self._k_cache, self._v_cache = self._kv_fill.pop("k"), self._kv_fill.pop("v")
+        self._kv_thread = None
+
+    def _wait_params(self) -> None:
+        if self._params_pending is not None:
+            start = time.perf_counter()
+            self._params = self._params_pending.result()
+            self._params_pending = None
+            self.startup_timings["params_wait"] = time.perf_counter() - start
+
+    @property
+    def params(self) -> Any:
+        if self._params_pending is not None:
+            self._wait_params()
+        return self._params
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        self._params, self._params_pending = value, None
+
+    @property
+    def k_cache(self) -> Any:
+        if self._kv_thread is not None:
+            self._wait_kv_cache()
+        return self._k_cache
+
+    @k_cache.setter
+    def k_cache(self, value: Any) -> None:
+        self._k_cache = value
+
+    @property
+    def v_cache(self) -> Any:
+        if self._kv_thread is not None:
+            self._wait_kv_cache()
+        return self._v_cache
+
+    @v_cache.setter
+    def v_cache(self, value: Any) -> None:
+        self._v_cache = value
 
     # -- compilation ---------------------------------------------------------------------------
     def _jitted(self, layout: StepLayout):
@@ -248,12 +359,12 @@ class ModelRunner:
 
         # The devices this runner's arrays live on: a sharding's repr names its mesh axes, not
         # its devices, and data-parallel replicas differ only there.
-        devices = sorted({d.id for x in jax.tree.leaves((self.params, self.k_cache))
-                          for d in x.devices()})
+        specs = (self._param_specs, self._state_specs[0])
+        devices = sorted({d.id for x in jax.tree.leaves(specs) for d in x.sharding.device_set})
         key = executable_key({**self._settings, "placement_devices": devices,
                               "model_constants": jax.tree.map(
                                   lambda x: (x.shape, x.dtype), self.model_constants)},
-                             self.params)
+                             self._param_specs)
         self.executable_cache = ExecutableCache(directory, key)
 
     def _compile(self, num_tokens: int, num_seqs: int):
@@ -267,7 +378,7 @@ class ModelRunner:
         consts = self._constants(num_seqs)
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
             executable = self._jitted(layout).lower(
-                self.params, self.k_cache, self.v_cache, self.last_tokens,
+                self._param_specs, *self._state_specs,
                 self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
                 consts["bias_token_ids"], consts["bias_values"],
                 consts["grammar_bitmask"], self._lora_stacks()).compile()
@@ -282,11 +393,45 @@ class ModelRunner:
     def _lora_stacks(self) -> Any:
         return self.lora.arrays if self.lora is not None else None
 
-    def warmup(self, progress: bool = True, max_workers: int | None = None) -> float:
+    def warmup(self, progress: bool = True, max_workers: int | None = None,
+               background: bool = False) -> float:
         """Compile every bucket before serving, several at once (XLA compiles release the GIL;
-        tracing does not, but it is the small part). Returns seconds."""
+        tracing does not, but it is the small part). Returns seconds.
+
+        background: compile (or load, runner/executable_cache.py) only the largest bucket,
+        which serves any step by padding, and the one-token bucket (a lone decode) before
+        returning; compile the others smallest first in a background thread. Until a step's
+        own bucket is ready it runs in the smallest compiled bucket that fits (execute):
+        the same computation with more padding rows. ``all_compiled`` is set when every
+        bucket is ready; from then on a step never compiles."""
         start = time.perf_counter()
         shapes = [s for s in self.buckets.all_shapes() if s not in self._steps]
+        first, rest = shapes, []
+        if background and len(shapes) > 2:
+            first = [shapes[-1], shapes[0]]
+            rest = shapes[1:-1]
+        self._compile_all(first, progress, max_workers)
+        self._wait_kv_cache()       # zero-filled in a thread meanwhile (__init__)
+        self._wait_params()         # and restored, from an orbax checkpoint
+        elapsed = time.perf_counter() - start
+        cache = self.executable_cache
+        loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
+        logger.info("warm-up compiled %d step shapes in %.1f s%s%s", len(first), elapsed, loaded,
+                    f"; compiling {len(rest)} more in the background" if rest else "")
+        if not rest:
+            self.all_compiled.set()
+            return elapsed
+        self._compile_thread = threading.Thread(
+            target=self._compile_in_background, args=(rest,), daemon=True,
+            name="jaxserve-compile")
+        _BACKGROUND_COMPILES.add(self)
+        self._compile_thread.start()
+        return elapsed
+
+    def _compile_all(self, shapes: list[tuple[int, int]], progress: bool,
+                     max_workers: int | None) -> None:
+        if not shapes:
+            return
         workers = max_workers or min(len(shapes), os.cpu_count() or 1) or 1
         bar = None
         if progress:
@@ -300,11 +445,43 @@ class ModelRunner:
                     bar.update(1)
         if bar is not None:
             bar.close()
-        elapsed = time.perf_counter() - start
-        cache = self.executable_cache
-        loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
-        logger.info("warm-up compiled %d step shapes in %.1f s%s", len(shapes), elapsed, loaded)
-        return elapsed
+
+    def _compile_in_background(self, shapes: list[tuple[int, int]]) -> None:
+        start = time.perf_counter()
+        todo = list(shapes)
+        try:
+            while todo:
+                if self._stop_compiling.is_set():
+                    return
+                # A bucket a step has asked for (and ran padded) first, then smallest first.
+                wanted = [shape for shape in todo if shape in self._wanted]
+                shape = min(wanted) if wanted else todo[0]
+                todo.remove(shape)
+                if shape not in self._steps:
+                    self._steps[shape] = self._compile(*shape)
+            logger.info("background compile of %d more step shapes done in %.1f s",
+                        len(shapes), time.perf_counter() - start)
+        except Exception:   # keep serving: a missing bucket compiles when a step needs it
+            logger.exception("background compile failed; missing buckets compile on demand")
+        finally:
+            self.all_compiled.set()
+            self._compile_thread = None
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until warm-up has compiled every bucket (background compiles included)."""
+        return self.all_compiled.wait(timeout)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The compiled bucket a step runs in: its own (buckets.py), or while a background
+        warm-up is still compiling that one, the smallest compiled bucket that holds it."""
+        t, s = self.buckets.shape_for(num_tokens, num_seqs)
+        if self.all_compiled.is_set() or (t, s) in self._steps:
+            return t, s
+        fits = [shape for shape in list(self._steps) if shape[0] >= t and shape[1] >= s]
+        if not fits:
+            return t, s
+        self._wanted.add((t, s))        # the background compile takes it next
+        return min(fits)
 
     def export_step(self, num_tokens: int, num_seqs: int, platform: str) -> Any:
         """`jax.export` bucket (T, S) of the whole step (forward + sampler, donated caches,
@@ -335,7 +512,7 @@ class ModelRunner:
         rows = self.batch.apply(out)
         if out.is_empty:
             return None
-        t, s = self.buckets.shape_for(out.total_num_scheduled_tokens, out.num_rows)
+        t, s = self.bucket_for(out.total_num_scheduled_tokens, out.num_rows)
         inputs = self.batch.prepare(out, rows, t, s)
         if self.step_channel is not None:   # multi-host leader: every process runs this step
             self.step_channel.send(inputs)

@@ -1,0 +1,93 @@
+"""Startup: warm-up compiles the largest and the one-token bucket, the rest in the background
+(runner/model_runner.py `warmup(background=True)`, RunnerConfig.compile_in_background).
+
+Until a step's own bucket is compiled it runs padded in the smallest compiled bucket that
+holds it: the same greedy tokens as an engine that compiled everything first; once
+`all_compiled` is set, serving compiles nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.runner.model_runner import ModelRunner
+
+# Buckets T = 1, 2, 4, 8 (S = min(T, 4)): (8, 4) and (1, 1) first, (2, 2) and (4, 4) later.
+ENGINE_KWARGS = {"max_model_len": 64, "max_num_batched_tokens": 8, "max_num_seqs": 4,
+                 "kv_cache_memory_bytes": 4 << 20, "compilation_cache_dir": "off"}
+PROMPTS = [[11, 23, 98], [7] + list(range(40, 47)), [250], [5, 6]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(make_tiny_model) -> list[list[int]]:
+    llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **ENGINE_KWARGS)
+    runner = llm.llm_engine.runner
+    assert runner.all_compiled.is_set() and runner.compiled_shapes == \
+        [(1, 1), (2, 2), (4, 4), (8, 4)]
+    return _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+
+
+def test_steps_run_padded_until_their_bucket_compiles_then_nothing_compiles(
+        make_tiny_model, reference, monkeypatch):
+    release = threading.Event()
+    background = ModelRunner._compile_in_background
+
+    def held(self, shapes):            # the background compile waits until the test says go
+        release.wait()
+        background(self, shapes)
+
+    monkeypatch.setattr(ModelRunner, "_compile_in_background", held)
+    llm = LLM(str(make_tiny_model("llama")), **ENGINE_KWARGS)
+    runner = llm.llm_engine.runner
+    assert runner.compiled_shapes == [(1, 1), (8, 4)] and not runner.all_compiled.is_set()
+    assert runner.bucket_for(1, 1) == (1, 1)
+    assert runner.bucket_for(3, 3) == (8, 4)       # (4, 4) is not compiled yet: padded
+    used = []
+    execute = runner.run_step
+
+    def recording(inputs):
+        used.append((inputs.num_tokens, inputs.num_seqs))
+        return execute(inputs)
+
+    monkeypatch.setattr(runner, "run_step", recording)
+    assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+    assert set(used) <= {(1, 1), (8, 4)} and (8, 4) in used
+    assert runner._wanted                            # the padded steps' own buckets
+
+    release.set()
+    assert runner.wait_until_compiled(timeout=300)
+    assert runner.compiled_shapes == [(1, 1), (2, 2), (4, 4), (8, 4)]
+    compiles = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event or "trace" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        used.clear()
+        assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert (4, 4) in used                            # exact buckets now
+
+
+def test_the_kv_cache_is_zero_filled_in_a_thread_and_waited_for(make_tiny_model):
+    llm = LLM(str(make_tiny_model("llama")), **ENGINE_KWARGS)
+    runner = llm.llm_engine.runner
+    assert runner.wait_until_compiled(timeout=300)
+    assert runner._kv_thread is None and set(runner.startup_timings) == {"kv_fill", "kv_wait"}
+    # Zeros, not uninitialized memory (no request has written a block yet).
+    assert float(abs(runner.k_cache).max()) == 0.0 == float(abs(runner.v_cache).max())
+    phases = llm.llm_engine.setup.phases
+    assert {"load", "runner", "warmup", "kv_fill", "kv_wait"} <= set(phases)
