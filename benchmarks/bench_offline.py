@@ -188,7 +188,8 @@ def main() -> None:
               dtype=args.dtype, max_model_len=args.max_model_len,
               attention_backend=args.attention_backend,
               async_scheduling=not args.no_async_scheduling, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              compile_in_background=False)   # time the steady state, never a padded step
     results["engine"] = {"model": args.model or "SmolLM2-135M-Instruct (embedded)",
                          "load_format": args.load_format,
                          "attention_backend": llm.llm_engine.runner.model.backend.name,

@@ -94,7 +94,8 @@ def run_config(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, tensor_parallel_size=tp, data_parallel_size=dp,
               max_model_len=args.input_len + args.output_len + 16,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              kv_cache_memory_bytes=args.kv_cache_mib << 20, disable_log_stats=True)
+              kv_cache_memory_bytes=args.kv_cache_mib << 20, disable_log_stats=True,
+              compile_in_background=False)
     build_seconds = time.perf_counter() - start
     engine = llm.llm_engine
     replicas = getattr(engine, "replicas", [engine])

@@ -22,7 +22,8 @@ import numpy as np
 from jaxserve import LLM, SamplingParams
 
 ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=256,
-              kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+              kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False,
+              compile_in_background=False)
 
 
 def decode_step_ms(llm: LLM, num_seqs: int, num_steps: int) -> float:

@@ -56,7 +56,8 @@ def measure(model: str | None, quantization: str | None, kv: str, windows, promp
     try:
         llm = LLM(model, quantization=quantization and quantization.split("-")[0],
                   kv_cache_dtype=kv, max_model_len=512, max_num_seqs=64,
-                  max_num_batched_tokens=128, kv_cache_memory_bytes=256 << 20)
+                  max_num_batched_tokens=128, kv_cache_memory_bytes=256 << 20,
+                  compile_in_background=False)
     finally:
         int8.GROUP_SIZES = groups
     setup = llm.llm_engine.setup

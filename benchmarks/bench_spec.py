@@ -71,7 +71,7 @@ def build(spec: dict | None):
     from jaxserve import LLM
 
     kwargs = dict(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=1 << 30,
-                  max_model_len=2048)
+                  max_model_len=2048, compile_in_background=False)   # time steady state
     if spec:
         kwargs["speculative_config"] = spec
     return LLM(None, **kwargs)

@@ -48,7 +48,7 @@ def build_llm(args, with_mask: bool):
         sampler.apply_token_bitmask = lambda logits, bitmask: logits
     try:
         return LLM(None, max_num_seqs=args.batch, max_num_batched_tokens=512,
-                   kv_cache_memory_bytes=1 << 30)
+                   kv_cache_memory_bytes=1 << 30, compile_in_background=False)
     finally:
         sampler.apply_token_bitmask = original
 
