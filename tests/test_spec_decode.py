@@ -380,6 +380,11 @@ def test_draft_model_greedy_acceptance_is_all_for_a_perfect_draft(draft_engine):
     _, (drafted, accepted) = _draft_counters(draft_engine, lambda: draft_engine.generate(
         _prompts(6, seed=17), params, use_tqdm=False))
     assert drafted > 30 and accepted >= 0.99 * drafted
+    # One stream at a time: the draft's decodes are back-to-back (1, 1) steps.
+    for prompt in _prompts(2, seed=19):
+        _, (drafted, accepted) = _draft_counters(draft_engine, lambda: draft_engine.generate(
+            [prompt], params, use_tqdm=False))
+        assert drafted >= 3 and accepted >= 0.99 * drafted, (drafted, accepted)
 
 
 def test_draft_model_sampling_follows_the_target_distribution(engines, draft_engine,

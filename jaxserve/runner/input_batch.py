@@ -110,7 +110,7 @@ class InputBatch:
         self.row_of: dict[int, int] = {}
         self._bias: dict[int, _Bias] = {}                    # rows with a bias or min_tokens
         self._free_rows = list(range(R - 1, -1, -1))         # pop() hands out row 0 first
-        self._buffers: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._buffers: dict[tuple[int, int], tuple[StepLayout, np.ndarray]] = {}
         self._next_buffer = 0
         self._constants: dict[int, dict[str, np.ndarray]] = {}
 
@@ -342,16 +342,13 @@ class InputBatch:
         return ids, values
 
     def _buffer(self, T: int, S: int) -> tuple[StepLayout, np.ndarray]:
-        """A packed buffer for (T, S), from a rotation of two: `jax.device_put` of a numpy
-        array may alias it on CPU, so a buffer is not rewritten while its step can run."""
+        """The packed buffer of bucket (T, S), rewritten by every step of that bucket (the
+        runner hands the device a copy: ModelRunner.run_step)."""
         entry = self._buffers.get((T, S))
         if entry is None:
             layout = StepLayout(T, S, self.width, self.prompt_logprobs_cap, self.lora)
-            entry = self._buffers[(T, S)] = [layout, [layout.empty(self.padding_row)
-                                                      for _ in range(3)], 0]
-        layout, bufs, i = entry
-        entry[2] = (i + 1) % len(bufs)
-        return layout, bufs[i]
+            entry = self._buffers[(T, S)] = (layout, layout.empty(self.padding_row))
+        return entry
 
     def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
                      bias: bool = False, grammar: bool = False) -> StepInputs:

@@ -543,7 +543,13 @@ class ModelRunner:
         bitmask = consts["grammar_bitmask"] if inputs.grammar_bitmask is None \
             else self._put(inputs.grammar_bitmask)
         self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
-            self.params, self.k_cache, self.v_cache, self.last_tokens, self._put(inputs.packed),
+            self.params, self.k_cache, self.v_cache, self.last_tokens,
+            # A copy: `jax.device_put` may alias numpy memory on CPU, the host rewrites this
+            # bucket's buffer for its next step, and any number of steps can be in flight
+            # (the draft proposer dispatches its prefill chunks and k - 1 decodes before
+            # collecting; a rotation of three buffers fed k = 7's later decodes the inputs
+            # of newer steps). A few KB.
+            self._put(inputs.packed.copy()),
             penalty, bias_ids, bias_values, bitmask, self._lora_stacks())
         out[0].next_tokens.copy_to_host_async()
         return out, prompt_out
