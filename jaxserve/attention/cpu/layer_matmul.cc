@@ -40,13 +40,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxserve_cpu::dims_str;
 using jaxserve_cpu::parallel_for;
+using jaxserve_cpu::streaming_workers;
 
-std::string dims_str(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 // ---------------------------------------------------------------------------
 // GEMV: a few rows (a decode of a few sequences, a speculative verify step), where
@@ -118,11 +115,9 @@ void gemv_columns(const float* X, const float* Wt, float* Y, int64_t in, int64_t
 template <int T>
 void gemv_rows_of(ffi::ThreadPool& pool, const float* X, const float* Wt, float* Y, int64_t in,
                   int64_t out) {
-  // Below ~256 KB of weights one core is quicker than waking another.
   constexpr int64_t tile = gemv_vectors<T>() * kLanes;
   const int64_t tiles = (out + tile - 1) / tile;
-  int64_t workers = in * out < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
-  workers = std::max<int64_t>(1, std::min<int64_t>(workers, tiles));
+  const int64_t workers = streaming_workers(pool, in * out, tiles);
   parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
     const int64_t c0 = std::min(out, tiles * part / workers * tile);
     const int64_t c1 = std::min(out, tiles * (part + 1) / workers * tile);

@@ -50,7 +50,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxserve_cpu::dims_str;
 using jaxserve_cpu::parallel_for;
+using jaxserve_cpu::streaming_workers;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -660,11 +662,6 @@ size_t dtype_size(ffi::DataType t) {
   }
 }
 
-std::string dims_str(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                               ffi::AnyBuffer v_cache, ffi::AnyBuffer k_scale,
@@ -811,10 +808,9 @@ ffi::Error SmallLogitsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* X = x.typed_data();
   const float* E = table.typed_data();
   float* Y = y->typed_data();
-  // Workers take contiguous ranges of whole W-row blocks. Below ~256 KB, one core.
-  int64_t workers = H * V < (int64_t(1) << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
+  // Workers take contiguous ranges of whole W-row blocks.
   const int64_t blocks = (V + W - 1) / W;
-  workers = std::max<int64_t>(1, std::min<int64_t>(workers, blocks));
+  const int64_t workers = streaming_workers(pool, H * V, blocks);
   parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
     rows_dot(X, E, Y, T, H, V, std::min(V, blocks * part / workers * W),
              std::min(V, blocks * (part + 1) / workers * W));

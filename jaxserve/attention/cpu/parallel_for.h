@@ -3,11 +3,13 @@
 // an anonymous namespace.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -56,6 +58,19 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t workers, const Body&
   std::unique_lock<std::mutex> lock(state->mu);
   state->closed = true;
   state->cv.wait(lock, [&] { return state->active == 0; });
+}
+
+// Workers for a pass over `elements` floats of weights split into at most `parts` ranges:
+// below ~256 KB one core is quicker than waking another.
+inline int64_t streaming_workers(ffi::ThreadPool& pool, int64_t elements, int64_t parts) {
+  const int64_t workers = elements < (int64_t(1) << 16) ? 1 : pool.num_threads();
+  return std::max<int64_t>(1, std::min<int64_t>(workers, parts));
+}
+
+inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
 }
 
 }  // namespace
