@@ -6,12 +6,20 @@ thread-safe inbox of commands (add, abort, stop) guarded by a condition
 variable; the engine thread sleeps on that condition while there is no work
 and steps back to back while there is. Outputs travel the other way through
 `loop.call_soon_threadsafe`, one call per step, into a per-request
-`asyncio.Queue`.
+`asyncio.Queue`: token deltas only (`EngineCoreOutput`). The text -- detokenization, stop
+strings, logprob token text -- is built on the asyncio side as the consumer reads
+(`RequestText`), so the engine thread's cost per step does not grow with what requests
+have produced; a stop string found there finishes its sequence in the engine (a
+"finish" command), which frees its KV blocks.
 
     engine = AsyncLLMEngine(LLMEngine(config))    # starts the engine thread
     async for out in engine.generate(request_id, None, params, prompt_token_ids=ids):
-        ...                                       # cumulative RequestOutputs
+        ...                       # RequestOutputs, as params.output_kind says
     engine.shutdown()
+
+Requests are validated on the asyncio side before they are queued (`InputProcessor`);
+`submit` queues without waiting, so a k-prompt request queues all k before the engine's
+next step and waits for their acceptance once (`wait_accepted`).
 
 Leaving the `async for` early (client disconnect, cancellation, an exception)
 aborts the request, so its KV blocks return to the pool. An exception inside
@@ -31,6 +39,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from jaxserve.engine.engine_core import EngineCore, EngineSnapshot
+from jaxserve.engine.engine_io import EngineCoreOutput
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.request_text import RequestText, TokenTexts
 from jaxserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -41,17 +52,20 @@ class EngineDeadError(RuntimeError):
 
 
 # Observer of every step's outputs, called on the engine thread: (outputs, wall time).
-OutputObserver = Callable[[list[RequestOutput], float], None]
+OutputObserver = Callable[[list[EngineCoreOutput], float], None]
 
 
 class _RequestStream:
-    """Where one request's outputs go: an asyncio.Queue living on the caller's loop."""
+    """Where one request's outputs go: an asyncio.Queue living on the caller's loop, and the
+    request's text state, touched only there."""
 
-    __slots__ = ("accepted", "finished", "loop", "queue", "request_id")
+    __slots__ = ("accepted", "finished", "loop", "queue", "request_id", "text")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 text: RequestText) -> None:
         self.request_id = request_id
         self.loop = loop
+        self.text = text
         self.queue: asyncio.Queue = asyncio.Queue()
         self.accepted: asyncio.Future = loop.create_future()
         self.finished = False
@@ -70,6 +84,9 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._observers: list[OutputObserver] = []
         self.snapshot: EngineSnapshot = engine.snapshot()
+        self.inputs = InputProcessor(engine.tokenizer, engine.max_model_len,
+                                     engine.config.model_config.max_logprobs)
+        self._token_texts = TokenTexts(engine.tokenizer)
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         if start:
@@ -129,47 +146,77 @@ class AsyncLLMEngine:
                 logger.warning("engine thread did not stop within %.0f s", join_timeout)
 
     # -- the asyncio side ------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | None, sampling_params: Any, *,
-                          prompt_token_ids: list[int] | None = None,
+    def submit(self, request_id: str, prompt: str | list[int] | None, sampling_params: Any,
+               *, prompt_token_ids: list[int] | None = None,
+               arrival_time: float | None = None, lora_request: Any = None) -> _RequestStream:
+        """Validate a request and queue it for the engine, without waiting (call from the
+        event loop). ValueError for a bad request; the engine's own verdict arrives on the
+        stream's `accepted` future (`wait_accepted`)."""
+        request = self.inputs.process(request_id, prompt, sampling_params,
+                                      prompt_token_ids=prompt_token_ids,
+                                      arrival_time=arrival_time, lora_request=lora_request)
+        stream = _RequestStream(request_id, asyncio.get_running_loop(),
+                                RequestText(request, self.tokenizer, self._token_texts))
+        self._submit(("add", stream, request))
+        return stream
+
+    async def wait_accepted(self, streams: list[_RequestStream]) -> None:
+        """Wait until the engine accepted every stream's request; if it rejects one (or the
+        wait is cancelled), abort them all and raise (ValueError, EngineDeadError)."""
+        try:
+            await asyncio.gather(*(stream.accepted for stream in streams))
+        except BaseException:
+            for stream in streams:
+                self.abort(stream.request_id)
+            raise
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | None,
+                          sampling_params: Any, *, prompt_token_ids: list[int] | None = None,
                           arrival_time: float | None = None,
                           lora_request: Any = None) -> _RequestStream:
         """Submit a request; returns once the engine accepted it.
 
-        Raises ValueError when the engine rejects it (nothing changes then), and
+        Raises ValueError when the request is rejected (nothing changes then), and
         EngineDeadError when the engine is dead or shutting down.
         """
-        loop = asyncio.get_running_loop()
-        stream = _RequestStream(request_id, loop)
-        command = ("add", stream, prompt, sampling_params, prompt_token_ids,
-                   arrival_time or time.time(), lora_request)
-        self._submit(command)
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)     # may already be queued in the engine
-            raise
+        stream = self.submit(request_id, prompt, sampling_params,
+                             prompt_token_ids=prompt_token_ids, arrival_time=arrival_time,
+                             lora_request=lora_request)
+        await self.wait_accepted([stream])
         return stream
 
     async def stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput]:
-        """Yield a request's cumulative RequestOutputs; leaving early aborts the request."""
+        """Yield a request's RequestOutputs; leaving early aborts the request.
+
+        The engine's token deltas are turned into text here, on the consumer's side: all
+        that arrived since the last output becomes one RequestOutput."""
         try:
-            while True:
-                item = await stream.queue.get()
-                # Outputs are cumulative: when the consumer fell behind, only the newest counts.
-                while not isinstance(item, BaseException) and not item.finished \
-                        and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
-                if isinstance(item, BaseException):
-                    stream.finished = True
-                    raise item
-                if item.finished:
-                    stream.finished = True
-                yield item
-                if stream.finished:
-                    return
+            while not stream.finished:
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                output = self._apply(stream, items)
+                if output is not None:
+                    yield output
         finally:
             if not stream.finished:
                 self.abort(stream.request_id)
+
+    def _apply(self, stream: _RequestStream, items: list[Any]) -> RequestOutput | None:
+        """Feed engine outputs to the request's text state; tell the engine which sequences
+        a stop string finished. Raises an engine error that arrived instead."""
+        text = stream.text
+        to_stop: list[int] = []
+        for item in items:
+            if isinstance(item, BaseException):
+                stream.finished = True
+                raise item
+            if not text.finished:
+                to_stop += text.apply(item)
+        if to_stop:
+            self._submit(("finish", [(stream.request_id, i) for i in to_stop]), force=True)
+        stream.finished = text.finished
+        return text.make_output()
 
     async def generate(self, request_id: str, prompt: str | None, sampling_params: Any, *,
                        prompt_token_ids: list[int] | None = None,
@@ -220,7 +267,7 @@ class AsyncLLMEngine:
                 # After an abort, step even if the engine says it is idle: the aborted
                 # request's final output comes out of the next step().
                 if aborted or engine.has_unfinished_requests():
-                    outputs = engine.step()
+                    outputs = engine.step_core()
                     self.last_step_time = time.monotonic()
                     self._dispatch(outputs)
                     self._publish_snapshot()
@@ -237,21 +284,21 @@ class AsyncLLMEngine:
         aborted = False
         for command in commands:
             if command[0] == "add":
-                _, stream, prompt, params, prompt_token_ids, arrival_time, lora = command
+                _, stream, request = command
                 if stream.request_id in self._streams:
                     _resolve(stream, ValueError(
                         f"request id {stream.request_id!r} is already in use"))
                     continue
                 try:
-                    engine.add_request(stream.request_id, prompt, params,
-                                       prompt_token_ids=prompt_token_ids,
-                                       arrival_time=arrival_time,
-                                       **({"lora_request": lora} if lora is not None else {}))
+                    engine.add_core_request(request)
                 except (ValueError, TypeError) as exc:
                     _resolve(stream, ValueError(str(exc)))
                     continue
                 self._streams[stream.request_id] = stream
                 _resolve(stream, None)
+            elif command[0] == "finish":
+                engine.finish_sequences([(request_id, index) for request_id, index in command[1]
+                                         if request_id in self._streams])
             elif command[0] == "abort":
                 if command[1] in self._streams:
                     engine.abort_request(command[1])
@@ -262,7 +309,7 @@ class AsyncLLMEngine:
                 aborted = True
         return aborted
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         now = time.time()
         for observer in self._observers:
             try:
@@ -290,7 +337,7 @@ class AsyncLLMEngine:
             logger.info("aborting %d in-flight request(s)", len(self._streams))
             engine.abort_request(list(self._streams))
             for _ in range(1000):
-                self._dispatch(engine.step())
+                self._dispatch(engine.step_core())
                 if not self._streams or not engine.has_unfinished_requests():
                     break
         self._fail_all(EngineDeadError("the server is shutting down"))

@@ -6,7 +6,11 @@ One `step()` on a screen, with async scheduling (two steps in flight):
     pending = runner.execute(out)          # diffs applied, inputs packed, dispatched
     result = oldest_in_flight.result()     # step N's samples (the device already has them)
     scheduler.update_from_output(...)      # append tokens, register full blocks
-    output processing                      # EOS / stop strings / text, while N+1 runs
+    output processing                      # EOS / stop tokens / max_tokens, while N+1 runs
+
+`step_core()` is that loop; it returns each changed request's new tokens (`EngineCoreOutput`,
+no text). `step()` adds the front end for callers on this thread (jaxserve/engine/frontend.py:
+text, stop strings, RequestOutputs); the server runs that part on its asyncio side instead.
 
 Without async scheduling the same loop keeps one step in flight: it collects each step
 before scheduling the next, so both modes run the same code and give the same tokens.
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.engine_core import EngineSnapshot, NameSet, PositionCounts
+from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
+from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
@@ -77,9 +83,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
                                    max_loras=lc.max_loras if lc.enable_lora else 0)
         self.runner = s.runner
-        self.outputs = OutputProcessor(self.tokenizer, s.eos_token_ids, s.max_model_len,
-                                       config.model_config.max_logprobs,
+        self.outputs = OutputProcessor(s.eos_token_ids, s.max_model_len,
                                        s.default_sampling_overrides, seed=config.model_config.seed)
+        self.frontend = Frontend(self, self.tokenizer, s.max_model_len,
+                                 config.model_config.max_logprobs)
         self.stats = EngineStats()
         if log_stats is None:
             log_stats = not config.runner_config.disable_log_stats
@@ -116,28 +123,35 @@ class LLMEngine:
                     sampling_params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, lora_request: Any = None) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) if it can never run.
+        """Queue a request (validated at the front end; its outputs come from `step`).
+        Raises ValueError (and changes nothing) if it can never run.
 
         lora_request: a LoRARequest (loaded now unless in the host LRU; a bad adapter is a
         ValueError) or an already loaded LoadedLoRA (the server loads off this thread)."""
-        params = sampling_params or SamplingParams()
+        self.frontend.add_request(request_id, prompt, sampling_params,
+                                  prompt_token_ids=prompt_token_ids, arrival_time=arrival_time,
+                                  lora_request=lora_request)
+
+    def add_core_request(self, request: EngineRequest) -> None:
+        """Queue a validated request (`InputProcessor`); ValueError (changing nothing) if this
+        engine cannot run it (its sampling needs, grammar or LoRA adapter)."""
+        params = request.params
         self.runner.batch.check(params)
-        lora = self._resolve_lora(lora_request)
+        lora = self._resolve_lora(request.lora_request)
         compiled = None
         if params.structured_outputs is not None:   # parsed now (ValueError), compiled async
             constraint = params.structured_outputs
             if self.config.structured_outputs_config.structured_outputs_disable_any_whitespace:
                 constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
             compiled = self.grammars.grammar_for(constraint)
-        seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids, params,
-                                        arrival_time or time.time())
+        seqs = self.outputs.new_request(request)
         for seq in seqs:
             seq.lora = lora
             if compiled is not None:
                 seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
             self.scheduler.add_seq(seq)
         if compiled is not None:
-            self._compiling[request_id] = compiled
+            self._compiling[request.request_id] = compiled
 
     def _resolve_lora(self, lora_request: Any) -> Any:
         from jaxserve.lora.registry import LoadedLoRA
@@ -154,7 +168,17 @@ class LLMEngine:
             request_ids = [request_ids]
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
-            self.outputs.abort(request_id)
+            self.outputs.finish(request_id, None, "abort")
+
+    def finish_sequences(self, sequences: Iterable[tuple[str, int]]) -> None:
+        """Finish (request id, sequence index) pairs that a stop string ended at the front
+        end: their KV blocks are freed now; their final output comes from the next step."""
+        for request_id, index in sequences:
+            state = self.outputs.requests.get(request_id)
+            if state is None:
+                continue
+            self.scheduler.finish_seq(state.seqs[index], SequenceStatus.FINISHED_STOPPED)
+            self.outputs.finish(request_id, index, "stop")
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._in_flight)
@@ -165,8 +189,13 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """`step_core` plus the front end: RequestOutputs of requests that changed (by each
+        one's output_kind: a FINAL_ONLY request's only when it finishes)."""
+        return self.frontend.step()
+
+    def step_core(self) -> list[EngineCoreOutput]:
         """Dispatch the next step (if there is room in flight) and collect the oldest one when
-        the pipeline is full; returns outputs of requests that changed (or finished)."""
+        the pipeline is full; returns the new tokens of requests that changed (or finished)."""
         dispatched = False
         if self._compiling:
             self._fail_unbuildable_grammars()
@@ -200,7 +229,7 @@ class LLMEngine:
                 logger.error("request %s: grammar compilation failed: %s", request_id,
                              future.exception())
                 self.scheduler.abort_request(request_id, SequenceStatus.FINISHED_ERROR)
-                self.outputs.abort(request_id, reason="error")
+                self.outputs.finish(request_id, None, "error")
 
     def _max_in_flight(self) -> int:
         """Steps to keep in flight now. A constrained row's next bitmask needs the token in
@@ -243,11 +272,6 @@ class LLMEngine:
         received = self.scheduler.update_from_output(out, result.sampled_token_ids, emitted)
         stride = result.logprobs_stride
         num_generated = 0
-        if emitted is None:                       # one token per row: the batched fast path
-            for seq, status in self.outputs.process_tokens(received, result, now):
-                self.scheduler.finish_seq(seq, status)
-            num_generated = len(received)
-            received = ()
         for row, seq in received:
             status = self.outputs.process_token(seq, result, row * stride, now)
             num_generated += 1

@@ -50,12 +50,8 @@ from jaxserve.entrypoints.openai.protocol import (
 )
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.serving_engine import (
-    APIError,
-    ClientGone,
-    parse_body,
-    validation_error,
-)
+from jaxserve.entrypoints.openai.errors import APIError, ClientGone, validation_error
+from jaxserve.entrypoints.openai.request_body import parse_body
 from jaxserve.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     OpenAIServingLoRA,

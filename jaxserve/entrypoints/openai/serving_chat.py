@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages → chat template → one engine request with n choices.
 
 Streaming: a first chunk per choice carrying `role`, then content deltas
-(computed from the engine's cumulative outputs), then a chunk per choice with
+(the engine's RequestOutputKind.DELTA outputs), then a chunk per choice with
 `finish_reason` and an empty delta, then (if asked) a usage chunk, then
 `data: [DONE]`. With tools (tool_calls.py), tool-call deltas come between: a call's
 first delta carries its index, id, type and name, later ones argument fragments; the
@@ -21,19 +21,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
-from jaxserve.entrypoints.openai.serving_engine import (
-    SSE_DONE,
-    APIError,
-    OpenAIServing,
-    chat_logprobs,
+from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect
+from jaxserve.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
+from jaxserve.entrypoints.openai.request_streams import (
     collect_finals,
     new_request_id,
-    prompt_logprobs_json,
-    reraise_disconnect,
-    sse,
-    sse_error,
     until_disconnect,
 )
+from jaxserve.entrypoints.openai.serving_engine import OpenAIServing
+from jaxserve.entrypoints.openai.sse import SSE_DONE, sse, sse_error
 from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
 from jaxserve.entrypoints.openai.tool_calls import (
     ToolCallStream,
@@ -106,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested)
         num_top = request.top_logprobs or 0
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
-                                      request.prompt_logprobs, constraint)
+                                      request.prompt_logprobs, constraint, request.stream)
 
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
@@ -129,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
                                "service_unavailable")
             logprobs = None
             if request.logprobs:
-                logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids),
+                logprobs = {"content": chat_logprobs(c.token_ids, c.logprobs or [],
                                                      request.top_logprobs or 0, self.tokenizer)}
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             finish_reason = c.finish_reason
@@ -151,60 +147,28 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       created: int, stream: AsyncIterator[RequestOutput],
                       num_prompt_tokens: int, plan: ToolPlan) -> AsyncIterator[str]:
-        n = request.n
-        tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan.uses_tools else None
-        sent_chars, sent_tokens = [0] * n, [0] * n
-        finished = [False] * n
-        num_top = request.top_logprobs or 0
-        last: RequestOutput | None = None
+        """SSE chunks of the choices' deltas (each RequestOutput carries only what is new)."""
+        choices = [_ChatChoiceStream(self, request, j, plan) for j in range(request.n)]
+        num_cached = 0
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        def chunk(choice_dicts: list[dict], usage: dict | None = None) -> str:
             if usage is None and request.continuous_usage_in_stream:
-                usage = usage_dict(num_prompt_tokens,
-                                   sum(len(c.token_ids) for c in last.outputs) if last else 0,
-                                   last.num_cached_tokens if last else 0)
-            return sse(chat_response(request_id, model, choices, usage, created, chunk=True))
-
-        def logprobs_since(c: Any) -> dict | None:
-            if not request.logprobs or sent_tokens[c.index] >= len(c.token_ids):
-                return None
-            content = chat_logprobs(c, sent_tokens[c.index], len(c.token_ids), num_top,
-                                    self.tokenizer)
-            sent_tokens[c.index] = len(c.token_ids)
-            return {"content": content}
+                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                                   num_cached)
+            return sse(chat_response(request_id, model, choice_dicts, usage, created,
+                                     chunk=True))
         try:
-            for j in range(n):
+            for j in range(request.n):
                 yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
             async for out in stream:
-                last = out
+                num_cached = out.num_cached_tokens
                 for c in out.outputs:
-                    if finished[c.index]:
-                        continue
-                    finish_reason = c.finish_reason
-                    if tool_streams is None:
-                        text, calls = c.text[sent_chars[c.index]:], []
-                        sent_chars[c.index] = len(c.text)
-                    else:
-                        tools = tool_streams[c.index]
-                        text, calls = tools.deltas(c.text, final=finish_reason is not None)
-                        if tools.ids and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                    if text:
-                        yield chunk([{"index": c.index, "delta": {"content": text},
-                                      "logprobs": logprobs_since(c), "finish_reason": None}])
-                    if calls:
-                        yield chunk([{"index": c.index, "delta": {"tool_calls": calls},
-                                      "logprobs": logprobs_since(c), "finish_reason": None}])
-                    if finish_reason is not None:
-                        finished[c.index] = True
-                        yield chunk([{"index": c.index, "delta": {},
-                                      "logprobs": logprobs_since(c),
-                                      "finish_reason": finish_reason,
-                                      "stop_reason": c.stop_reason}])
-            if request.include_usage_in_stream and last is not None:
-                usage = usage_dict(num_prompt_tokens, sum(len(c.token_ids) for c in last.outputs),
-                                   last.num_cached_tokens)
+                    for body in choices[c.index].chunks(c):
+                        yield chunk([body])
+            if request.include_usage_in_stream:
+                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                                   num_cached)
                 yield chunk([], usage)
         except BaseException as exc:
             if reraise_disconnect(exc):
@@ -213,3 +177,57 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
+class _ChatChoiceStream:
+    """One streamed choice: tokens whose logprobs are not sent yet and, with tools, the
+    text so far (tool-call parsing reads the whole text)."""
+
+    def __init__(self, serving: OpenAIServing, request: ChatCompletionRequest, index: int,
+                 plan: ToolPlan) -> None:
+        self.tokenizer = serving.tokenizer
+        self.request = request
+        self.index = index
+        self.tools = ToolCallStream(plan) if plan.uses_tools else None
+        self.text_pieces: list[str] = []
+        self.finished = False
+        self.num_tokens = 0
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list = []
+
+    def chunks(self, c: Any) -> list[dict[str, Any]]:
+        """The chunk bodies of one delta of this choice."""
+        if self.finished:
+            return []
+        self.num_tokens += len(c.token_ids)
+        if self.request.logprobs:
+            self.pending_ids += c.token_ids
+            self.pending_logprobs += c.logprobs or []
+        finish_reason = c.finish_reason
+        if self.tools is None:
+            text, calls = c.text, []
+        else:
+            self.text_pieces.append(c.text)
+            text, calls = self.tools.deltas("".join(self.text_pieces),
+                                            final=finish_reason is not None)
+            if self.tools.ids and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        bodies = []
+        if text:
+            bodies.append({"index": self.index, "delta": {"content": text},
+                           "logprobs": self._take_logprobs(), "finish_reason": None})
+        if calls:
+            bodies.append({"index": self.index, "delta": {"tool_calls": calls},
+                           "logprobs": self._take_logprobs(), "finish_reason": None})
+        if finish_reason is not None:
+            self.finished = True
+            bodies.append({"index": self.index, "delta": {},
+                           "logprobs": self._take_logprobs(), "finish_reason": finish_reason,
+                           "stop_reason": c.stop_reason})
+        return bodies
+
+    def _take_logprobs(self) -> dict | None:
+        if not self.pending_ids:
+            return None
+        content = chat_logprobs(self.pending_ids, self.pending_logprobs,
+                                self.request.top_logprobs or 0, self.tokenizer)
+        self.pending_ids, self.pending_logprobs = [], []
+        return {"content": content}

@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxserve.config import ServerConfig
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
-from jaxserve.entrypoints.openai.serving_engine import APIError
+from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.tool_parsers import (
     ParsedToolCall,
     ToolParser,
