@@ -58,6 +58,8 @@ class FakeEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.script: str | None = None
+        self.num_steps = 0
+        self.first_token_step: dict[str, int] = {}     # request id -> step of its first token
         self.frontend = Frontend(self, self.tokenizer, max_model_len,
                                  self.config.model_config.max_logprobs)
 
@@ -111,7 +113,9 @@ class FakeEngine:
             time.sleep(self.step_delay)
         now = time.time()
         outputs = []
+        self.num_steps += 1
         for request_id, state in list(self.requests.items()):
+            self.first_token_step.setdefault(request_id, self.num_steps)
             params: SamplingParams = state["params"]
             for j, out in enumerate(state["outs"]):
                 if state["finish"][j] is not None:

@@ -10,6 +10,7 @@ important ones against the real engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import socket
 import sys
@@ -372,6 +373,27 @@ def metric_value(text: str, name: str, **labels) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} {labels} not in metrics")
+
+
+def test_a_16_prompt_completion_gets_every_first_token_within_one_step():
+    """A k-prompt completion queues all k engine requests before waiting once for their
+    acceptance, so no prompt waits behind the others' engine steps."""
+    srv = ServerThread(FakeEngine(step_delay=0.02))
+    try:
+        prompts = [f"prompt {i}" for i in range(16)]
+        r = post(srv, "/v1/completions", {"prompt": prompts, "max_tokens": 4, "stream": True})
+        assert r.status_code == 200, r.text
+        texts = collections.defaultdict(str)
+        for event in sse_events(r)[:-1]:
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["text"]
+        assert sorted(texts) == list(range(16)) and all(len(t) == 4 for t in texts.values())
+        steps = [step for request_id, step in srv.fake.first_token_step.items()
+                 if request_id.startswith("cmpl-")]
+        assert len(steps) == 16
+        assert max(steps) - min(steps) <= 1, sorted(steps)
+    finally:
+        srv.stop()
 
 
 def test_client_disconnect_mid_stream_aborts_the_request():
