@@ -60,6 +60,11 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     """Waiting queue (FIFO) and running list; ``schedule`` then ``update_from_output``."""
 
+    # `schedule` and `update_from_output` inline their per-sequence common case (a plain
+    # decode); tests turn this off to prove the general path gives the same outputs
+    # (tests/test_scheduler_fast_paths.py).
+    inline_fast_paths = True
+
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
                  max_model_len: int, max_loras: int = 0) -> None:
         """max_loras: device slots for LoRA adapters (0: LoRA off)."""
@@ -153,6 +158,7 @@ class Scheduler:
         block_size = self.block_manager.block_size
         seq_ids, num_scheduled = out.seq_ids, out.num_scheduled_tokens
         num_computed, is_sampling = out.num_computed_tokens, out.is_sampling
+        fast = self.inline_fast_paths
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -160,7 +166,7 @@ class Scheduler:
             pending = seq.num_pending_tokens
             num_tokens = len(seq.token_ids) + pending
             num_new = num_tokens - computed
-            if (num_new == 1 and seq.grammar is None and computed < len(seq.block_table) * block_size
+            if (fast and num_new == 1 and seq.grammar is None and computed < len(seq.block_table) * block_size
                     and not (pending and num_tokens >= seq.max_num_tokens)
                     and (not drafts or seq.seq_id not in drafts)):
                 # The common case, inlined (this loop runs once per sequence per step): a
@@ -424,11 +430,12 @@ class Scheduler:
         block_size = self.block_manager.block_size
         num_registered = self.block_manager.num_registered.get \
             if self.block_manager.enable_prefix_caching else None
+        fast = self.inline_fast_paths and not all_drafts
         for row, seq_id in enumerate(out.seq_ids):
             seq = seqs.get(seq_id)
             if seq is None:
                 continue                        # finished meanwhile
-            if not all_drafts and is_sampling[row] and seq.status is running \
+            if fast and is_sampling[row] and seq.status is running \
                     and seq.max_num_tokens > seq.num_prompt_tokens:
                 # The common case, inlined: a sampled token for a running sequence.
                 seq.num_pending_tokens -= 1
