@@ -63,10 +63,24 @@ class IncrementalDetokenizer:
         if backend is not None:
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+            self._stream = DecodeStream(ids=self._clean_context(prompt_token_ids),
+                                        skip_special_tokens=skip_special_tokens)
             return
         self._window = context          # ids the next decode window starts from
         self._read_offset = len(context)
+
+    def _clean_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The shortest prompt suffix (4 to 24 tokens) that decodes to whole characters:
+        DecodeStream would emit a broken character of its context with the first token."""
+        ids = [int(t) for t in prompt_token_ids[-24:]]
+        if any(not 0 <= t < self._vocab_size for t in ids):
+            return []
+        for length in range(min(4, len(ids)), len(ids) + 1):
+            suffix = ids[len(ids) - length:]
+            if _REPLACEMENT_CHAR not in self.tokenizer.decode(
+                    suffix, skip_special_tokens=self.skip_special_tokens):
+                return suffix
+        return []
 
     @property
     def output_text(self) -> str:

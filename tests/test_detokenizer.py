@@ -273,3 +273,11 @@ def test_stop_checker_prefilter_never_skips_a_match():
             assert checker.may_complete(text[len(text) - new:]), (stops, text, new)
     assert hits > 300
     assert not StopChecker(["User:"]).may_complete("hello ") and not StopChecker().may_complete("x")
+
+
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tokenizer):
+    ids = tokenizer.encode("Hi 🚀", add_special_tokens=False)
+    prompt_ids = ids[:-1]          # a byte-split emoji (or at least a shorter prompt)
+    out_ids = tokenizer.encode(" ok then", add_special_tokens=False)
+    detokenizer, _ = stream(tokenizer, prompt_ids, out_ids)
+    assert detokenizer.output_text.strip() == "ok then"

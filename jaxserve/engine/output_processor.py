@@ -217,23 +217,26 @@ class OutputProcessor:
 
     def _make_output(self, state: RequestState) -> EngineCoreOutput:
         deltas = []
-        for seq in state.seqs:
+        seqs = state.seqs
+        for seq in seqs:
             index = seq.index
             first, reason = state.sent_tokens[index], state.finish_reasons[index]
-            num_output = seq.num_output_tokens
+            token_ids = seq.token_ids
+            num_output = len(token_ids) - seq.num_prompt_tokens
             if num_output == first and (reason is None or state.finish_sent[index]):
                 continue                      # nothing new for this one
             state.sent_tokens[index] = num_output
             state.finish_sent[index] = reason is not None
             logprobs = seq.logprobs
             deltas.append(SeqDelta(
-                index, seq.token_ids[seq.num_prompt_tokens + first:],
+                index, token_ids[seq.num_prompt_tokens + first:],
                 logprobs[first:] if logprobs is not None else None, reason,
                 seq.stop_reason if isinstance(seq.stop_reason, int) else None))
         prompt_logprobs = None
         if state.prompt_logprobs is not None and state.num_prompt_logprobs_missing == 0 \
                 and not state.prompt_logprobs_sent:
             prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
-        return EngineCoreOutput(
-            state.request_id, deltas, state.finished,
-            max(s.num_cached_tokens for s in state.seqs), state.metrics, prompt_logprobs)
+        num_cached = seqs[0].num_cached_tokens if len(seqs) == 1 else max(
+            s.num_cached_tokens for s in seqs)
+        return EngineCoreOutput(state.request_id, deltas, state.finished, num_cached,
+                                state.metrics, prompt_logprobs)
