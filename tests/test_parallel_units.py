@@ -16,6 +16,8 @@ from jaxserve.parallel import partition
 from jaxserve.parallel.data_parallel import DataParallelEngine
 from jaxserve.parallel.mesh import make_mesh
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 
 def _arch(**overrides) -> ModelArch:
     base = {"architecture": "LlamaForCausalLM", "vocab_size": 512, "hidden_size": 64,

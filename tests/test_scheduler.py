@@ -22,6 +22,8 @@ from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.step_inputs import StepLayout
 from jaxserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 _NAMES: dict[int, str] = {}     # seq id -> request id, for readable plans
 
 
