@@ -19,6 +19,9 @@ except ImportError:  # run from tests/
     from fake_engine import ByteTokenizer
 
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
+
 def reference(tokens: list[int], stops: list[str], include: bool, min_tokens: int):
     """(text, token count, stop string) the old one-token-at-a-time engine loop gave."""
     text = ""

@@ -17,6 +17,9 @@ from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.sampling_params import SamplingParams
 
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
+
 def run_workload(seed: int, steps_in_flight: int, fast: bool) -> list:
     """A trace of every step's plan and of what each collected step handed back."""
     rng = random.Random(seed)
