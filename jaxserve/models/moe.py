@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.grouped_matmul import grouped_matmul
 from jaxserve.models.layers import ACTIVATIONS, dense
-from jaxserve.parallel.mesh import MODEL_AXIS
 
 
 @dataclass(frozen=True)
