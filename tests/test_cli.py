@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 try:                                    # tests/ as a package or as a plain directory
     from tests.fake_engine import FakeEngine
 except ImportError:

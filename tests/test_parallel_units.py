@@ -16,6 +16,8 @@ from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import FAMILY as LLAMA
 from jaxserve.parallel.data_parallel import DataParallelEngine
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 
 def _arch(**overrides) -> ModelArch:
     base = {"architecture": "LlamaForCausalLM", "vocab_size": 512, "hidden_size": 64,

@@ -13,6 +13,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_contract import NewSeqData, SchedulerOutput
 from jaxserve.step_inputs import StepLayout
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 # One shape for most tests (each new shape is a compile): V is not a multiple of the
 # block widths and large enough for the two-level top-k.
 S, V, P, NB, K = 16, 20011, 48, 8, 5

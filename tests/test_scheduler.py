@@ -22,6 +22,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_contract import SchedulerOutput
 from jaxserve.step_inputs import StepLayout
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 _NAMES: dict[int, str] = {}     # seq id -> request id, for readable plans
 
 
