@@ -55,6 +55,7 @@ class FakeEngine:
         self.finished_by_frontend: list[tuple[str, int]] = []
         self.fail_next_step = False
         self.model_path = "fake-model"
+        self.lora_registry = None                  # LoRA off
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.script: str | None = None

@@ -152,7 +152,7 @@ def test_export_tokenizer_writes_a_directory_huggingface_loads(make_tiny_model, 
                                                                capsys):
     import transformers
 
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     model_dir = make_tiny_model("llama")
     assert main(["export-tokenizer", str(tmp_path / "tok"), "--model", str(model_dir)]) == 0

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest, RawLogprobs, SeqDelta
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.step_contract import PromptLogprobsChunk, RunnerOutput
 from jaxserve.outputs import RequestMetrics
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.step_contract import PromptLogprobsChunk, RunnerOutput
 
 logger = logging.getLogger(__name__)
 

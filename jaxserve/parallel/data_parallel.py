@@ -29,8 +29,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
 from jaxserve.engine.frontend import Frontend
+from jaxserve.mesh import describe, make_mesh, replica_meshes
 from jaxserve.outputs import RequestOutput
-from jaxserve.parallel.mesh import describe, make_mesh, replica_meshes
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class DataParallelEngine:
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.model_path = first.model_path
+        self.lora_registry = None                      # config.finalize refuses LoRA with dp > 1
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
         self.frontend = Frontend(self, self.tokenizer, self.max_model_len,
                                  config.model_config.max_logprobs)

@@ -11,7 +11,7 @@ from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.errors import APIError, engine_error
 from jaxserve.entrypoints.openai.protocol import SamplingFields
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("jaxserve.requests")
