@@ -92,15 +92,19 @@ class IncrementalDetokenizer:
     def step_token(self, token_id: int) -> str:
         """`step` for one token: the decode step's case."""
         self.token_ids.append(token_id)
-        if not 0 <= token_id < self._vocab_size:
-            return ""
-        if self._backend is not None:
-            delta = self._stream_step(token_id)
-        else:
-            delta = self._window_step(token_id)
+        delta = self.decode_next(token_id)
         if delta:
             self._texts.append(delta)
         return delta
+
+    def decode_next(self, token_id: int) -> str:
+        """The text one more token finalizes, without keeping token ids or text here (for a
+        caller that keeps them itself: jaxserve/engine/request_text.py)."""
+        if not 0 <= token_id < self._vocab_size:
+            return ""
+        if self._backend is not None:
+            return self._stream_step(token_id)
+        return self._window_step(token_id)
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they finalize (possibly "", never a broken char)."""
@@ -192,7 +196,7 @@ class StopChecker:
 
     def may_complete(self, new_text: str) -> bool:
         """False when ``new_text`` (the newest delta) cannot complete any stop string."""
-        return any(c in new_text for c in self._last_chars)
+        return not self._last_chars.isdisjoint(new_text)
 
     def find(self, text: str, new_char_count: int) -> tuple[str, int] | None:
         """(stop string, where `text` is cut) if its last ``new_char_count`` characters

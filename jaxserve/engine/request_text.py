@@ -150,7 +150,7 @@ class RequestText:
             if raw_logprobs is not None and seq.logprobs is not None:
                 seq.cumulative_logprob += raw_logprobs[k][1]
                 seq.logprobs.append(self.token_texts.entry(raw_logprobs[k]))
-            text = seq.detok.step_token(token) if seq.detok is not None else ""
+            text = seq.detok.decode_next(token) if seq.detok is not None else ""
             if not text:
                 continue
             seq.append(text)
