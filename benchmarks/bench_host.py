@@ -36,17 +36,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 class Timed:
     """Wraps a bound method and accumulates the time of each call in the current step."""
 
-    def __init__(self, obj, name: str) -> None:
+    def __init__(self, obj, name: str, cpu: bool = False) -> None:
+        self.obj, self.name = obj, name
         self.fn = getattr(obj, name)
+        self.clock = time.thread_time if cpu else time.perf_counter
         self.total = 0.0
         setattr(obj, name, self)
 
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = self.clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.total += time.perf_counter() - start
+            self.total += self.clock() - start
 
 
 def no_op_device(runner, vocab: int, rng: np.random.Generator) -> None:
@@ -135,27 +137,26 @@ def start_timers(engine) -> dict:
             ENGINE_OUTPUT_PROCESSING[0]: Timed(engine.scheduler, "update_from_output"),
             ENGINE_OUTPUT_PROCESSING[1]: Timed(engine.outputs, "process_token"),
             ENGINE_OUTPUT_PROCESSING[2]: Timed(engine.outputs, "drain"),
-            "front end (text, stop strings, RequestOutputs)": Timed(engine.frontend, "process")}
+            "front end (text, stop strings, RequestOutputs)": Timed(engine.frontend, "process"),
+            "front end CPU time": Timed(engine.frontend, "process", cpu=True)}
 
 
 def stop_timers(timers: dict) -> None:
-    for t in timers.values():
-        setattr(t.fn.__self__, t.fn.__name__, t.fn)
+    for t in reversed(timers.values()):          # the last wrapper first
+        setattr(t.obj, t.name, t.fn)
 
 
 def timed_step(engine, timers: dict, per_step: dict) -> None:
     """One `engine.step()`; appends each component's time (and the totals) to per_step."""
     before = {name: t.total for name, t in timers.items()}
     core = Timed(engine, "step_core")
-    start, start_cpu = time.perf_counter(), time.thread_time()
+    core_cpu = Timed(engine, "step_core", cpu=True)      # wraps the wall-time wrapper
+    start = time.perf_counter()
     engine.step()
     per_step["total"].append(time.perf_counter() - start)
-    setattr(engine, "step_core", core.fn)
+    setattr(engine, "step_core", core.fn)       # core_cpu wraps core: drop both
     per_step["engine thread (step_core)"].append(core.total)
-    # the front end runs after step_core returns, on this thread: subtract its CPU time
-    front = timers["front end (text, stop strings, RequestOutputs)"]
-    front_time = front.total - before["front end (text, stop strings, RequestOutputs)"]
-    per_step["engine thread CPU time"].append(time.thread_time() - start_cpu - front_time)
+    per_step["engine thread CPU time"].append(core_cpu.total)
     for name, t in timers.items():
         per_step[name].append(t.total - before[name])
 
