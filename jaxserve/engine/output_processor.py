@@ -104,7 +104,7 @@ class OutputProcessor:
         if self.default_overrides:
             params = params.clone()
             params.update_from_generation_config(self.default_overrides)
-        params.verify(self.max_logprobs, self.max_model_len)
+        params.verify(self.max_logprobs, self.max_model_len, vocab)
 
         seqs, texts = [], []
         for i in range(params.n):

@@ -4,13 +4,15 @@ prompt limits, sampling params, logprob formats, disconnect handling, SSE framin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
@@ -18,17 +20,35 @@ from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
 from jaxserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs.compiler import parse_grammar_cached
 from jaxserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("jaxserve.requests")
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+# Field names a SamplingParams error message may name: the first is the 400's `param`.
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 T = TypeVar("T")
 
 MAX_BODY_BYTES = 32 << 20          # a request body larger than this is refused (400)
-_TOKENIZE_INLINE_CHARS = 8192      # longer texts are tokenized off the event loop
+# Work on the event loop stalls every HTTP request and stream, so anything whose cost grows
+# with the request's size runs on a worker thread once the request's *total* size passes:
+INLINE_TEXT_CHARS = 8192           # characters to tokenize (all of a request's prompts)
+INLINE_TOKEN_IDS = 16384           # token ids to check or detokenize
+INLINE_BODY_BYTES = 256 << 10      # a JSON body to parse and validate
+GRAMMAR_PARSE_TIMEOUT_S = 10.0     # a structured-outputs spec still parsing after this: 400
+MAX_CLIENT_REQUEST_ID_CHARS = 128  # longer x-request-id headers are cut (they go into logs)
+_LOGGED_PARAMS_CHARS = 2048        # DEBUG logs a request's params up to this many characters
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: inline when small, on a worker thread when ``large`` (so the event
+    loop, which serves every other request and stream, never waits on it)."""
+    if not large:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 class APIError(Exception):
@@ -72,13 +92,26 @@ async def parse_body(raw_request: Request, model_type: type[ModelT]) -> ModelT:
             raise APIError(f"request body too large (more than {MAX_BODY_BYTES} bytes)")
         chunks.append(chunk)
     body = b"".join(chunks)
+    if len(body) > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(_decode_body, body, model_type, True)
+    return _decode_body(body, model_type)
+
+
+def _decode_body(body: bytes, model_type: type[ModelT], large: bool = False) -> ModelT:
+    """The validated model of a JSON body; APIError (400) for anything wrong with it.
+    A large body is parsed with orjson: any JSON parser holds the GIL while it runs (stalling
+    the event loop even from a worker thread), and orjson holds it 4-5x shorter. It refuses
+    what the json module would also make a 400 here (lone surrogates, NaN, deep nesting) and
+    integers beyond 64 bits, which no field takes."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise APIError(f"request body is not valid UTF-8: {exc}") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = orjson.loads(body) if large else json.loads(text)
+    except RecursionError:
+        raise APIError("request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:      # JSONDecodeError, or an integer of too many digits
         raise APIError(f"request body is not valid JSON: {exc}") from None
     if _SURROGATE_ESCAPE.search(text):      # "\ud800" decodes to a string no tokenizer takes
         try:
@@ -86,12 +119,16 @@ async def parse_body(raw_request: Request, model_type: type[ModelT]) -> ModelT:
         except UnicodeEncodeError as exc:
             raise APIError(f"request body contains an unpaired UTF-16 surrogate: {exc}") \
                 from None
+        except RecursionError:
+            raise APIError("request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object")
     try:
         return model_type.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    except RecursionError:
+        raise APIError("request body is nested too deeply") from None
 
 
 def validation_error(exc: ValidationError | Any) -> APIError:
@@ -143,11 +180,56 @@ class OpenAIServing:
                            code="engine_dead")
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) <= _TOKENIZE_INLINE_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: list(
-            self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+        [ids] = await self.encode_all([text], add_special_tokens)
+        return ids
+
+    async def encode_all(self, texts: list[str], add_special_tokens: bool = True,
+                         stop_at_tokens: int | None = None) -> list[list[int]]:
+        """Token ids of each text; off the event loop when the texts are long in total.
+        With ``stop_at_tokens``, the first text of at least that many tokens ends the list
+        (the caller refuses the request on it without tokenizing the rest)."""
+        def run() -> list[list[int]]:
+            out = []
+            for text in texts:
+                out.append(list(self.tokenizer.encode(text,
+                                                      add_special_tokens=add_special_tokens)))
+                if stop_at_tokens is not None and len(out[-1]) >= stop_at_tokens:
+                    break
+            return out
+        if sum(map(len, texts)) <= INLINE_TEXT_CHARS:
+            return run()
+        return await asyncio.to_thread(run)
+
+    async def check_token_ids_off_loop(self, token_id_lists: list[list[int]],
+                                       param: str = "prompt") -> None:
+        """check_token_ids of every list; off the event loop when they are long in total."""
+        def run() -> None:
+            for ids in token_id_lists:
+                self.check_token_ids(ids, param)
+        if sum(map(len, token_id_lists)) <= INLINE_TOKEN_IDS:
+            return run()
+        await asyncio.to_thread(run)
+
+    async def parse_constraint(self, constraint: StructuredOutputsParams | None
+                               ) -> StructuredOutputsParams | None:
+        """Check and parse a structured-outputs spec on a worker thread (limits, syntax: 400s),
+        so the engine finds it parsed; the spec as the engine will key it."""
+        if constraint is None:
+            return None
+        if self.engine.config.structured_outputs_config \
+                .structured_outputs_disable_any_whitespace:
+            constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(parse_grammar_cached, constraint),
+                                   GRAMMAR_PARSE_TIMEOUT_S)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(str(exc) or "the structured outputs spec is nested too deeply",
+                           param="structured_outputs") from None
+        except TimeoutError:
+            raise APIError(f"the structured outputs spec is too complex (not parsed within "
+                           f"{GRAMMAR_PARSE_TIMEOUT_S:.0f} s)", param="structured_outputs") \
+                from None
+        return constraint
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -191,7 +273,9 @@ class OpenAIServing:
                                     structured_outputs=structured_outputs, **kwargs)
             params.verify(self.max_logprobs, self.max_model_len, self.vocab_size)
         except (ValueError, TypeError) as exc:
-            raise APIError(str(exc)) from None
+            message = str(exc)
+            named = [w for w in re.findall(r"[a-z_]+", message) if w in _PARAM_NAMES]
+            raise APIError(message, param=named[0] if named else None) from None
         return params
 
     # -- running ---------------------------------------------------------------------------------
@@ -214,8 +298,12 @@ class OpenAIServing:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
                 request_id = f"{prefix}-{i}"
                 if self.log_requests:
-                    request_logger.info("Received request %s: %d prompt tokens, %r",
-                                        request_id, len(token_ids), sampling_params)
+                    request_logger.info("Received request %s: %d prompt tokens, %s",
+                                        request_id, len(token_ids),
+                                        summarize_params(sampling_params))
+                    if request_logger.isEnabledFor(logging.DEBUG):
+                        request_logger.debug("Request %s params: %s", request_id,
+                                             _capped(repr(sampling_params)))
                 stream = await self.engine.add_request(request_id, None, sampling_params,
                                                        prompt_token_ids=token_ids, **extra)
                 ids.append(request_id)
@@ -229,8 +317,50 @@ class OpenAIServing:
         return streams
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str, raw_request: Request | None = None) -> tuple[str, str]:
+    """(the response's id, the engine requests' id prefix). With the client's x-request-id
+    header both carry it (its log lines then show it); the engine's gets a random suffix,
+    since two clients may send the same id."""
+    given = raw_request.headers.get("x-request-id") if raw_request is not None else None
+    if not given:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return request_id, request_id
+    cleaned = "".join(c for c in given[:MAX_CLIENT_REQUEST_ID_CHARS]
+                      if c.isprintable() and not c.isspace())
+    return f"{prefix}-{cleaned}", f"{prefix}-{cleaned}-{uuid.uuid4().hex[:8]}"
+
+
+def summarize_params(params: SamplingParams) -> str:
+    """One line of a request's sampling params for INFO logs: numbers, and the sizes (never
+    the contents) of its strings, lists and schemas, so a large request logs a short line."""
+    parts = [f"n={params.n}", f"max_tokens={params.max_tokens}",
+             f"temperature={params.temperature:g}", f"top_p={params.top_p:g}",
+             f"top_k={params.top_k}"]
+    if params.seed is not None:
+        parts.append("seed=set")
+    if params.stop:
+        parts.append(f"stop={len(params.stop)} strings/{sum(map(len, params.stop))} chars")
+    if params.stop_token_ids:
+        parts.append(f"stop_token_ids={len(params.stop_token_ids)}")
+    if params.logit_bias:
+        parts.append(f"logit_bias={len(params.logit_bias)} entries")
+    if params.logprobs is not None:
+        parts.append(f"logprobs={params.logprobs}")
+    if params.prompt_logprobs is not None:
+        parts.append(f"prompt_logprobs={params.prompt_logprobs}")
+    if params.structured_outputs is not None:
+        kind = params.structured_outputs.kind
+        spec = getattr(params.structured_outputs, kind)
+        size = len(spec) if isinstance(spec, (str, list)) else len(json.dumps(spec)) \
+            if isinstance(spec, dict) else 0
+        parts.append(f"structured_outputs={kind}/{size} chars")
+    return " ".join(parts)
+
+
+def _capped(text: str) -> str:
+    if len(text) <= _LOGGED_PARAMS_CHARS:
+        return text
+    return f"{text[:_LOGGED_PARAMS_CHARS]}... ({len(text)} characters in all)"
 
 
 async def until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:
