@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.structured_outputs.limits import check_spec_limits
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

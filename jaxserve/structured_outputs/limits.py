@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 MAX_SPEC_CHARS = 64 * 1024      # a schema, regex, grammar or the choices, serialized
 MAX_SCHEMA_DEPTH = 64           # JSON nesting levels of a schema (an object property: 2)
