@@ -277,6 +277,14 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = opt(
         False, "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates "
         "them behind VLLM_ALLOW_RUNTIME_LORA_UPDATING; here a flag).")
+    trust_request_chat_template: bool = opt(
+        False, "Let a chat request bring its own `chat_template` (vLLM's flag). Off: such a "
+        "request is a 400, since a template is a program the server runs. Trusted templates "
+        "still render off the event loop.")
+    step_stall_timeout: float = opt(
+        5.0, "GET /health answers 503 while one engine iteration (a step, or admitting "
+        "requests) has been running longer than this many seconds. A step of a loaded CPU "
+        "takes up to about a second; a stall of this length means every stream is stuck.")
 
 
 @dataclass

@@ -42,6 +42,7 @@ from jaxserve.engine.engine_core import EngineCore, EngineSnapshot
 from jaxserve.engine.engine_io import EngineCoreOutput
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.request_text import RequestText, TokenTexts
+from jaxserve.engine.watchdog import StepWatchdog
 from jaxserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class AsyncLLMEngine:
                                      engine.config.model_config.max_logprobs)
         self._token_texts = TokenTexts(engine.tokenizer)
         self.last_step_time = time.monotonic()
+        self.watchdog = StepWatchdog()       # how long the current iteration has run (/health)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         if start:
             self.start()
@@ -269,6 +271,7 @@ class AsyncLLMEngine:
                     commands = list(self._inbox)
                     self._inbox.clear()
                     stopping = self._stopping
+                self.watchdog.begin()
                 aborted = self._handle_commands(commands)
                 if stopping:
                     self._abort_all()
@@ -280,10 +283,12 @@ class AsyncLLMEngine:
                     self.last_step_time = time.monotonic()
                     self._dispatch(outputs)
                     self._publish_snapshot()
+                self.watchdog.end()
         except BaseException as exc:   # every failure must reach the clients, never hang them
             logger.exception("engine thread failed; failing all in-flight requests")
             self._fail_all(exc)
         finally:
+            self.watchdog.end()
             with self._cond:
                 self._cond.notify_all()
 

@@ -50,6 +50,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_contract import SchedulerOutput
 from jaxserve.structured_outputs.bitmask import grammar_bitmask
+from jaxserve.structured_outputs.compiler import COMPILE_TIMEOUT_S
 from jaxserve.structured_outputs.matcher import SeqGrammar
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self.vocab_size = s.runner.arch.vocab_size          # logits width: the bitmask's V
         self._grammars: GrammarService | None = None        # built on the first constrained request
-        self._compiling: dict[str, Future] = {}             # request id → its grammar compiling
+        self._compiling: dict[str, tuple[Future, float]] = {}   # request id → (grammar, since)
         self.spec = config.spec_decode                       # None: speculation off
         self._proposer = None
         if self.spec is not None:
@@ -151,7 +152,7 @@ class LLMEngine:
                 seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
             self.scheduler.add_seq(seq)
         if compiled is not None:
-            self._compiling[request.request_id] = compiled
+            self._compiling[request.request_id] = (compiled, time.monotonic())
 
     def _resolve_lora(self, lora_request: Any) -> Any:
         from jaxserve.lora.registry import LoadedLoRA
@@ -219,17 +220,24 @@ class LLMEngine:
         return self.outputs.drain()
 
     def _fail_unbuildable_grammars(self) -> None:
-        """A grammar that parsed but failed to compile (rare: add_request already parsed it)
-        ends its request with finish_reason "error"; the engine keeps serving."""
-        for request_id, future in list(self._compiling.items()):
-            if not future.done():
+        """A grammar that failed to compile (rare: add_request already parsed it), or is still
+        compiling after COMPILE_TIMEOUT_S, ends its request with finish_reason "error"; the
+        engine keeps serving."""
+        now = time.monotonic()
+        for request_id, (future, started) in list(self._compiling.items()):
+            if future.done() and future.exception() is None:
+                del self._compiling[request_id]
+                continue
+            if future.done():
+                error = future.exception()
+            elif now - started > COMPILE_TIMEOUT_S:
+                error = f"still compiling after {COMPILE_TIMEOUT_S:.0f} s"
+            else:
                 continue
             del self._compiling[request_id]
-            if future.exception() is not None:
-                logger.error("request %s: grammar compilation failed: %s", request_id,
-                             future.exception())
-                self.scheduler.abort_request(request_id, SequenceStatus.FINISHED_ERROR)
-                self.outputs.finish(request_id, None, "error")
+            logger.error("request %s: grammar compilation failed: %s", request_id, error)
+            self.scheduler.abort_request(request_id, SequenceStatus.FINISHED_ERROR)
+            self.outputs.finish(request_id, None, "error")
 
     def _max_in_flight(self) -> int:
         """Steps to keep in flight now. A constrained row's next bitmask needs the token in

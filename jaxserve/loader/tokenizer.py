@@ -102,3 +102,17 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     text = render_chat(tokenizer, messages, chat_template, add_generation_prompt,
                        **template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode_releasing_gil(tokenizer: Any, token_ids: list[int]) -> str:
+    """``tokenizer.decode(token_ids)``, through the Rust tokenizer's batch call where there is
+    one: that call releases the GIL (a single decode holds it for as long as it runs, about a
+    second per million ids, stalling every other thread of the process)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.decode(token_ids)
+    [text] = backend.decode_batch([token_ids], skip_special_tokens=False)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        text = tokenizer.clean_up_tokenization(text)
+    return text
+

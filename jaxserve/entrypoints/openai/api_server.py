@@ -52,6 +52,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.errors import APIError, ClientGone, validation_error
 from jaxserve.entrypoints.openai.request_body import parse_body
+from jaxserve.entrypoints.openai.serving_engine import INLINE_TOKEN_IDS, off_loop_if
 from jaxserve.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     OpenAIServingLoRA,
@@ -59,6 +60,7 @@ from jaxserve.entrypoints.openai.serving_lora import (
 )
 from jaxserve.entrypoints.openai.tokenizer_info import tokenizer_info
 from jaxserve.metrics import CONTENT_TYPE, attach_metrics
+from jaxserve.loader.tokenizer import decode_releasing_gil
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +198,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         return await chat.create_chat_completion(request, raw_request)
 
     root = config.engine.model_config.model or names[0]
+    step_stall_timeout = config.server.step_stall_timeout
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
@@ -236,12 +239,18 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine thread is alive and stepping; 503 otherwise."""
+        """200 while the engine thread is alive and stepping; 503 otherwise (also while one
+        engine iteration has run longer than --step-stall-timeout: the watchdog)."""
         stalled = (engine.snapshot.num_running > 0 and
                    time.monotonic() - engine.last_step_time > _HEALTH_STALL_SECONDS)
-        if engine.is_healthy and not stalled:
+        busy_for = engine.watchdog.busy_for()
+        step_stalled = busy_for > step_stall_timeout
+        if engine.is_healthy and not stalled and not step_stalled:
             return Response(status_code=200)
         reason = repr(engine.dead_error) if engine.dead_error else "engine stopped"
+        if engine.is_healthy and step_stalled:
+            reason = (f"the engine step has been running for {busy_for:.1f} s "
+                      f"(--step-stall-timeout {step_stall_timeout:g} s)")
         return JSONResponse(error_body(f"unhealthy: {reason}", "service_unavailable"),
                             status_code=503)
 
@@ -264,7 +273,9 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         body: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len,
                                 "tokens": tokens}
         if request.return_token_strs:
-            body["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+            body["token_strs"] = await off_loop_if(len(tokens) > INLINE_TOKEN_IDS,
+                                                   engine.tokenizer.convert_ids_to_tokens,
+                                                   tokens)
         return JSONResponse(body)
 
     @app.post("/detokenize")
@@ -273,8 +284,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         """Token ids → text (vLLM's /detokenize)."""
         request = await parse_body(raw_request, DetokenizeRequest)
         completions.model_name(request.model)
-        completions.check_token_ids(request.tokens, param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+        tokens = request.tokens
+
+        def run() -> str:
+            completions.check_token_ids(tokens, param="tokens")
+            return decode_releasing_gil(engine.tokenizer, tokens)
+        return JSONResponse({"prompt": await off_loop_if(len(tokens) > INLINE_TOKEN_IDS, run)})
 
     if config.server.enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")

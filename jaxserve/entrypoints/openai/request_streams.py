@@ -15,8 +15,20 @@ from jaxserve.outputs import RequestOutput
 T = TypeVar("T")
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+MAX_CLIENT_REQUEST_ID_CHARS = 128  # longer x-request-id headers are cut (they go into logs)
+
+
+def new_request_id(prefix: str, raw_request: Request | None = None) -> tuple[str, str]:
+    """(the response's id, the engine requests' id prefix). With the client's x-request-id
+    header both carry it (its log lines then show it); the engine's gets a random suffix,
+    since two clients may send the same id."""
+    given = raw_request.headers.get("x-request-id") if raw_request is not None else None
+    if not given:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return request_id, request_id
+    cleaned = "".join(c for c in given[:MAX_CLIENT_REQUEST_ID_CHARS]
+                      if c.isprintable() and not c.isspace())
+    return f"{prefix}-{cleaned}", f"{prefix}-{cleaned}-{uuid.uuid4().hex[:8]}"
 
 
 async def until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:

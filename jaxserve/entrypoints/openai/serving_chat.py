@@ -28,7 +28,7 @@ from jaxserve.entrypoints.openai.request_streams import (
     new_request_id,
     until_disconnect,
 )
-from jaxserve.entrypoints.openai.serving_engine import OpenAIServing
+from jaxserve.entrypoints.openai.serving_engine import INLINE_TEXT_CHARS, OpenAIServing
 from jaxserve.entrypoints.openai.sse import SSE_DONE, sse, sse_error
 from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
 from jaxserve.entrypoints.openai.tool_calls import (
@@ -40,6 +40,9 @@ from jaxserve.entrypoints.openai.tool_calls import (
 from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
 from jaxserve.outputs import RequestOutput
+
+
+INLINE_MESSAGES = 256       # longer conversations are rendered off the event loop
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -65,15 +68,22 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["tools"] = tools
         if getattr(request, "continue_final_message", False):
             kwargs["continue_final_message"] = True
-        template = getattr(request, "chat_template", None) or self.chat_template
+        request_template = getattr(request, "chat_template", None)
+        if request_template is not None and not self.server_config.trust_request_chat_template:
+            raise APIError("a chat_template in the request is not allowed: this server does "
+                           "not run templates from requests (start it with "
+                           "--trust-request-chat-template to allow them)",
+                           param="chat_template")
+        template = request_template or self.chat_template
 
         def run() -> list[int]:
             return apply_chat_template(self.tokenizer, messages, chat_template=template,
                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        # A request's own template may loop for as long as it likes: never on the event loop.
+        inline = request_template is None and len(messages) <= INLINE_MESSAGES and sum(
+            len(str(m.get("content") or "")) for m in messages) <= INLINE_TEXT_CHARS
         try:
-            if sum(len(str(m.get("content") or "")) for m in messages) > 8192:
-                return await asyncio.get_running_loop().run_in_executor(None, run)
-            return run()
+            return run() if inline else await asyncio.to_thread(run)
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - Jinja and template errors vary
@@ -91,7 +101,10 @@ class OpenAIServingChat(OpenAIServing):
                                "the output; it cannot be combined with response_format or "
                                "structured outputs", param="tool_choice")
             constraint = plan.constraint
-        prompt_ids = await self.render(request, request.messages_as_dicts(),
+        constraint = await self.parse_constraint(constraint)
+        messages = (request.messages_as_dicts() if len(request.messages) <= INLINE_MESSAGES
+                    else await asyncio.to_thread(request.messages_as_dicts))
+        prompt_ids = await self.render(request, messages,
                                        request.add_generation_prompt,
                                        plan.tools if plan.uses_tools else None)
         if not prompt_ids:
@@ -104,9 +117,9 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
                                       request.prompt_logprobs, constraint, request.stream)
 
-        request_id = new_request_id("chatcmpl")
+        request_id, engine_id = new_request_id("chatcmpl", raw_request)
         created = int(time.time())
-        [stream] = await self.start_requests(request_id, [prompt_ids], [params],
+        [stream] = await self.start_requests(engine_id, [prompt_ids], [params],
                                              self.lora_for(model))
         if request.stream:
             return StreamingResponse(

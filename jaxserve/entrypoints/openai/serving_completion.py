@@ -49,13 +49,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) * request.n > MAX_CHOICES:
             raise APIError(f"a request may ask for at most {MAX_CHOICES} completions "
                            f"(prompts x n); got {len(prompts)} x {request.n}", param="prompt")
-        prompt_ids: list[list[int]] = []
-        for prompt in prompts:
-            ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
-            if not ids:
-                raise APIError("the prompt is empty (0 tokens)", param="prompt")
-            prompt_ids.append(ids)
-        constraint = structured_outputs_of(request)
+        prompt_ids = await self._prompt_token_ids(prompts, request.max_tokens)
+        if any(not ids for ids in prompt_ids):
+            raise APIError("the prompt is empty (0 tokens)", param="prompt")
+        constraint = await self.parse_constraint(structured_outputs_of(request))
         echo_only = request.echo and request.max_tokens == 0
         # vLLM: echo with logprobs asks for as many prompt logprobs; prefill-only needs them.
         prompt_logprobs = request.prompt_logprobs
@@ -72,9 +69,9 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_texts = [t if t is not None else self.tokenizer.decode(ids)
                             for t, ids in zip(prompt_texts, prompt_ids)]
 
-        request_id = new_request_id("cmpl")
+        request_id, engine_id = new_request_id("cmpl", raw_request)
         created = int(time.time())
-        streams = await self.start_requests(request_id, prompt_ids, params,
+        streams = await self.start_requests(engine_id, prompt_ids, params,
                                             self.lora_for(model))
         if request.stream:
             return StreamingResponse(
@@ -83,6 +80,20 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await until_disconnect(raw_request, collect_finals(streams))
         return JSONResponse(self._full_response(request, request_id, model, created, finals,
                                                 prompt_ids, prompt_texts))
+
+    async def _prompt_token_ids(self, prompts: list[str | list[int]],
+                                max_tokens: int | None) -> list[list[int]]:
+        """Each prompt's token ids (texts tokenized, ids checked against the vocabulary).
+        Tokenizing stops at the first text too long for the model: the 400 comes then."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = await self.encode_all(texts, stop_at_tokens=self.max_model_len)
+        if encoded and len(encoded[-1]) >= self.max_model_len:
+            self.resolve_max_tokens(len(encoded[-1]), max_tokens, "prompt")   # raises
+        it = iter(encoded)
+        prompt_ids = [next(it) if isinstance(p, str) else list(p) for p in prompts]
+        await self.check_token_ids_off_loop([ids for p, ids in zip(prompts, prompt_ids)
+                                             if not isinstance(p, str)])
+        return prompt_ids
 
     def _full_response(self, request: CompletionRequest, request_id: str, model: str,
                        created: int, finals: list[RequestOutput], prompt_ids: list[list[int]],

@@ -3,20 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.errors import APIError, engine_error
 from jaxserve.entrypoints.openai.protocol import SamplingFields
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.structured_outputs.compiler import parse_grammar_cached
 from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("jaxserve.requests")
 
-_TOKENIZE_INLINE_CHARS = 8192      # longer texts are tokenized off the event loop
+T = TypeVar("T")
+# Field names a SamplingParams error message may name: the first is the 400's `param`.
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+# Work on the event loop stalls every HTTP request and stream, so anything whose cost grows
+# with the request's size runs on a worker thread once the request's *total* size passes:
+INLINE_TEXT_CHARS = 8192           # characters to tokenize (all of a request's prompts)
+INLINE_TOKEN_IDS = 16384           # token ids to check or detokenize
+GRAMMAR_PARSE_TIMEOUT_S = 10.0     # a structured-outputs spec still parsing after this: 400
+_LOGGED_PARAMS_CHARS = 2048        # DEBUG logs a request's params up to this many characters
+
+
+async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: inline when small, on a worker thread when ``large`` (so the event
+    loop, which serves every other request and stream, never waits on it)."""
+    if not large:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 class OpenAIServing:
@@ -58,11 +79,52 @@ class OpenAIServing:
                            code="engine_dead")
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) <= _TOKENIZE_INLINE_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: list(
-            self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+        [ids] = await self.encode_all([text], add_special_tokens)
+        return ids
+
+    async def encode_all(self, texts: list[str], add_special_tokens: bool = True,
+                         stop_at_tokens: int | None = None) -> list[list[int]]:
+        """Token ids of each text; off the event loop when the texts are long in total.
+        With ``stop_at_tokens``, the first text of at least that many tokens ends the list
+        (the caller refuses the request on it without tokenizing the rest)."""
+        def run() -> list[list[int]]:
+            out = []
+            for text in texts:
+                out.append(list(self.tokenizer.encode(text,
+                                                      add_special_tokens=add_special_tokens)))
+                if stop_at_tokens is not None and len(out[-1]) >= stop_at_tokens:
+                    break
+            return out
+        return await off_loop_if(sum(map(len, texts)) > INLINE_TEXT_CHARS, run)
+
+    async def check_token_ids_off_loop(self, token_id_lists: list[list[int]],
+                                       param: str = "prompt") -> None:
+        """check_token_ids of every list; off the event loop when they are long in total."""
+        def run() -> None:
+            for ids in token_id_lists:
+                self.check_token_ids(ids, param)
+        await off_loop_if(sum(map(len, token_id_lists)) > INLINE_TOKEN_IDS, run)
+
+    async def parse_constraint(self, constraint: StructuredOutputsParams | None
+                               ) -> StructuredOutputsParams | None:
+        """Check and parse a structured-outputs spec on a worker thread (limits, syntax: 400s),
+        so the engine finds it parsed; the spec as the engine will key it."""
+        if constraint is None:
+            return None
+        if self.engine.config.structured_outputs_config \
+                .structured_outputs_disable_any_whitespace:
+            constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(parse_grammar_cached, constraint),
+                                   GRAMMAR_PARSE_TIMEOUT_S)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(str(exc) or "the structured outputs spec is nested too deeply",
+                           param="structured_outputs") from None
+        except TimeoutError:
+            raise APIError(f"the structured outputs spec is too complex (not parsed within "
+                           f"{GRAMMAR_PARSE_TIMEOUT_S:.0f} s)", param="structured_outputs") \
+                from None
+        return constraint
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -109,7 +171,9 @@ class OpenAIServing:
                 structured_outputs=structured_outputs, **kwargs,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         except (ValueError, TypeError) as exc:
-            raise APIError(str(exc)) from None
+            message = str(exc)
+            named = [w for w in re.findall(r"[a-z_]+", message) if w in _PARAM_NAMES]
+            raise APIError(message, param=named[0] if named else None) from None
 
     # -- running ---------------------------------------------------------------------------------
     async def start_requests(self, prefix: str, prompts: list[list[int]],
@@ -133,8 +197,12 @@ class OpenAIServing:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
                 request_id = f"{prefix}-{i}"
                 if self.log_requests:
-                    request_logger.info("Received request %s: %d prompt tokens, %r",
-                                        request_id, len(token_ids), sampling_params)
+                    request_logger.info("Received request %s: %d prompt tokens, %s",
+                                        request_id, len(token_ids),
+                                        summarize_params(sampling_params))
+                    if request_logger.isEnabledFor(logging.DEBUG):
+                        request_logger.debug("Request %s params: %s", request_id,
+                                             _capped(repr(sampling_params)))
                 streams.append(self.engine.submit(request_id, None, sampling_params,
                                                   prompt_token_ids=token_ids, **extra))
             await self.engine.wait_accepted(streams)
@@ -146,3 +214,35 @@ class OpenAIServing:
             raise
         return [self.engine.stream_outputs(stream) for stream in streams]
 
+
+def summarize_params(params: SamplingParams) -> str:
+    """One line of a request's sampling params for INFO logs: numbers, and the sizes (never
+    the contents) of its strings, lists and schemas, so a large request logs a short line."""
+    parts = [f"n={params.n}", f"max_tokens={params.max_tokens}",
+             f"temperature={params.temperature:g}", f"top_p={params.top_p:g}",
+             f"top_k={params.top_k}"]
+    if params.seed is not None:
+        parts.append("seed=set")
+    if params.stop:
+        parts.append(f"stop={len(params.stop)} strings/{sum(map(len, params.stop))} chars")
+    if params.stop_token_ids:
+        parts.append(f"stop_token_ids={len(params.stop_token_ids)}")
+    if params.logit_bias:
+        parts.append(f"logit_bias={len(params.logit_bias)} entries")
+    if params.logprobs is not None:
+        parts.append(f"logprobs={params.logprobs}")
+    if params.prompt_logprobs is not None:
+        parts.append(f"prompt_logprobs={params.prompt_logprobs}")
+    if params.structured_outputs is not None:
+        kind = params.structured_outputs.kind
+        spec = getattr(params.structured_outputs, kind)
+        size = len(spec) if isinstance(spec, (str, list)) else len(json.dumps(spec)) \
+            if isinstance(spec, dict) else 0
+        parts.append(f"structured_outputs={kind}/{size} chars")
+    return " ".join(parts)
+
+
+def _capped(text: str) -> str:
+    if len(text) <= _LOGGED_PARAMS_CHARS:
+        return text
+    return f"{text[:_LOGGED_PARAMS_CHARS]}... ({len(text)} characters in all)"
