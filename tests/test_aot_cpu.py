@@ -1,0 +1,148 @@
+"""Executables compiled ahead of time (`jaxserve compile`, engine/aot_compile.py), shipped
+and loaded by a fresh process (`--aot-dir`), on the CPU: the same path a GPU deployment
+takes with `--target h200` (compiled here in the gpu_compile tier, tests/test_gpu_compile.py).
+
+One compile of a tiny Qwen3's every bucket for this CPU (no weights read: the runner is
+abstract), then two fresh processes: one loads the executables, one is pointed at the same
+directory with a different engine config (falls back to compiling, one warning). A third
+fresh process compiles as usual (JIT) and is the token reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_KWARGS = {"max_model_len": 64, "max_num_batched_tokens": 4, "max_num_seqs": 2,
+                 "kv_cache_memory_bytes": 2 << 20, "compilation_cache_dir": "off",
+                 "compile_in_background": False}
+PROMPTS = [[11, 23, 98], [7] + list(range(40, 52))]
+MAX_TOKENS = 6
+
+
+def worker(model: str, kwargs: dict) -> None:
+    """A fresh engine: prints one JSON line with its tokens, startup and compile counts."""
+    import logging
+    import time
+
+    import jax
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING and "aot-dir" in record.getMessage():
+                warnings.append(record.getMessage())
+
+    logging.getLogger("jaxserve").addHandler(Collect())
+    from jaxserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    ready = time.perf_counter() - start
+    before = len(compiles)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                ignore_eos=True), use_tqdm=False)
+    runner = llm.llm_engine.runner
+    cache = runner.executable_cache
+    print(json.dumps({
+        "tokens": [list(o.outputs[0].token_ids) for o in outs], "ready_seconds": ready,
+        "shapes": len(runner.compiled_shapes), "kv_blocks": runner.num_blocks,
+        "hits": getattr(cache, "hits", None), "misses": getattr(cache, "misses", None),
+        "aot": type(cache).__name__ == "AotExecutables",
+        "compiles_while_serving": len(compiles) - before, "warnings": warnings}))
+
+
+def _fresh_process(model: Path, **kwargs) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, __file__, str(model), json.dumps(kwargs)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled(make_tiny_model, tmp_path_factory):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.aot_compile import compile_for_target
+
+    model = make_tiny_model("qwen3")
+    out = tmp_path_factory.mktemp("aot") / "cpu"
+    config = EngineConfig.from_kwargs(model=str(model), **ENGINE_KWARGS)
+    summary = compile_for_target(config, None, out)
+    return model, out, summary
+
+
+def test_compile_writes_every_bucket_and_a_manifest(compiled):
+    from jaxserve.runner.aot_executables import read_manifest
+
+    _, out, summary = compiled
+    manifest = read_manifest(out)
+    shapes = [(b["num_tokens"], b["num_seqs"]) for b in summary["buckets"]]
+    assert shapes == [(1, 1), (2, 2), (4, 2)]      # BucketPolicy(4 tokens, 2 seqs)
+    for b in summary["buckets"]:
+        assert (out / b["file"]).stat().st_size == b["serialized_bytes"] > 0
+    assert manifest["target"] == "cpu" and manifest["device_kind"] == "cpu"
+    assert manifest["kv_cache_blocks"] == summary["kv_cache_blocks"] > 0
+    assert summary["kv_cache_tokens"] == summary["kv_cache_blocks"] * summary["block_size"]
+    assert summary["weights_bytes_per_device"] > 0
+    assert summary["activation_peak_bytes"] == max(b["temp_bytes"] for b in summary["buckets"])
+
+
+def test_fresh_process_serves_the_shipped_executables_with_identical_tokens(compiled):
+    model, out, summary = compiled
+    jit = _fresh_process(model, **ENGINE_KWARGS)
+    loaded = _fresh_process(model, aot_dir=str(out), **ENGINE_KWARGS)
+    assert loaded["tokens"] == jit["tokens"]
+    assert loaded["aot"] and loaded["hits"] == len(summary["buckets"]) == loaded["shapes"]
+    assert loaded["misses"] == 0 and loaded["warnings"] == []
+    assert loaded["kv_blocks"] == summary["kv_cache_blocks"]
+    assert loaded["compiles_while_serving"] == 0
+
+
+def test_a_config_mismatch_falls_back_to_compiling_with_one_warning(compiled):
+    model, out, _ = compiled
+    other = {**ENGINE_KWARGS, "max_num_seqs": 4}        # other buckets: another program
+    result = _fresh_process(model, aot_dir=str(out), **other)
+    assert not result["aot"]
+    assert len(result["warnings"]) == 1
+    assert "engine_config_hash" in result["warnings"][0]
+    assert result["tokens"] and all(len(t) == MAX_TOKENS for t in result["tokens"])
+
+
+def test_manifest_check_names_the_first_difference():
+    from jaxserve.runner.aot_executables import mismatch
+
+    manifest = {"device_kind": "NVIDIA H200", "devices": 8, "jax": "0.10.2"}
+    assert mismatch(manifest, dict(manifest)) is None
+    reason = mismatch(manifest, {**manifest, "device_kind": "NVIDIA H100 80GB HBM3"})
+    assert "device_kind" in reason and "NVIDIA H200" in reason and "H100" in reason
+    assert "jax" in mismatch(manifest, {**manifest, "jax": "0.10.3"})
+
+
+def test_a_gpu_manifest_on_this_cpu_falls_back_saying_why(tmp_path, compiled):
+    """An h200 artifact given to a CPU engine: the device kind differs, one warning."""
+    from jaxserve.runner.aot_executables import read_manifest, write_manifest
+
+    model, out, _ = compiled
+    manifest = read_manifest(out)
+    manifest.update(target="h200", device_kind="NVIDIA H200")
+    write_manifest(tmp_path, manifest)
+    result = _fresh_process(model, aot_dir=str(tmp_path), **ENGINE_KWARGS)
+    assert not result["aot"] and len(result["warnings"]) == 1
+    assert "NVIDIA H200" in result["warnings"][0] and "device_kind" in result["warnings"][0]
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], json.loads(sys.argv[2]))
