@@ -144,5 +144,30 @@ def test_a_gpu_manifest_on_this_cpu_falls_back_saying_why(tmp_path, compiled):
     assert "NVIDIA H200" in result["warnings"][0] and "device_kind" in result["warnings"][0]
 
 
+def test_deviceless_plan_is_the_startup_rule_on_the_targets_memory():
+    """Llama-3-8B's shapes on an H200, by hand: 32 layers x 8 KV heads x 128 x 2 (K, V)
+    x 2 bytes = 128 KiB per token; 90 % of 140 GiB - 15 GiB weights - 0.75 GiB peak."""
+    from jaxserve.config import CacheConfig
+    from jaxserve.models.arch import ModelArch
+    from jaxserve.runner.gpu_targets import load_target
+    from jaxserve.runner.memory import KVCacheDoesNotFit, plan_kv_cache
+
+    arch = ModelArch(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                     intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                     head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False)
+    memory = load_target("h200").device_memory_bytes
+    weights, peak = 16_060_522_496, 805 << 20
+    plan = plan_kv_cache(CacheConfig(), arch, "bfloat16", weights, peak, 8192,
+                         device_memory_bytes=memory)
+    per_token = 32 * 8 * 128 * 2 * 2
+    assert plan.bytes_per_block == 16 * per_token
+    by_hand = (int(0.9 * memory) - weights - peak) // per_token
+    assert by_hand - 16 < plan.capacity_tokens <= by_hand
+    with pytest.raises(KVCacheDoesNotFit, match="GiB short per device") as refused:
+        plan_kv_cache(CacheConfig(), arch, "bfloat16", int(0.9 * memory) - peak + 1000, peak,
+                      8192, device_memory_bytes=memory)
+    assert refused.value.shortfall_bytes == 8192 * per_token + 1000
+
+
 if __name__ == "__main__":
     worker(sys.argv[1], json.loads(sys.argv[2]))

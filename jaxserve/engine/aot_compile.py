@@ -16,6 +16,7 @@ the cache is planned, and every bucket is compiled against the planned cache.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -229,10 +230,13 @@ def check_weights_fit(engine: AbstractEngine, config: EngineConfig, target: str)
 
 
 def compile_for_target(config: EngineConfig, target: str | None, output: str | Path, *,
-                       shapes: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+                       shapes: list[tuple[int, int]] | None = None,
+                       plan_only: bool = False) -> dict[str, Any]:
     """Compile every bucket (or `shapes`) for `target` (None: this CPU), plan the KV cache
     from the compiled programs, write executables and manifest to `output`; returns the
-    summary `jaxserve compile --json` prints. Raises KVCacheDoesNotFit when it cannot fit."""
+    summary `jaxserve compile --json` prints. Raises KVCacheDoesNotFit when it cannot fit.
+    plan_only: compile just the probes (the smallest and largest buckets) and plan; nothing
+    is written."""
     jax.config.update("jax_enable_compilation_cache", False)   # compile-only executables
     output = Path(output)                                       # never enter JAX's cache
     probe = build_abstract_engine(config, target, None)
@@ -242,21 +246,31 @@ def compile_for_target(config: EngineConfig, target: str | None, output: str | P
     # The largest bucket holds the most activations, but a one-sequence decode can need
     # more temporaries than a wide step (its attention splits the context differently):
     # probe both ends.
-    peak = max(compile_bucket(probe.runner, shape, target).temp_bytes
-               for shape in {wanted[0], wanted[-1]})
+    probes = [compile_bucket(probe.runner, shape, target)
+              for shape in sorted({wanted[0], wanted[-1]})]
+    # The probes ran with the smallest cache; with the planned one the same programs measure
+    # a few KB more (bookkeeping), so the plan keeps 1/64 + 1 MiB of room for that.
+    peak = max(p.temp_bytes for p in probes)
+    plan = plan_from_compiled(probe, config, target, peak + peak // 64 + (1 << 20))
+    if plan_only:
+        return _summary(probe, plan, target, [
+            {**p.describe(0), "file": None} for p in probes], peak, output)
     for _ in range(2):
-        plan = plan_from_compiled(probe, config, target, peak)
         logger.info("%s", plan.describe())
         buckets = _compile_and_write(config, target, plan, wanted, output)
         activation = max(b["temp_bytes"] for b in buckets)
-        if activation <= peak:
+        # The probes ran with the smallest cache; the planned one may need a little more.
+        # The plan stands if the true peak leaves room for its blocks, else plan again.
+        replanned = plan_from_compiled(probe, config, target, activation)
+        if replanned.num_blocks >= plan.num_blocks:
             break
-        # A bucket between the probes needs more than planned: plan again from it.
-        logger.warning("activation peak %.1f MiB exceeds the planned %.1f MiB; planning again",
-                       activation / 2**20, peak / 2**20)
-        peak = activation
+        logger.warning("activation peak %.1f MiB (probed %.1f MiB) leaves %d KV blocks, not %d:"
+                       " compiling again for that", activation / 2**20, peak / 2**20,
+                       replanned.num_blocks, plan.num_blocks)
+        plan = replanned
     else:
         raise RuntimeError("the activation peak kept growing with the planned cache")
+    plan = dataclasses.replace(plan, activation_bytes=activation)
     engine = probe      # the same fingerprint, weights and devices as the compiled engine
     summary = _summary(engine, plan, target, buckets, activation, output)
     aot.write_manifest(output, {**summary, **expected_manifest(

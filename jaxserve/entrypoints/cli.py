@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "jaxserve/targets/), or cpu")
     compile_.add_argument("--output", required=True, metavar="DIR",
                           help="directory for the executables and manifest.json")
+    compile_.add_argument("--plan-only", action="store_true",
+                          help="compile only the smallest and largest buckets (what the plan "
+                          "is made from), print the plan, write no executables")
     compile_.add_argument("--json", action="store_true",
                           help="print the plan as one JSON object, the last stdout line")
 
@@ -327,7 +330,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     from jaxserve.entrypoints.compile import run_compile
 
-    return run_compile(config, args.target, args.output, as_json=args.json)
+    return run_compile(config, args.target, args.output, as_json=args.json,
+                       plan_only=args.plan_only)
 
 
 _COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_export_tokenizer,

@@ -9,7 +9,8 @@ from typing import Any
 from jaxserve.config import EngineConfig
 
 
-def run_compile(config: EngineConfig, target: str, output: str, *, as_json: bool) -> int:
+def run_compile(config: EngineConfig, target: str, output: str, *, as_json: bool,
+                plan_only: bool = False) -> int:
     import jax
 
     gpu_target = None if target == "cpu" else target
@@ -18,7 +19,7 @@ def run_compile(config: EngineConfig, target: str, output: str, *, as_json: bool
         jax.config.update("jax_platforms", "cpu")
     from jaxserve.engine.aot_compile import compile_for_target
 
-    summary = compile_for_target(config, gpu_target, output)
+    summary = compile_for_target(config, gpu_target, output, plan_only=plan_only)
     sys.stdout.write(describe(summary) + "\n")
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
@@ -37,7 +38,7 @@ def describe(summary: dict[str, Any]) -> str:
              f"  KV cache: {summary['kv_cache_blocks']} blocks x {summary['block_size']} = "
              f"{summary['kv_cache_tokens']} tokens ({summary['plan_source']})",
              f"  {len(summary['buckets'])} buckets compiled in {summary['compile_seconds']:.1f} s"
-             f" -> {summary['output']}"]
+             f" -> {summary['output'] if summary['buckets'][0]['file'] else '(plan only)'}"]
     for b in summary["buckets"]:
         lines.append(f"    {b['num_tokens']:>5} tokens x {b['num_seqs']:>3} seqs: "
                      f"{b['compile_seconds']:6.1f} s, {b['serialized_bytes'] / 2**20:7.1f} MiB, "
