@@ -42,7 +42,7 @@ from jaxserve.engine.aot_compile import build_abstract_engine, compile_bucket  #
 from jaxserve.runner.gpu_targets import load_target, target_names, topology_mesh  # noqa: E402
 
 TRITON = "__gpu$xla.gpu.triton"
-SHAPES = Path(__file__).resolve().parents[1] / "configs" / "shapes"
+SHAPES = Path(__file__).resolve().parents[1] / "configs" / "models"
 SMALL = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
          "load_format": "dummy"}
 

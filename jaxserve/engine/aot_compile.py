@@ -17,8 +17,6 @@ the cache is planned, and every bucket is compiled against the planned cache.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,8 +35,8 @@ from jaxserve.quantization import check_mode
 from jaxserve.quantization.int8 import quantize_params_int8
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner import aot_executables as aot
-from jaxserve.runner.executable_cache import source_fingerprint
-from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS, load_target, plugin_version, topology_mesh
+from jaxserve.engine.aot_manifest import engine_fingerprint, expected_manifest, target_device_kind
+from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS, load_target, topology_mesh
 from jaxserve.runner.memory import KVCacheDoesNotFit, KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -57,30 +55,6 @@ class AbstractEngine:
     fingerprint: str                # engine_fingerprint(...)
     devices: int
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def engine_fingerprint(config: EngineConfig, source_arch: Any, dtype: Any, kv_dtype: Any,
-                       max_model_len: int) -> str:
-    """A hash of everything in a finalized config that shapes the compiled step (and the
-    jaxserve source), the same at `jaxserve compile` and at a start with --aot-dir. The KV
-    block count is not in it: a start with --aot-dir takes the manifest's."""
-    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-    pc, lc, spec = config.parallel_config, config.lora_config, config.spec_decode
-    parts = {
-        "arch": repr(source_arch), "dtype": np.dtype(dtype).name,
-        "kv_dtype": np.dtype(kv_dtype).name, "quantization": mc.quantization,
-        "max_model_len": max_model_len, "max_logprobs": mc.max_logprobs,
-        "block_size": cc.block_size, "max_num_seqs": sc.max_num_seqs,
-        "max_num_batched_tokens": sc.max_num_batched_tokens,
-        "max_prompt_logprobs_per_step": sc.max_prompt_logprobs_per_step,
-        "tensor_parallel_size": pc.tensor_parallel_size,
-        "enable_expert_parallel": pc.enable_expert_parallel,
-        "attention_backend": config.runner_config.attention_backend,
-        "spec": None if spec is None else (spec.method, spec.num_speculative_tokens,
-                                           min(spec.disable_by_batch_size, sc.max_num_seqs)),
-        "lora": (lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None,
-        "source": source_fingerprint()}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def abstract_params(family: Any, placement: Any, dtype: Any, quantization: str | None) -> Any:
@@ -239,6 +213,11 @@ def compile_for_target(config: EngineConfig, target: str | None, output: str | P
     is written."""
     jax.config.update("jax_enable_compilation_cache", False)   # compile-only executables
     output = Path(output)                                       # never enter JAX's cache
+    defaults = EngineConfig().to_flat_dict()
+    # The options given (before defaults are resolved), for a person or a script to start
+    # the matching engine (benchmarks/bench_aot_gpu.py).
+    flags = {k: v for k, v in config.to_flat_dict().items()
+             if v != defaults[k] and k not in ("model", "aot_dir", "load_format")}
     probe = build_abstract_engine(config, target, None)
     if target:
         check_weights_fit(probe, config, target)
@@ -273,7 +252,7 @@ def compile_for_target(config: EngineConfig, target: str | None, output: str | P
     plan = dataclasses.replace(plan, activation_bytes=activation)
     engine = probe      # the same fingerprint, weights and devices as the compiled engine
     summary = _summary(engine, plan, target, buckets, activation, output)
-    aot.write_manifest(output, {**summary, **expected_manifest(
+    aot.write_manifest(output, {**summary, "engine_flags": flags, **expected_manifest(
         target_device_kind(target), engine.fingerprint, engine.devices, target)})
     return summary
 
@@ -291,21 +270,6 @@ def _compile_and_write(config: EngineConfig, target: str | None, plan: KVCachePl
     return buckets
 
 
-def target_device_kind(target: str | None) -> str:
-    return load_target(target).device_kind if target else jax.devices()[0].device_kind
-
-
-def expected_manifest(device_kind: str, fingerprint: str, devices: int, target: str | None
-                      ) -> dict[str, Any]:
-    """The manifest fields a start with --aot-dir must match (aot.mismatch)."""
-    import jaxlib
-
-    return {"format": aot.FORMAT, "device_kind": device_kind, "devices": devices,
-            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "plugin": plugin_version() if target else None,
-            "engine_config_hash": fingerprint}
-
-
 def _summary(engine: AbstractEngine, plan: KVCachePlan, target: str | None,
              buckets: list[dict[str, Any]], activation: int, output: Path) -> dict[str, Any]:
     return {"target": target or "cpu", "platform": "cuda" if target else "cpu",
@@ -319,32 +283,3 @@ def _summary(engine: AbstractEngine, plan: KVCachePlan, target: str | None,
             "kv_cache_tokens": plan.capacity_tokens, "plan_source": plan.source,
             "compile_seconds": round(sum(b["compile_seconds"] for b in buckets), 2),
             "buckets": buckets, "output": str(output)}
-
-
-def aot_dir_for_engine(config: EngineConfig, placed: Any, dtype: Any, kv_dtype: Any,
-                       max_model_len: int) -> tuple[str | None, Any]:
-    """At startup with --aot-dir: (the directory, the cache config with the manifest's KV
-    block count) when its manifest matches this engine; else (None, the cache config as
-    given), after one warning saying why the executables are not used."""
-    import dataclasses
-
-    directory = config.runner_config.aot_dir
-    cc = config.cache_config
-    try:
-        manifest = aot.read_manifest(directory)
-    except ValueError as e:
-        logger.warning("--aot-dir not used, compiling instead: %s", e)
-        return None, cc
-    target = manifest.get("target")
-    expected = expected_manifest(
-        jax.devices()[0].device_kind,
-        engine_fingerprint(config, placed.source_arch, dtype, kv_dtype, max_model_len),
-        placed.placement.tp, None if target in (None, "cpu") else target)
-    reason = aot.mismatch(manifest, expected)
-    if reason is not None:
-        logger.warning("--aot-dir %s not used, compiling instead: %s", directory, reason)
-        return None, cc
-    logger.info("--aot-dir %s: %d step executables compiled for %s; KV cache %d blocks as "
-                "planned there", directory, len(manifest["buckets"]), target,
-                manifest["kv_cache_blocks"])
-    return directory, dataclasses.replace(cc, num_gpu_blocks_override=manifest["kv_cache_blocks"])

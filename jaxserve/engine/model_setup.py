@@ -177,7 +177,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
     aot_dir = None
     if config.runner_config.aot_dir:     # shipped executables: take their KV block count
-        from jaxserve.engine.aot_compile import aot_dir_for_engine
+        from jaxserve.engine.aot_manifest import aot_dir_for_engine
 
         aot_dir, cc = aot_dir_for_engine(config, placed, dtype, kv_dtype, max_model_len)
     kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation_bytes,
