@@ -28,14 +28,15 @@ import numpy as np
 
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
-from jaxserve.engine.model_setup import resolve_dtype, resolve_max_model_len, settle_batch_limits
+from jaxserve.engine.aot_manifest import engine_fingerprint, expected_manifest, target_device_kind
+from jaxserve.dtypes import resolve_dtype
+from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
+from jaxserve.models import partition
 from jaxserve.models.registry import family_for, read_arch
-from jaxserve.parallel import partition
 from jaxserve.quantization import check_mode
 from jaxserve.quantization.int8 import quantize_params_int8
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner import aot_executables as aot
-from jaxserve.engine.aot_manifest import engine_fingerprint, expected_manifest, target_device_kind
 from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS, load_target, topology_mesh
 from jaxserve.runner.memory import KVCacheDoesNotFit, KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
@@ -81,7 +82,7 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     """The engine's runner for `target` (None: this machine's CPU), abstract. num_blocks:
     the KV cache's blocks per layer (None: the fewest one max_model_len sequence needs)."""
     from jaxserve.loader import read_model_config
-    from jaxserve.parallel.placement import ModelPlacement
+    from jaxserve.models.placement import ModelPlacement
 
     platform = "cuda" if target else "cpu"
     config.finalize(platform)

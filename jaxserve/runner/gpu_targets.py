@@ -78,7 +78,7 @@ def topology_mesh(target: GpuTarget, num_devices: int) -> Any:
     host). Needs the CUDA plugin and JAX_PLATFORMS=cpu (else the plugin looks for a GPU)."""
     from jax.experimental import topologies
 
-    from jaxserve.parallel.mesh import AXES
+    from jaxserve.mesh import AXES
 
     try:
         topology = topologies.get_topology_desc(
