@@ -28,8 +28,8 @@ import numpy as np
 
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
-from jaxserve.engine.aot_manifest import engine_fingerprint, expected_manifest, target_device_kind
 from jaxserve.dtypes import resolve_dtype
+from jaxserve.engine.aot_manifest import engine_fingerprint, expected_manifest, target_device_kind
 from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
 from jaxserve.models import partition
 from jaxserve.models.registry import family_for, read_arch
