@@ -3,9 +3,9 @@ and loaded by a fresh process (`--aot-dir`), on the CPU: the same path a GPU dep
 takes with `--target h200` (compiled here in the gpu_compile tier, tests/test_gpu_compile.py).
 
 One compile of a tiny Qwen3's every bucket for this CPU (no weights read: the runner is
-abstract), then two fresh processes: one loads the executables, one is pointed at the same
-directory with a different engine config (falls back to compiling, one warning). A third
-fresh process compiles as usual (JIT) and is the token reference.
+abstract), then two fresh processes: one loads the executables, one compiles as usual (JIT)
+and is the token reference. The manifest check (same config: used; another config, another
+device kind, no manifest: one warning, compile) runs in this process.
 """
 
 from __future__ import annotations
@@ -111,14 +111,45 @@ def test_fresh_process_serves_the_shipped_executables_with_identical_tokens(comp
     assert loaded["compiles_while_serving"] == 0
 
 
-def test_a_config_mismatch_falls_back_to_compiling_with_one_warning(compiled):
+def _check_aot_dir(model, directory, caplog, **overrides):
+    """What setup_model decides for --aot-dir `directory` (engine/aot_manifest.py), with the
+    engine's own config resolution; returns (directory or None, the --aot-dir warnings)."""
+    import logging
+    from types import SimpleNamespace
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.dtypes import resolve_dtype
+    from jaxserve.engine.aot_manifest import aot_dir_for_engine
+    from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
+    from jaxserve.loader import read_model_config
+    from jaxserve.models.registry import read_arch
+    from jaxserve.quantization.kv import resolve_kv_cache_dtype
+
+    config = EngineConfig.from_kwargs(model=str(model), aot_dir=str(directory),
+                                      **{**ENGINE_KWARGS, **overrides}).finalize("cpu")
+    arch = read_arch(read_model_config(str(model))[0])
+    max_model_len = resolve_max_model_len(config.model_config.max_model_len, arch)
+    settle_batch_limits(config, max_model_len)
+    dtype = resolve_dtype(config.model_config.dtype, "cpu")
+    placed = SimpleNamespace(source_arch=arch, placement=SimpleNamespace(tp=1))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        chosen, cache = aot_dir_for_engine(config, placed, dtype,
+                                           resolve_kv_cache_dtype("auto", dtype), max_model_len)
+    return chosen, cache, [r.getMessage() for r in caplog.records if "aot-dir" in r.getMessage()]
+
+
+def test_the_same_config_matches_and_takes_the_planned_blocks(compiled, caplog):
+    model, out, summary = compiled
+    chosen, cache, warnings = _check_aot_dir(model, out, caplog)
+    assert chosen == str(out) and warnings == []
+    assert cache.num_gpu_blocks_override == summary["kv_cache_blocks"]
+
+
+def test_a_config_mismatch_falls_back_to_compiling_with_one_warning(compiled, caplog):
     model, out, _ = compiled
-    other = {**ENGINE_KWARGS, "max_num_seqs": 4}        # other buckets: another program
-    result = _fresh_process(model, aot_dir=str(out), **other)
-    assert not result["aot"]
-    assert len(result["warnings"]) == 1
-    assert "engine_config_hash" in result["warnings"][0]
-    assert result["tokens"] and all(len(t) == MAX_TOKENS for t in result["tokens"])
+    chosen, _, warnings = _check_aot_dir(model, out, caplog, max_num_seqs=4)  # other buckets
+    assert chosen is None and len(warnings) == 1 and "engine_config_hash" in warnings[0]
 
 
 def test_manifest_check_names_the_first_difference():
@@ -131,7 +162,7 @@ def test_manifest_check_names_the_first_difference():
     assert "jax" in mismatch(manifest, {**manifest, "jax": "0.10.3"})
 
 
-def test_a_gpu_manifest_on_this_cpu_falls_back_saying_why(tmp_path, compiled):
+def test_a_gpu_manifest_on_this_cpu_falls_back_saying_why(tmp_path, compiled, caplog):
     """An h200 artifact given to a CPU engine: the device kind differs, one warning."""
     from jaxserve.runner.aot_executables import read_manifest, write_manifest
 
@@ -139,9 +170,15 @@ def test_a_gpu_manifest_on_this_cpu_falls_back_saying_why(tmp_path, compiled):
     manifest = read_manifest(out)
     manifest.update(target="h200", device_kind="NVIDIA H200")
     write_manifest(tmp_path, manifest)
-    result = _fresh_process(model, aot_dir=str(tmp_path), **ENGINE_KWARGS)
-    assert not result["aot"] and len(result["warnings"]) == 1
-    assert "NVIDIA H200" in result["warnings"][0] and "device_kind" in result["warnings"][0]
+    chosen, _, warnings = _check_aot_dir(model, tmp_path, caplog)
+    assert chosen is None and len(warnings) == 1
+    assert "NVIDIA H200" in warnings[0] and "device_kind" in warnings[0]
+
+
+def test_a_directory_without_a_manifest_falls_back(tmp_path, compiled, caplog):
+    model, _, _ = compiled
+    chosen, _, warnings = _check_aot_dir(model, tmp_path, caplog)
+    assert chosen is None and len(warnings) == 1 and "manifest.json" in warnings[0]
 
 
 def test_deviceless_plan_is_the_startup_rule_on_the_targets_memory():

@@ -201,8 +201,8 @@ class ModelRunner:
                  input_sharding: Any = None, logits_shardings: tuple = (),
                  kv_cache_dtype: Any = None, lora: LoRAStacks | None = None,
                  abstract: bool = False) -> None:
-        """abstract: build the step only to compile it ahead of time (runner/aot.py) for
-        devices that may not be here (a deviceless GPU topology): params, the KV cache and
+        """abstract: build the step only to compile it ahead of time
+        (engine/aot_compile.py) for devices that may not be here (a deviceless GPU topology): params, the KV cache and
         the step's inputs are ShapeDtypeStructs with their shardings; nothing is allocated
         and the runner cannot execute."""
         self.arch = arch
@@ -397,7 +397,7 @@ class ModelRunner:
 
     def lower_step(self, num_tokens: int, num_seqs: int) -> Any:
         """Bucket (T, S)'s step lowered against the shapes and shardings of its arguments
-        (`jax.stages.Lowered`); ahead-of-time compiles (runner/aot.py) compile it with
+        (`jax.stages.Lowered`); ahead-of-time compiles (engine/aot_compile.py) compile it with
         their own options."""
         layout = self._layout(num_tokens, num_seqs)
         consts = self._constants(num_seqs)
