@@ -55,9 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = parser.parse_args()
     engine = {"compilation_cache_dir": "off", "compile_in_background": False,
-              "kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048}
+              "kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
     from jaxserve.config import EngineConfig
     from jaxserve.engine.aot_compile import compile_for_target
 
