@@ -106,14 +106,19 @@ def test_moe_with_expert_parallelism_compiles(make_tiny_model):
     assert TRITON in text
 
 
-def test_lora_slots_and_spec_decode_verify_shapes_compile(make_tiny_model):
-    engine = _engine(make_tiny_model("llama"), enable_lora=True, max_loras=2, max_lora_rank=8,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert engine.runner.lora is not None
-    verify = sorted(engine.runner.buckets.spec_shapes)[0]        # (tokens, seqs < tokens)
-    assert verify[1] < verify[0]
+def test_lora_slots_compile(make_tiny_model):
+    engine = _engine(make_tiny_model("llama"), enable_lora=True, max_loras=2, max_lora_rank=8)
     stacks = engine.runner._lora_stacks()
     assert stacks["q_proj"]["lora_a"].shape[1:2] == (3,)      # max_loras + the base slot
+    _, text = _compile(engine, engine.runner.buckets.all_shapes()[0])
+    assert TRITON in text
+
+
+def test_spec_decode_verify_shape_compiles(make_tiny_model):
+    engine = _engine(make_tiny_model("llama"),
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    verify = sorted(engine.runner.buckets.spec_shapes)[0]        # (tokens, seqs < tokens)
+    assert verify[1] < verify[0]
     _, text = _compile(engine, verify)
     assert TRITON in text
 
