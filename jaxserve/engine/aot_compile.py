@@ -137,6 +137,8 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
 
 def _abstract_lora(config: EngineConfig, family: Any, placement: Any, dtype: Any) -> Any:
     from jaxserve.lora.peft_loader import supported_targets
+    from jax.sharding import PartitionSpec as P
+
     from jaxserve.lora.stacks import LoRAStacks
 
     lc = config.lora_config
@@ -145,8 +147,9 @@ def _abstract_lora(config: EngineConfig, family: Any, placement: Any, dtype: Any
     if placement.mesh is not None:
         spec_fn = family.param_spec_for(placement.arch)
         shapes = family.weight_shapes(placement.arch)
+        # tp = 1 on a one-device topology mesh: unsplit [L, in, out] (param_spec says P())
         specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
-                            placement.tp) for t in targets}
+                            placement.tp) or P(None, None, None) for t in targets}
     return LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
                       dtype, placement.mesh, specs, abstract=True)
 
