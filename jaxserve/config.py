@@ -132,6 +132,11 @@ class RunnerConfig:
     compilation_cache_dir: str | None = opt(
         None, "JAX persistent compilation cache. Default: ~/.cache/jaxserve/jax. 'off' disables.")
     disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
+    aot_dir: str | None = opt(
+        None, "A directory `jaxserve compile` wrote: load its step executables (compiled "
+        "ahead of time, e.g. for --target h200 on a machine without a GPU) instead of "
+        "compiling them, when its manifest matches this engine (device, versions, config); "
+        "otherwise compile as usual, with one warning saying why.")
     compile_in_background: bool = opt(
         True, "Start serving once the largest step bucket (which serves any step, padded) "
         "and the one-token bucket are compiled, and compile the other buckets in a background "

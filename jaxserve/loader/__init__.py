@@ -73,6 +73,21 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str]:
     return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True), architecture
 
 
+def read_model_config(model: str | os.PathLike | None) -> tuple[Any, str]:
+    """(hf_config, resolved path) of `model`, reading no weights and no tokenizer: what an
+    ahead-of-time compile needs (a directory holding only config.json is enough)."""
+    resolved = resolve_model(model)
+    if resolved.format == "gguf":
+        from jaxserve.loader.gguf_loader import gguf_config, open_gguf
+
+        return gguf_config(open_gguf(resolved.path), resolved.path), resolved.path
+    if resolved.format == "orbax":
+        from jaxserve.loader.orbax_checkpoint import read_checkpoint
+
+        return read_checkpoint(resolved.path).hf_config, resolved.path
+    return _load_hf_config(resolved.path)[0], resolved.path
+
+
 def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
                tokenizer: str | os.PathLike | None = None,
                load_format: str = "auto", quantization: str | None = None) -> LoadedModel:
