@@ -43,8 +43,10 @@ class ModelConfig:
         None, "Weight quantization (vLLM's flag). int8: weight-only int8 per output channel "
         "(w8a16), quantized at load from any float checkpoint. gguf: a GGUF file's Q8_0/Q4_0/"
         "Q4_1 tensors stay packed in device memory and are dequantized inside the step "
-        "(other GGUF types are dequantized at load). Default: weights in --dtype.",
-        choices=["int8", "gguf"])
+        "(other GGUF types are dequantized at load). awq / gptq: an AWQ or GPTQ checkpoint's "
+        "int4/int8 projections stay packed and are dequantized inside the step; picked from "
+        "config.json's quantization_config when unset. Default: weights in --dtype.",
+        choices=["int8", "gguf", "awq", "gptq"])
     max_model_len: int | None = opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")

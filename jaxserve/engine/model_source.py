@@ -99,15 +99,18 @@ def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedMod
     quantization = check_mode(mc.quantization)
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
                         load_format=mc.load_format, quantization=quantization)
+    quantization = loaded.quantization     # awq / gptq: the checkpoint's own
     source_arch = read_arch(loaded.hf_config)
     family = family_for(source_arch.architecture)
     # Sharding (jaxserve/models/placement.py): with tp > 1 each device receives only its
     # shard of every weight and its KV heads; with one device this is a plain device_put.
     placement = _placement(config, source_arch, mesh)
-    if placement.arch.num_kv_heads != source_arch.num_kv_heads and quantization == "gguf":
+    if placement.arch.num_kv_heads != source_arch.num_kv_heads and \
+            quantization in ("gguf", "awq", "gptq"):
         raise ValueError(f"tensor_parallel_size={placement.tp} > {source_arch.num_kv_heads} KV "
-                         "heads replicates KV heads, which packed GGUF weights do not support "
-                         "yet; use quantization=None or int8, or a smaller tensor_parallel_size")
+                         f"heads replicates KV heads, which packed {quantization} weights do "
+                         "not support yet; choose a tensor_parallel_size <= the KV heads"
+                         + (" or quantization=None / int8" if quantization == "gguf" else ""))
     host_params = family.params_from_weights(placement.prepare(loaded.weights), placement.arch)
     if quantization == "int8":
         host_params = quantize_params_int8(host_params)

@@ -21,6 +21,7 @@ from jaxserve.loader.dummy import dummy_weights
 from jaxserve.loader.resolve import ResolvedModel, default_gguf_path, resolve_model
 from jaxserve.loader.weights import as_numpy_dtype, head_dim
 from jaxserve.models.registry import resolve_architecture, supported_architectures
+from jaxserve.quantization.awq_gptq import checkpoint_method, parse_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
     model_path: str = ""
     architecture: str = ""
+    quantization: str | None = None   # the mode the weights are in (awq / gptq: the checkpoint's)
 
 
 def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
@@ -60,7 +62,8 @@ def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in ("transformers_version", "_from_model_config")}
 
 
-def _load_hf_config(model_dir: str) -> tuple[Any, str]:
+def _load_hf_config(model_dir: str) -> tuple[Any, str, dict[str, Any] | None]:
+    """(transformers config, architecture, the raw quantization_config or None)."""
     import transformers
 
     config_path = Path(model_dir) / "config.json"
@@ -70,7 +73,8 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str]:
         raise ValueError(f"{config_path}: invalid JSON ({e})") from None
     architecture = resolve_architecture(raw.get("architectures"), raw.get("model_type"),
                                         str(config_path))
-    return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True), architecture
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return config, architecture, raw.get("quantization_config")
 
 
 def read_model_config(model: str | os.PathLike | None) -> tuple[Any, str]:
@@ -99,7 +103,11 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     needs only the config (a directory with config.json alone is enough).
     quantization: "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors packed (their weights
     entries are ``NAME.q4_1`` uint8 arrays, quantization/gguf_packed.py); "int8" and None
-    load float weights (int8 is applied to the params tree by the engine).
+    load float weights (int8 is applied to the params tree by the engine). An AWQ / GPTQ
+    checkpoint (config.json's quantization_config.quant_method) picks "awq" / "gptq" when
+    quantization is None, keeps its projections packed (``NAME.qweight`` ...,
+    quantization/awq_gptq.py), and refuses any other explicit mode.
+    LoadedModel.quantization is the mode the weights are in.
     """
     if quantization == "gguf" and load_format == "dummy":
         raise ValueError("quantization='gguf' keeps a GGUF file's packed tensors; it needs "
@@ -123,6 +131,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
             open_gguf,
         )
 
+        if quantization in ("awq", "gptq"):
+            raise ValueError(f"quantization={quantization!r} needs a {quantization} safetensors "
+                             f"checkpoint; {resolved.path} is a GGUF file (use gguf)")
         reader = open_gguf(resolved.path)
         hf_config = gguf_config(reader, resolved.path)
         architecture = hf_config.architectures[0]
@@ -138,11 +149,18 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                              "for a float checkpoint use quantization='int8'")
         from jaxserve.loader.safetensors_loader import load_safetensors_weights
 
-        hf_config, architecture = _load_hf_config(resolved.path)
+        hf_config, architecture, quant_config = _load_hf_config(resolved.path)
+        quantization = checkpoint_method(quant_config, quantization, resolved.path)
+        packed_int = (parse_quantization_config(quant_config)
+                      if quantization in ("awq", "gptq") else None)
         if load_format == "dummy":
+            if packed_int is not None:
+                raise ValueError(f"{resolved.path} is a {quantization} checkpoint; "
+                                 "load_format='dummy' makes float weights (use auto)")
             weights = dummy_weights(hf_config, numpy_dtype)
         else:
-            weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype)
+            weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype,
+                                               packed_int)
         loaded_tokenizer = load_tokenizer(tokenizer if tokenizer is not None else resolved.path)
         generation_config = read_generation_config(resolved.path)
     logger.info("loaded %s (%s, %s, %.1f MiB of weights) in %.2f s", resolved.path,
@@ -150,4 +168,4 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                 time.perf_counter() - start)
     return LoadedModel(hf_config=hf_config, weights=weights, tokenizer=loaded_tokenizer,
                        generation_config=generation_config, model_path=resolved.path,
-                       architecture=architecture)
+                       architecture=architecture, quantization=quantization)

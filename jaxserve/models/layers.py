@@ -25,6 +25,8 @@ from jaxserve.models.layer_matmul import (
     stacked_kernel,
 )
 from jaxserve.models.lora import lora_delta
+from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
+from jaxserve.quantization.awq_gptq import packed_int_matmul
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
@@ -81,6 +83,7 @@ class Linear(nn.Module):
       kernel [in, out] int8 + scale [out]        w8a16: (x @ kernel) * scale
       kernel [in, out] int8 + scale [in/g, out]  w8a16 group-wise: x @ (kernel * scale)
       q8_0 / q4_0 / q4_1 uint8 [out, packed]     GGUF blocks, dequantized in the jit
+      qweight int32 [in/p, out] + scales, zeros  AWQ / GPTQ (+ g_idx), dequantized in the jit
     so one module serves every family in every mode, and init makes the plain one.
     With LoRA on, the tree also holds the adapter slots ``lora_a`` [S, in, r] and ``lora_b``
     [S, r, out] (jaxserve/lora/stacks.py), and each token's delta from its slot
@@ -95,6 +98,9 @@ class Linear(nn.Module):
         fmt = packed_format_of(names)
         if fmt is not None:
             y = packed_matmul(x, self.get_variable("params", fmt), fmt, self.dtype)
+        elif "qweight" in names:    # AWQ / GPTQ (quantization/awq_gptq.py)
+            y = packed_int_matmul(x, {leaf: self.get_variable("params", leaf)
+                                      for leaf in AWQ_GPTQ_LEAVES if leaf in names}, self.dtype)
         elif "scale" in names:
             kernel = self.get_variable("params", "kernel")
             scale = self.get_variable("params", "scale").astype(self.dtype)
