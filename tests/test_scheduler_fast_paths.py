@@ -16,7 +16,6 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.sampling_params import SamplingParams
 
-
 pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 

@@ -136,9 +136,9 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
 
 
 def _abstract_lora(config: EngineConfig, family: Any, placement: Any, dtype: Any) -> Any:
-    from jaxserve.lora.peft_loader import supported_targets
     from jax.sharding import PartitionSpec as P
 
+    from jaxserve.lora.peft_loader import supported_targets
     from jaxserve.lora.stacks import LoRAStacks
 
     lc = config.lora_config

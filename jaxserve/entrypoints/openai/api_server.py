@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response
 import jaxserve
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.entrypoints.openai.errors import APIError, ClientGone, validation_error
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,10 +49,9 @@ from jaxserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     error_body,
 )
+from jaxserve.entrypoints.openai.request_body import parse_body
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.errors import APIError, ClientGone, validation_error
-from jaxserve.entrypoints.openai.request_body import parse_body
 from jaxserve.entrypoints.openai.serving_engine import INLINE_TOKEN_IDS, off_loop_if
 from jaxserve.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
@@ -59,8 +59,8 @@ from jaxserve.entrypoints.openai.serving_lora import (
     UnloadLoRAAdapterRequest,
 )
 from jaxserve.entrypoints.openai.tokenizer_info import tokenizer_info
-from jaxserve.metrics import CONTENT_TYPE, attach_metrics
 from jaxserve.loader.tokenizer import decode_releasing_gil
+from jaxserve.metrics import CONTENT_TYPE, attach_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
 from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect
 from jaxserve.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
 from jaxserve.entrypoints.openai.request_streams import (
     collect_finals,
     new_request_id,
@@ -40,7 +40,6 @@ from jaxserve.entrypoints.openai.tool_calls import (
 from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
 from jaxserve.outputs import RequestOutput
-
 
 INLINE_MESSAGES = 256       # longer conversations are rendered off the event loop
 

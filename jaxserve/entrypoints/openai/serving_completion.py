@@ -19,13 +19,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.entrypoints.openai.protocol import CompletionRequest, completion_response, usage_dict
 from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect
 from jaxserve.entrypoints.openai.logprobs_format import (
     echo_logprobs,
     legacy_logprobs,
     prompt_logprobs_json,
 )
+from jaxserve.entrypoints.openai.protocol import CompletionRequest, completion_response, usage_dict
 from jaxserve.entrypoints.openai.request_streams import (
     collect_finals,
     merge_streams,

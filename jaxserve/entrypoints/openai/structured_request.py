@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.entrypoints.openai.protocol import SamplingFields
 from jaxserve.entrypoints.openai.errors import APIError
+from jaxserve.entrypoints.openai.protocol import SamplingFields
 from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.config import ServerConfig
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxserve.entrypoints.openai.errors import APIError
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxserve.entrypoints.openai.tool_parsers import (
     ParsedToolCall,
     ToolParser,
