@@ -36,8 +36,9 @@ class ModelConfig:
         "auto", "auto reads the checkpoint (safetensors or GGUF); dummy builds random weights "
         "from the model's config alone (benchmarks of models you have no weights for).",
         choices=["auto", "dummy"])
-    dtype: str = opt("auto", "Weights and activations dtype: auto (float32 on CPU, bfloat16 "
-                     "on GPU), float32, bfloat16, float16.",
+    dtype: str = opt("auto", "Weights and activations dtype: auto (on CPU bfloat16 when it has "
+                     "bf16 matrix units -- AMX or AVX512-BF16 -- else float32; bfloat16 on "
+                     "GPU), float32, bfloat16, float16.",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"])
     quantization: str | None = opt(
         None, "Weight quantization (vLLM's flag). int8: weight-only int8 per output channel "
@@ -47,6 +48,10 @@ class ModelConfig:
         "int4/int8 projections stay packed and are dequantized inside the step; picked from "
         "config.json's quantization_config when unset. Default: weights in --dtype.",
         choices=["int8", "gguf", "awq", "gptq"])
+    matrix_units: str = opt(
+        "auto", "CPU matrix units dtype=auto may use: auto (detected from the CPU's flags: AMX, "
+        "AVX512-BF16), none (serve as on a CPU without bf16 units: float32).",
+        choices=["auto", "none"])
     max_model_len: int | None = opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
+from jaxserve.engine.compute_dtype import auto_compute_dtype
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization.cost import measured_cost
@@ -130,6 +131,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     phases = {**placed.phases, "load": load_seconds}
 
     devices = jax.devices()
+    if mc.dtype == "auto":
+        logger.info("compute dtype (dtype=auto): %s", auto_compute_dtype(platform,
+                                                                         mc.matrix_units)[1])
     logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
                 "weights, %.2fx %s), on %d %s device(s) (%s) [%.1f s]",
                 placed.model_path, arch.architecture, num_params / 1e6, np.dtype(dtype).name,

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.dtypes import resolve_dtype
+from jaxserve.engine.compute_dtype import resolve_dtype
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization import check_mode
@@ -95,7 +95,7 @@ def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedMod
     from jaxserve.loader import load_model
 
     mc = config.model_config
-    dtype = resolve_dtype(mc.dtype, platform)
+    dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
     quantization = check_mode(mc.quantization)
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
                         load_format=mc.load_format, quantization=quantization)
@@ -143,7 +143,7 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
         raise ValueError(f"{path} is a converted checkpoint; load_format={mc.load_format!r} "
                          "does not apply to it (use auto)")
     dtype = resolve_dtype(info.dtype, platform)
-    if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform) != dtype:
+    if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform, mc.matrix_units) != dtype:
         raise ValueError(f"{path} was converted in {info.dtype}; dtype={mc.dtype!r} needs "
                          f"`jaxserve convert --dtype {mc.dtype}`")
     quantization = check_mode(mc.quantization)

@@ -29,9 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import AttentionBackend
+from jaxserve.kernels.cpu.matmul import available as cpu_matmul_available
 from jaxserve.lora.stacks import LoRAStacks, with_lora
 from jaxserve.mesh import put_replicated
 from jaxserve.models.arch import ModelArch
+from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
 from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
@@ -232,9 +234,10 @@ class ModelRunner:
         self.model = family.build(arch, backend, num_blocks, block_size, dtype)
         mesh = getattr(input_sharding, "mesh", None)
         if backend.name == "cpu" and (mesh is None or mesh.size == 1) \
-                and jnp.dtype(dtype) == jnp.float32 and hasattr(self.model, "small_batch_layer_matmul"):
-            # Small steps read each layer's weights in place (models/layer_matmul.py): the
-            # C++ library of the CPU attention backend is loaded already.
+                and jnp.dtype(dtype) in IN_PLACE_DTYPES \
+                and hasattr(self.model, "small_batch_layer_matmul") and cpu_matmul_available():
+            # Steps read each layer's weights in place through the oneDNN library
+            # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
             self.model = self.model.clone(small_batch_layer_matmul=True)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
         # device). step_channel: set on a multi-host leader (jaxserve/parallel/distributed.py).
