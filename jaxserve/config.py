@@ -285,6 +285,30 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = opt(
         False, "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates "
         "them behind VLLM_ALLOW_RUNTIME_LORA_UPDATING; here a flag).")
+    # -- faults, overload, shutdown (jaxserve/engine/async_engine.py) --
+    max_engine_restarts: int = opt(
+        3, "After a failed engine step (a device error, a bug) the requests in that step get "
+        "503, the engine rebuilds its state in-process (KV cache contents dropped, queued "
+        "requests re-run) and serves again; after this many restarts in a row with no good "
+        "step between, the process exits with status 1 so a supervisor restarts it.")
+    max_queued_requests: int = opt(
+        1024, "Admission control (SGLang's flag): sequences (prompts x n of each request) that "
+        "may wait beyond the running batch (--max-num-seqs per replica). A request that does "
+        "not fit gets 503 with Retry-After at once, so a load balancer can send it elsewhere. "
+        "The default bounds the memory of queued prompts (a waiting sequence holds its prompt "
+        "ids, up to max_model_len, and its detokenizer: ~0.3 GB for 1,024 8k-token prompts) "
+        "and still admits the largest single request (1,024 choices) on an idle server. "
+        "-1: no limit.")
+    max_queue_time: float | None = opt(
+        None, "Seconds a request may wait without being scheduled; then it gets 503 (with "
+        "Retry-After) instead of waiting on. Default: no limit.")
+    shutdown_timeout: float = opt(
+        30.0, "On SIGTERM/SIGINT: seconds running requests get to finish (new ones get 503) "
+        "before the rest are aborted (finish_reason \"abort\"); then the process exits 0. "
+        "A second SIGINT exits at once.")
+    fault_injection_every_steps: int = opt(
+        0, "TESTING ONLY (benchmarks/soak.py): inject a step fault every N engine steps to "
+        "exercise in-process recovery; each fault fails the requests in that step. 0: off.")
 
 
 @dataclass

@@ -53,6 +53,8 @@ class FakeEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.script: str | None = None
+        self.fault_hook = None
+        self.num_recoveries = 0
 
     def add_request(self, request_id, prompt, params: SamplingParams, *, prompt_token_ids=None,
                     arrival_time=None) -> None:
@@ -83,9 +85,24 @@ class FakeEngine:
         # though the next step() still returns it.
         return any(f is None for state in self.requests.values() for f in state["finish"])
 
+    def unscheduled_requests(self) -> dict[str, float]:
+        return {rid: state["metrics"].arrival_time for rid, state in self.requests.items()
+                if state["metrics"].first_scheduled_time is None}
+
+    def recover(self) -> None:
+        self.requests.clear()
+        self.num_recoveries += 1
+
     def step(self) -> list[RequestOutput]:
+        now = time.time()
+        for state in self.requests.values():      # every request is in every step
+            m = state["metrics"]
+            m.first_scheduled_time = m.first_scheduled_time or now
         if self.fail_next_step:
+            self.fail_next_step = False
             raise RuntimeError("injected engine failure")
+        if self.fault_hook is not None:
+            self.fault_hook()
         if self.step_delay:
             time.sleep(self.step_delay)
         now = time.time()

@@ -173,47 +173,50 @@ class OutputProcessor:
         eos_token_ids = self.eos_token_ids
         stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
         for row, seq in received:
-            state = requests[seq.request_id]
-            params = state.params
-            if seq.logprobs is not None or seq.grammar is not None or params.max_tokens == 0:
-                status = self.process_token(seq, result, row, now)
-                if status is not None:
-                    finished.append((seq, status))
-                continue
-            if params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                self._changed[seq.request_id] = state   # (FINAL_ONLY: only when it finishes)
-            metrics = state.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            token_ids = seq.token_ids
-            token = token_ids[-1]
-            text = state.texts[seq.index]
-            detok = text.detok
-            delta = ""
-            if detok is not None:
-                delta = detok.step_token(token)
-                if delta:
-                    text.text += delta
-            num_tokens = len(token_ids)
-            status = None
-            if num_tokens - seq.num_prompt_tokens > params.min_tokens:
-                if token in eos_token_ids and not params.ignore_eos:
-                    status = stopped
-                elif token in state.stop_token_ids:
-                    seq.stop_reason = token
-                    status = stopped
-                elif delta and params.stop and state.stops.may_complete(delta):
-                    match = state.stops.check(text.text, len(delta))
-                    if match is not None:
-                        seq.stop_reason, text.text = match
+            try:
+                state = requests[seq.request_id]
+                params = state.params
+                if seq.logprobs is not None or seq.grammar is not None or params.max_tokens == 0:
+                    status = self.process_token(seq, result, row, now)
+                    if status is not None:
+                        finished.append((seq, status))
+                    continue
+                if params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    self._changed[seq.request_id] = state   # (FINAL_ONLY: only when it finishes)
+                metrics = state.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
+                token_ids = seq.token_ids
+                token = token_ids[-1]
+                text = state.texts[seq.index]
+                detok = text.detok
+                delta = ""
+                if detok is not None:
+                    delta = detok.step_token(token)
+                    if delta:
+                        text.text += delta
+                num_tokens = len(token_ids)
+                status = None
+                if num_tokens - seq.num_prompt_tokens > params.min_tokens:
+                    if token in eos_token_ids and not params.ignore_eos:
                         status = stopped
-            if status is None and num_tokens >= seq.max_num_tokens:
-                status = length
-            if status is not None:
-                self._changed[seq.request_id] = state
-                self._finish(state, text, status, now)
-                finished.append((seq, status))
+                    elif token in state.stop_token_ids:
+                        seq.stop_reason = token
+                        status = stopped
+                    elif delta and params.stop and state.stops.may_complete(delta):
+                        match = state.stops.check(text.text, len(delta))
+                        if match is not None:
+                            seq.stop_reason, text.text = match
+                            status = stopped
+                if status is None and num_tokens >= seq.max_num_tokens:
+                    status = length
+                if status is not None:
+                    self._changed[seq.request_id] = state
+                    self._finish(state, text, status, now)
+                    finished.append((seq, status))
+            except Exception as exc:   # this request's data failed: it alone ends
+                finished.append((seq, self.fail(seq, exc)))
         return finished
 
     def process_token(self, seq: Sequence, result: RunnerOutput, row: int, now: float
@@ -253,6 +256,15 @@ class OutputProcessor:
         if status is not None:
             self._finish(state, text, status, now)
         return status
+
+    def fail(self, seq: Sequence, exc: BaseException) -> SequenceStatus:
+        """End ``seq``'s request with finish_reason "error" after its own output processing
+        (stop strings, detokenization, logprobs) raised: the engine and every other request
+        go on. Returns the status to finish ``seq`` with in the scheduler."""
+        logger.error("request %s failed in output processing: %r", seq.request_id, exc,
+                     exc_info=exc)
+        self.abort(seq.request_id, reason="error")
+        return SequenceStatus.FINISHED_ERROR
 
     @staticmethod
     def _finish(state: RequestState, text: _SeqText, status: SequenceStatus, now: float

@@ -251,6 +251,7 @@ class ModelRunner:
         cache_spec = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
         self._kv_fill: dict[str, Any] = {}
+        self._zeros = zeros      # reset() refills the cache with it after a failed step
         # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
         self.startup_timings: dict[str, float] = {}
         self._kv_thread: threading.Thread | None = threading.Thread(
@@ -305,6 +306,18 @@ class ModelRunner:
             raise self._kv_fill["error"]
         self._k_cache, self._v_cache = self._kv_fill.pop("k"), self._kv_fill.pop("v")
         self._kv_thread = None
+
+    def reset(self) -> None:
+        """Forget every row and refill the KV cache and the device-side last tokens with
+        zeros: after a failed step the donated buffers may be consumed or hold an error, so
+        nothing of the old device state is trusted (the engine discards the KV contents)."""
+        self._wait_kv_cache()
+        for seq_id in list(self.batch.row_of):
+            self.batch.remove(seq_id)
+        self._k_cache = self._v_cache = None       # free the old cache before the new one
+        self._k_cache = self._zeros()
+        self._v_cache = jax.block_until_ready(self._zeros())
+        self.last_tokens = self._put(np.zeros(self.batch.max_num_seqs + 1, np.int32))
 
     def _wait_params(self) -> None:
         if self._params_pending is not None:

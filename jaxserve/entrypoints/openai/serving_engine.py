@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.errors import EngineUnavailableError
 from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
 from jaxserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -35,10 +36,12 @@ class APIError(Exception):
     """An error to send in OpenAI's shape: {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = (
             message, status, type, param, code)
+        self.headers = headers       # e.g. Retry-After on a 503
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -54,8 +57,9 @@ def engine_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ValueError):
         return APIError(str(exc))
-    if isinstance(exc, EngineDeadError):
-        return APIError(str(exc), 503, "service_unavailable", code="engine_dead")
+    if isinstance(exc, EngineUnavailableError):
+        headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return APIError(str(exc), 503, "service_unavailable", code=exc.code, headers=headers)
     return APIError(f"internal error: {exc!r}", 500, "internal_server_error")
 
 
@@ -138,9 +142,20 @@ class OpenAIServing:
         return self.lora_registry.lookup(model)
 
     def check_engine(self) -> None:
-        if not self.engine.is_healthy:
-            raise APIError("the engine is not running", 503, "service_unavailable",
-                           code="engine_dead")
+        """503 now if the engine is dead or the server is shutting down."""
+        error = self.engine.admission_error()
+        if error is not None:
+            raise engine_error(error)
+
+    def check_capacity(self) -> None:
+        """503 at once (before the body is read and tokenized) when the engine is not
+        taking requests or admission control has no room for even one sequence."""
+        self.check_engine()
+        try:
+            self.engine.reserve(1)
+        except EngineUnavailableError as exc:
+            raise engine_error(exc) from None
+        self.engine.release(1)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= _TOKENIZE_INLINE_CHARS:
@@ -202,7 +217,12 @@ class OpenAIServing:
         A LoRA adapter's weights are loaded here, off the engine thread, when the host LRU
         no longer holds them."""
         self.check_engine()
-        streams, ids = [], []
+        num_seqs = [p.n for p in params]
+        cap = self.engine.max_unfinished_seqs
+        if cap is not None and sum(num_seqs) > cap:
+            raise APIError(f"the request asks for {sum(num_seqs)} sequences (prompts x n); "
+                           f"this server admits at most {cap} at once (--max-num-seqs + "
+                           "--max-queued-requests)", param="n")
         extra = {}
         if lora_request is not None:
             try:
@@ -211,19 +231,27 @@ class OpenAIServing:
             except ValueError as exc:
                 raise APIError(str(exc), param="model") from None
         try:
+            self.engine.reserve(sum(num_seqs))     # QueueFullError: 503 + Retry-After
+        except EngineUnavailableError as exc:
+            raise engine_error(exc) from None
+        streams, ids = [], []
+        try:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
                 request_id = f"{prefix}-{i}"
                 if self.log_requests:
                     request_logger.info("Received request %s: %d prompt tokens, %r",
                                         request_id, len(token_ids), sampling_params)
-                stream = await self.engine.add_request(request_id, None, sampling_params,
-                                                       prompt_token_ids=token_ids, **extra)
+                stream = await self.engine.add_request(
+                    request_id, None, sampling_params, prompt_token_ids=token_ids,
+                    reserved_seqs=num_seqs[i], **extra)
                 ids.append(request_id)
                 streams.append(self.engine.stream_outputs(stream))
         except BaseException as exc:
+            # Submitted requests give their sequences back as they end; the rest now.
+            self.engine.release(sum(num_seqs[len(ids) + 1:]))
             for request_id in ids:
                 self.engine.abort(request_id)
-            if isinstance(exc, (ValueError, EngineDeadError)):
+            if isinstance(exc, (ValueError, EngineUnavailableError)):
                 raise engine_error(exc) from None
             raise
         return streams
