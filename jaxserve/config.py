@@ -310,6 +310,17 @@ class ServerConfig:
         0, "TESTING ONLY (benchmarks/soak.py): inject a step fault every N engine steps to "
         "exercise in-process recovery; each fault fails the requests in that step. 0: off.")
 
+    def check(self) -> "ServerConfig":
+        """Range-check the options; returns self."""
+        _check_range("max_engine_restarts", self.max_engine_restarts, 0, 1 << 20)
+        _check_range("max_queued_requests", self.max_queued_requests, -1, 1 << 30)
+        if self.max_queue_time is not None:
+            _check_range("max_queue_time", self.max_queue_time, 0.0, 1e9)
+        _check_range("shutdown_timeout", self.shutdown_timeout, 0.0, 1e9)
+        _check_range("fault_injection_every_steps", self.fault_injection_every_steps, 0,
+                     1 << 40)
+        return self
+
 
 @dataclass
 class ServeConfig(FlatOptions):

@@ -412,3 +412,6 @@ def test_flags_reach_the_config():
     assert (server.max_queued_requests, server.max_queue_time, server.shutdown_timeout,
             server.max_engine_restarts) == (5, 2.5, 7.0, 1)
     assert ServeConfig().server.max_queued_requests == 1024
+    server.max_engine_restarts = -1
+    with pytest.raises(ValueError, match="max_engine_restarts"):
+        server.check()

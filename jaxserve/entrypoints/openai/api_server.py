@@ -167,6 +167,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         serving.log_requests = not config.server.disable_log_requests
     lora = OpenAIServingLoRA(getattr(engine.engine, "lora_registry", None), names[0])
     lora.load_startup_modules(config.server.lora_modules)
+    config.server.check()
     engine.max_unfinished_seqs = admission_limit(config)
     engine.max_queue_time = config.server.max_queue_time
     engine.max_restarts = config.server.max_engine_restarts
