@@ -80,7 +80,7 @@ def served_model_names(config: ServeConfig, engine: AsyncLLMEngine) -> list[str]
         return list(names)
     if config.engine.model_config.model:
         return [config.engine.model_config.model]
-    path = engine.engine.model_path
+    path = engine.model_path
     return [os.path.basename(str(path)).removesuffix(".gguf") if path else "default"]
 
 
@@ -165,7 +165,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     chat = OpenAIServingChat(engine, names, config.server)
     for serving in (completions, chat):
         serving.log_requests = not config.server.disable_log_requests
-    lora = OpenAIServingLoRA(getattr(engine.engine, "lora_registry", None), names[0])
+    lora = OpenAIServingLoRA(engine.lora_registry, names[0])
     lora.load_startup_modules(config.server.lora_modules)
     config.server.check()
     engine.max_unfinished_seqs = admission_limit(config)

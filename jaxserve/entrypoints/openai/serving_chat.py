@@ -42,8 +42,8 @@ from jaxserve.entrypoints.openai.tool_calls import (
     tool_calls_message,
 )
 from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
 from jaxserve.outputs import RequestOutput
-from jaxserve.tokenizer import apply_chat_template, read_chat_template
 
 
 class OpenAIServingChat(OpenAIServing):
