@@ -46,7 +46,7 @@ $(GPU_STAMP): $(STAMP)
 	$(PY) -c "import site; print(site.getsitepackages()[0])" > \
 	  $$($(GPU_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_base_venv.pth
 	$(GPU_VENV)/bin/python -m pip install -q $$($(PY) -c "import tomllib; \
-	  print(' '.join(repr(d) for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-compile']))")
+	  print(' '.join(d.replace(' ', '') for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-compile']))")
 	touch $(GPU_STAMP)
 
 test-gpu-compile: setup $(GPU_STAMP)

@@ -297,6 +297,41 @@ class ServerConfig:
         5.0, "GET /health answers 503 while one engine iteration (a step, or admitting "
         "requests) has been running longer than this many seconds. A step of a loaded CPU "
         "takes up to about a second; a stall of this length means every stream is stuck.")
+    # -- faults, overload, shutdown (jaxserve/engine/async_engine.py) --
+    max_engine_restarts: int = opt(
+        3, "After a failed engine step (a device error, a bug) the requests in that step get "
+        "503, the engine rebuilds its state in-process (KV cache contents dropped, queued "
+        "requests re-run) and serves again; after this many restarts in a row with no good "
+        "step between, the process exits with status 1 so a supervisor restarts it.")
+    max_queued_requests: int = opt(
+        1024, "Admission control (SGLang's flag): sequences (prompts x n of each request) that "
+        "may wait beyond the running batch (--max-num-seqs per replica). A request that does "
+        "not fit gets 503 with Retry-After at once, so a load balancer can send it elsewhere. "
+        "The default bounds the memory of queued prompts (a waiting sequence holds its prompt "
+        "ids, up to max_model_len, and its detokenizer: ~0.3 GB for 1,024 8k-token prompts) "
+        "and still admits the largest single request (1,024 choices) on an idle server. "
+        "-1: no limit.")
+    max_queue_time: float | None = opt(
+        None, "Seconds a request may wait without being scheduled; then it gets 503 (with "
+        "Retry-After) instead of waiting on. Default: no limit.")
+    shutdown_timeout: float = opt(
+        30.0, "On SIGTERM/SIGINT: seconds running requests get to finish (new ones get 503) "
+        "before the rest are aborted (finish_reason \"abort\"); then the process exits 0. "
+        "A second SIGINT exits at once.")
+    fault_injection_every_steps: int = opt(
+        0, "TESTING ONLY (benchmarks/soak.py): inject a step fault every N engine steps to "
+        "exercise in-process recovery; each fault fails the requests in that step. 0: off.")
+
+    def check(self) -> "ServerConfig":
+        """Range-check the options; returns self."""
+        _check_range("max_engine_restarts", self.max_engine_restarts, 0, 1 << 20)
+        _check_range("max_queued_requests", self.max_queued_requests, -1, 1 << 30)
+        if self.max_queue_time is not None:
+            _check_range("max_queue_time", self.max_queue_time, 0.0, 1e9)
+        _check_range("shutdown_timeout", self.shutdown_timeout, 0.0, 1e9)
+        _check_range("fault_injection_every_steps", self.fault_injection_every_steps, 0,
+                     1 << 40)
+        return self
 
 
 @dataclass

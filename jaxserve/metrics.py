@@ -94,6 +94,30 @@ class _EngineCollector(Collector):
             yield info
 
 
+class _ResilienceCollector(Collector):
+    """In-process engine restarts and rejected requests, read from the AsyncLLMEngine."""
+
+    REASONS = ("queue_full", "queue_timeout")     # errors.QueueFullError / QueueTimeoutError
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        restarts = CounterMetricFamily(
+            "jaxserve:engine_restarts", "In-process engine restarts after a failed step.",
+            labels=["model_name"])
+        restarts.add_metric([self.model_name], self.engine.num_restarts)
+        yield restarts
+        rejected = CounterMetricFamily(
+            "jaxserve:num_requests_rejected", "Requests refused with 503 by admission "
+            "control, by reason.", labels=["model_name", "reason"])
+        counts = dict(self.engine.num_rejected)
+        for reason in sorted(set(self.REASONS) | set(counts)):
+            rejected.add_metric([self.model_name, reason], counts.get(reason, 0))
+        yield rejected
+
+
 class ServerMetrics:
     """The metrics of one app: a private registry plus per-request recording."""
 
@@ -155,6 +179,12 @@ class ServerMetrics:
             self.request_success.labels(self.model_name, reason).inc()
             self._e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that ended with an error and no final output (engine thread)."""
+        with self._lock:
+            for request_id in request_ids:
+                self._progress.pop(request_id, None)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -162,5 +192,7 @@ class ServerMetrics:
 def attach_metrics(engine: Any, model_name: str) -> ServerMetrics:
     """Metrics for an AsyncLLMEngine: snapshot gauges plus an output observer."""
     metrics = ServerMetrics(model_name, lambda: engine.snapshot)
+    metrics.registry.register(_ResilienceCollector(engine, model_name))
     engine.add_output_observer(metrics.observe)
+    engine.add_failure_observer(metrics.forget)
     return metrics

@@ -63,6 +63,8 @@ class FakeEngine:
         self.first_token_step: dict[str, int] = {}     # request id -> step of its first token
         self.frontend = Frontend(self, self.tokenizer, max_model_len,
                                  self.config.model_config.max_logprobs)
+        self.fault_hook = None
+        self.num_recoveries = 0
 
     def add_request(self, request_id, prompt, params: SamplingParams | None = None,
                     **kwargs) -> None:
@@ -107,9 +109,24 @@ class FakeEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def unscheduled_requests(self) -> dict[str, float]:
+        return {rid: state["metrics"].arrival_time for rid, state in self.requests.items()
+                if state["metrics"].first_scheduled_time is None}
+
+    def recover(self) -> None:
+        self.requests.clear()
+        self.num_recoveries += 1
+
     def step_core(self) -> list[EngineCoreOutput]:
+        now = time.time()
+        for state in self.requests.values():      # every request is in every step
+            m = state["metrics"]
+            m.first_scheduled_time = m.first_scheduled_time or now
         if self.fail_next_step:
+            self.fail_next_step = False
             raise RuntimeError("injected engine failure")
+        if self.fault_hook is not None:
+            self.fault_hook()
         if self.step_delay:
             time.sleep(self.step_delay)
         now = time.time()

@@ -37,6 +37,14 @@ class DraftModelProposer:
         self._greedy = SamplingParams(temperature=0.0, max_tokens=num_speculative_tokens)
         self._finished: list[int] = []          # last round's mirrors: rows to drop
 
+    def reset(self) -> None:
+        """Forget every mirror and the draft cache (the engine recovers from a failed step)."""
+        blocks = self.block_manager
+        self.block_manager = BlockManager(blocks.num_blocks, blocks.block_size,
+                                          blocks.enable_prefix_caching)
+        self.runner.reset()
+        self._finished = []
+
     def propose(self, histories: Seq[Seq[int]], max_drafts: Seq[int]) -> list[list[int]]:
         """Per sequence, up to min(k, max_drafts[i]) greedy draft tokens."""
         mirrors: list[tuple[int, Sequence, int]] = []       # (index, mirror, drafts wanted)

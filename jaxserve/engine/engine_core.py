@@ -76,6 +76,8 @@ class EngineCore(Protocol):
     tokenizer: Any
     max_model_len: int
     model_path: str
+    # Tests only: called inside step(); an exception it raises is a step fault (recovery).
+    fault_hook: Any
 
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     sampling_params: SamplingParams | None = None, *,
@@ -102,6 +104,14 @@ class EngineCore(Protocol):
         """`step_core` plus the front end: RequestOutputs of requests that changed."""
 
     def has_unfinished_requests(self) -> bool: ...
+
+    def unscheduled_requests(self) -> dict[str, float]:
+        """Request id -> arrival time (time.time()) of unfinished requests none of whose
+        sequences has been scheduled yet."""
+
+    def recover(self) -> None:
+        """After step() raised: drop every request (no outputs for them), discard the KV
+        cache contents, keep weights and compiled steps; counters never go backwards."""
 
     def get_num_unfinished_requests(self) -> int: ...
 

@@ -8,6 +8,7 @@ core every sequence a stop string ended.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,6 +16,8 @@ from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.request_text import RequestText, TokenTexts
 from jaxserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Frontend:
@@ -57,7 +60,13 @@ class Frontend:
             request = self.requests.get(core_output.request_id)
             if request is None:
                 continue                # finished here already (a stop string)
-            to_stop += [(request.request_id, i) for i in request.apply(core_output)]
+            try:
+                to_stop += [(request.request_id, i) for i in request.apply(core_output)]
+            except Exception as exc:   # this request's text failed: it alone ends
+                logger.error("request %s failed in output processing: %r",
+                             request.request_id, exc, exc_info=exc)
+                request.fail()
+                self.core.abort_request(request.request_id)
             output = request.make_output()
             if request.finished:
                 del self.requests[request.request_id]

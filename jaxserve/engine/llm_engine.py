@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -77,17 +77,9 @@ class LLMEngine:
         self.tokenizer = s.tokenizer
         self.max_model_len = s.max_model_len
         self.model_path = s.model_path
-        self.block_manager = BlockManager(s.kv_plan.num_blocks, s.kv_plan.block_size,
-                                          config.cache_config.enable_prefix_caching)
-        lc = config.lora_config
         self.lora_registry = s.lora_registry    # None: LoRA off
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
-                                   max_loras=lc.max_loras if lc.enable_lora else 0)
         self.runner = s.runner
-        self.outputs = OutputProcessor(s.eos_token_ids, s.max_model_len,
-                                       s.default_sampling_overrides, seed=config.model_config.seed)
-        self.frontend = Frontend(self, self.tokenizer, s.max_model_len,
-                                 config.model_config.max_logprobs)
+        self._build_request_state()
         self.stats = EngineStats()
         if log_stats is None:
             log_stats = not config.runner_config.disable_log_stats
@@ -108,6 +100,47 @@ class LLMEngine:
             self.stats.enable_spec_decode(self.spec.num_speculative_tokens)
         self._drafting = True          # the last proposal found drafts (or none was made)
         self._steps_until_proposal = 0
+        # Tests only: called inside step() after a dispatch, so an exception it raises is a
+        # step fault with steps in flight (jaxserve/engine/fault_injection.py). None: off.
+        self.fault_hook: Callable[[], None] | None = None
+
+    def _build_request_state(self) -> None:
+        """A fresh block manager, scheduler and output processor: no request, empty cache."""
+        s, config = self.setup, self.config
+        self.block_manager = BlockManager(s.kv_plan.num_blocks, s.kv_plan.block_size,
+                                          config.cache_config.enable_prefix_caching)
+        lc = config.lora_config
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
+                                   max_loras=lc.max_loras if lc.enable_lora else 0)
+        self.outputs = OutputProcessor(s.eos_token_ids, s.max_model_len,
+                                       s.default_sampling_overrides, seed=config.model_config.seed)
+        self.frontend = Frontend(self, self.tokenizer, s.max_model_len,
+                                 config.model_config.max_logprobs)
+
+    def recover(self) -> None:
+        """Rebuild after a failed step: every request is dropped (their outputs are never
+        returned; the caller fails or re-adds them), the KV cache is zeroed, the weights and
+        compiled steps stay. Prometheus counters (stats, prefix-cache and preemption totals)
+        carry over, so they never go backwards."""
+        blocks, scheduler = self.block_manager, self.scheduler
+        self._in_flight.clear()
+        self._compiling.clear()
+        self._build_request_state()
+        self.block_manager.prefix_cache_queries = blocks.prefix_cache_queries
+        self.block_manager.prefix_cache_hits = blocks.prefix_cache_hits
+        self.scheduler.num_preemptions = scheduler.num_preemptions
+        self.runner.reset()
+        if hasattr(self._proposer, "reset"):      # a draft model has its own rows and cache
+            self._proposer.reset()
+        self._drafting = True
+        self._steps_until_proposal = 0
+
+    def unscheduled_requests(self) -> dict[str, float]:
+        """Request id -> arrival time of every unfinished request none of whose sequences
+        has been scheduled yet (still queued: recovery re-runs them, queue timeouts end them)."""
+        return {request_id: state.metrics.arrival_time
+                for request_id, state in self.outputs.requests.items()
+                if state.metrics.first_scheduled_time is None and not state.finished}
 
     @property
     def grammars(self) -> GrammarService:
@@ -203,16 +236,20 @@ class LLMEngine:
         max_in_flight = self._max_in_flight()
         if len(self._in_flight) < max_in_flight and self.scheduler.has_unfinished():
             out = self.scheduler.schedule(self._propose())
+            # Marked before anything can fail: a request whose data breaks this step counts
+            # as scheduled, so recovery fails it rather than re-queueing it forever.
+            now = time.time()
+            for new in out.new_seqs:
+                self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
             if self._grammars is not None:
                 out.grammar_bitmask = grammar_bitmask(out, self.scheduler.get_seq,
                                                       self.vocab_size)
             pending = self.runner.execute(out)      # applies the diffs even with no tokens
             if pending is not None:
-                now = time.time()
-                for new in out.new_seqs:
-                    self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
                 self._in_flight.append((out, pending, time.perf_counter()))
                 dispatched = True
+                if self.fault_hook is not None:
+                    self.fault_hook()
         if self._in_flight and (len(self._in_flight) >= max_in_flight or not dispatched):
             self._collect(*self._in_flight.popleft())
         if self.log_stats:
@@ -275,24 +312,32 @@ class LLMEngine:
         for row, chunk in result.prompt_logprobs.items():   # before the tokens: a request
             seq = self.scheduler.get_seq(out.seq_ids[row])   # may finish with its prompt
             if seq is not None:
-                self.outputs.process_prompt_logprobs(seq, chunk)
+                try:
+                    self.outputs.process_prompt_logprobs(seq, chunk)
+                except Exception as exc:   # this request's data failed: it alone ends
+                    self._finish_seq(seq, self.outputs.fail(seq, exc))
         emitted = result.emitted_token_ids
         received = self.scheduler.update_from_output(out, result.sampled_token_ids, emitted)
         stride = result.logprobs_stride
         num_generated = 0
         for row, seq in received:
-            status = self.outputs.process_token(seq, result, row * stride, now)
-            num_generated += 1
-            # Accepted drafts: one at a time, each through the stop checks (EOS, a stop
-            # string or max_tokens inside the drafts ends the sequence there).
-            for j, token in enumerate(emitted[row][1:] if emitted else (), start=1):
-                if status is not None:
-                    break
-                seq.token_ids.append(token)
-                status = self.outputs.process_token(seq, result, row * stride + j, now)
+            if seq.is_finished:            # a sibling's failure ended its request
+                continue
+            try:
+                status = self.outputs.process_token(seq, result, row * stride, now)
                 num_generated += 1
+                # Accepted drafts: one at a time, each through the stop checks (EOS, a stop
+                # string or max_tokens inside the drafts ends the sequence there).
+                for j, token in enumerate(emitted[row][1:] if emitted else (), start=1):
+                    if status is not None:
+                        break
+                    seq.token_ids.append(token)
+                    status = self.outputs.process_token(seq, result, row * stride + j, now)
+                    num_generated += 1
+            except Exception as exc:   # this request's data failed: it alone ends
+                status = self.outputs.fail(seq, exc)
             if status is not None:
-                self.scheduler.finish_seq(seq, status)
+                self._finish_seq(seq, status)
         if out.draft_token_ids and emitted is not None:
             self.stats.record_drafts(out, emitted)
         self.stats.record_step(
@@ -300,6 +345,13 @@ class LLMEngine:
             - sum(map(len, out.draft_token_ids.values())),
             num_generation_tokens=num_generated, num_preempted=len(out.preempted_seq_ids),
             dispatch_time=dispatch_time, collect_time=time.perf_counter())
+
+    def _finish_seq(self, seq: Any, status: SequenceStatus) -> None:
+        """A failed sequence ends its whole request (every sibling); others end alone."""
+        if status is SequenceStatus.FINISHED_ERROR:
+            self.scheduler.abort_request(seq.request_id, status)
+        else:
+            self.scheduler.finish_seq(seq, status)
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, blocks, stats = self.scheduler, self.block_manager, self.stats

@@ -156,6 +156,15 @@ class OutputProcessor:
             self._finish(state, seq, status, now)
         return status
 
+    def fail(self, seq: Sequence, exc: BaseException) -> SequenceStatus:
+        """End ``seq``'s request with finish_reason "error" after its own output processing
+        (logprobs, grammar, stop checks) raised: the engine and every other request go on.
+        Returns the status to finish ``seq`` with in the scheduler."""
+        logger.error("request %s failed in output processing: %r", seq.request_id, exc,
+                     exc_info=exc)
+        self.finish(seq.request_id, None, "error")
+        return SequenceStatus.FINISHED_ERROR
+
     def _check_stop(self, seq: Sequence, state: RequestState, token: int
                     ) -> SequenceStatus | None:
         params = state.params

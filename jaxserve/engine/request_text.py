@@ -168,6 +168,15 @@ class RequestText:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
         return False
 
+    def fail(self) -> None:
+        """End every unfinished sequence with finish_reason "error" (this request's own text
+        processing raised: it alone ends; the caller aborts it in the engine)."""
+        for seq in self.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+                self._changed[seq.index] = seq
+        self.finished = True
+
     # -- output ------------------------------------------------------------------------------
     def make_output(self) -> RequestOutput | None:
         """The RequestOutput owed since the last one (None: nothing to send now)."""

@@ -63,6 +63,7 @@ class DataParallelEngine:
                                  config.model_config.max_logprobs)
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")
+        self.fault_hook: Any = None       # tests only: a step fault (engine_core.EngineCore)
 
     # -- requests ------------------------------------------------------------------------------
     def least_loaded(self) -> int:
@@ -115,6 +116,15 @@ class DataParallelEngine:
     def get_num_unfinished_requests(self) -> int:
         return sum(r.get_num_unfinished_requests() for r in self.replicas)
 
+    def unscheduled_requests(self) -> dict[str, float]:
+        return {k: v for r in self.replicas for k, v in r.unscheduled_requests().items()}
+
+    def recover(self) -> None:
+        """Every replica starts over: one replica's failed step fails the whole step."""
+        for replica in self.replicas:
+            replica.recover()
+        self._owner.clear()
+
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """`step_core` plus the front end (jaxserve/engine/frontend.py)."""
@@ -122,6 +132,8 @@ class DataParallelEngine:
 
     def step_core(self) -> list[EngineCoreOutput]:
         """Step every replica that has work, concurrently; their outputs, replica order."""
+        if self.fault_hook is not None:
+            self.fault_hook()
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         if len(busy) <= 1:
             results = [r.step_core() for r in busy]

@@ -255,6 +255,7 @@ class ModelRunner:
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         kv_dtype = kv_cache_dtype or dtype
         self._kv_fill: dict[str, Any] = {}
+        self._zeros: Any = None   # reset() refills the cache with it after a failed step
         # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
         self.startup_timings: dict[str, float] = {}
         self._kv_thread: threading.Thread | None = None
@@ -265,6 +266,7 @@ class ModelRunner:
             # int8 / fp8: a QuantizedKV (values + per-slot-head scales), quantization/kv.py
             zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
                             out_shardings=kv_sharding).lower().compile()
+            self._zeros = zeros
             # Zero-filling the cache (4 GiB by default on CPU: page faults and a memset, ~2 s
             # here) runs in a thread while warm-up compiles or loads the steps, which need
             # only its shapes and shardings; warmup() (or the first use of k_cache) waits.
@@ -323,6 +325,18 @@ class ModelRunner:
             raise self._kv_fill["error"]
         self._k_cache, self._v_cache = self._kv_fill.pop("k"), self._kv_fill.pop("v")
         self._kv_thread = None
+
+    def reset(self) -> None:
+        """Forget every row and refill the KV cache and the device-side last tokens with
+        zeros: after a failed step the donated buffers may be consumed or hold an error, so
+        nothing of the old device state is trusted (the engine discards the KV contents)."""
+        self._wait_kv_cache()
+        for seq_id in list(self.batch.row_of):
+            self.batch.remove(seq_id)
+        self._k_cache = self._v_cache = None       # free the old cache before the new one
+        self._k_cache = self._zeros()
+        self._v_cache = jax.block_until_ready(self._zeros())
+        self.last_tokens = self._put(np.zeros(self.batch.max_num_seqs + 1, np.int32))
 
     def _wait_params(self) -> None:
         if self._params_pending is not None:

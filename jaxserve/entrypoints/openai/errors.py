@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.errors import EngineUnavailableError
 from jaxserve.entrypoints.openai.protocol import error_body
 
 
@@ -16,10 +16,12 @@ class APIError(Exception):
     """An error to send in OpenAI's shape: {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = (
             message, status, type, param, code)
+        self.headers = headers       # e.g. Retry-After on a 503
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -35,8 +37,9 @@ def engine_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ValueError):
         return APIError(str(exc))
-    if isinstance(exc, EngineDeadError):
-        return APIError(str(exc), 503, "service_unavailable", code="engine_dead")
+    if isinstance(exc, EngineUnavailableError):
+        headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return APIError(str(exc), 503, "service_unavailable", code=exc.code, headers=headers)
     return APIError(f"internal error: {exc!r}", 500, "internal_server_error")
 
 

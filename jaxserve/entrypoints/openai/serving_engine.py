@@ -10,7 +10,8 @@ import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.errors import EngineUnavailableError
 from jaxserve.entrypoints.openai.errors import APIError, engine_error
 from jaxserve.entrypoints.openai.protocol import SamplingFields
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -74,9 +75,20 @@ class OpenAIServing:
         return self.lora_registry.lookup(model)
 
     def check_engine(self) -> None:
-        if not self.engine.is_healthy:
-            raise APIError("the engine is not running", 503, "service_unavailable",
-                           code="engine_dead")
+        """503 now if the engine is dead or the server is shutting down."""
+        error = self.engine.admission_error()
+        if error is not None:
+            raise engine_error(error)
+
+    def check_capacity(self) -> None:
+        """503 at once (before the body is read and tokenized) when the engine is not
+        taking requests or admission control has no room for even one sequence."""
+        self.check_engine()
+        try:
+            self.engine.reserve(1)
+        except EngineUnavailableError as exc:
+            raise engine_error(exc) from None
+        self.engine.release(1)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         [ids] = await self.encode_all([text], add_special_tokens)
@@ -185,7 +197,12 @@ class OpenAIServing:
         them all, so all start in the same engine step. A LoRA adapter's weights are loaded
         here, off the engine thread, when the host LRU no longer holds them."""
         self.check_engine()
-        streams = []
+        num_seqs = [p.n for p in params]
+        cap = self.engine.max_unfinished_seqs
+        if cap is not None and sum(num_seqs) > cap:
+            raise APIError(f"the request asks for {sum(num_seqs)} sequences (prompts x n); "
+                           f"this server admits at most {cap} at once (--max-num-seqs + "
+                           "--max-queued-requests)", param="n")
         extra = {}
         if lora_request is not None:
             try:
@@ -193,6 +210,12 @@ class OpenAIServing:
                                                                 lora_request)
             except ValueError as exc:
                 raise APIError(str(exc), param="model") from None
+        try:
+            self.engine.reserve(sum(num_seqs))     # QueueFullError: 503 + Retry-After
+        except EngineUnavailableError as exc:
+            raise engine_error(exc) from None
+        streams = []
+        handed_over = 0     # reservations passed to submit(), which owns them from then on
         try:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
                 request_id = f"{prefix}-{i}"
@@ -203,13 +226,17 @@ class OpenAIServing:
                     if request_logger.isEnabledFor(logging.DEBUG):
                         request_logger.debug("Request %s params: %s", request_id,
                                              _capped(repr(sampling_params)))
+                handed_over = i + 1
                 streams.append(self.engine.submit(request_id, None, sampling_params,
-                                                  prompt_token_ids=token_ids, **extra))
+                                                  prompt_token_ids=token_ids,
+                                                  reserved_seqs=num_seqs[i], **extra))
             await self.engine.wait_accepted(streams)
         except BaseException as exc:
+            # Submitted requests give their sequences back as they end; the rest now.
+            self.engine.release(sum(num_seqs[handed_over:]))
             for stream in streams:
                 self.engine.abort(stream.request_id)
-            if isinstance(exc, (ValueError, EngineDeadError)):
+            if isinstance(exc, (ValueError, EngineUnavailableError)):
                 raise engine_error(exc) from None
             raise
         return [self.engine.stream_outputs(stream) for stream in streams]
