@@ -340,7 +340,7 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
                     return time.monotonic() - start
                 baseline = await asyncio.gather(*[models() for _ in range(200)])
                 results = await asyncio.gather(*[
-                    _complete(c, {"prompt": f"fox {i}", "max_tokens": 8, "ignore_eos": True})
+                    _complete(c, {"prompt": f"fox {i}", "max_tokens": 48, "ignore_eos": True})
                     for i in range(200)])
             return results, max(baseline)
 
