@@ -55,6 +55,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._texts: list[str] = []     # output_text in pieces: appending is O(1) per step
         self._vocab_size = len(tokenizer)
+        self._pending: list[int] = []   # ids fed since the last text (an unfinished char)
         # a few prompt tokens (plus two spare, in case some are special and skipped)
         context = [int(t) for t in prompt_token_ids[-(INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
                                                       + 2):] if 0 <= t < self._vocab_size]
@@ -102,9 +103,22 @@ class IncrementalDetokenizer:
         caller that keeps them itself: jaxserve/engine/request_text.py)."""
         if not 0 <= token_id < self._vocab_size:
             return ""
-        if self._backend is not None:
-            return self._stream_step(token_id)
-        return self._window_step(token_id)
+        text = (self._stream_step(token_id) if self._backend is not None
+                else self._window_step(token_id))
+        if text:
+            self._pending.clear()
+        else:
+            self._pending.append(token_id)
+        return text
+
+    def flush(self) -> str:
+        """At the end of the sequence: the text of tokens still held back as an unfinished
+        character, decoded as a whole decode would show them (U+FFFD for the broken bytes)."""
+        if not self._pending:
+            return ""
+        text = self.tokenizer.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+        self._pending.clear()
+        return text
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they finalize (possibly "", never a broken char)."""

@@ -165,6 +165,9 @@ class RequestText:
                     seq.finish_reason, seq.stop_reason = "stop", match[0]
                     return True
         if delta.finish_reason is not None:
+            tail = seq.detok.flush() if seq.detok is not None else ""
+            if tail:
+                seq.append(tail)
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
         return False
 
