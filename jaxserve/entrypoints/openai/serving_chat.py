@@ -11,8 +11,9 @@ finish_reason is then "tool_calls".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -35,15 +36,24 @@ from jaxserve.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
+from jaxserve.entrypoints.openai.choice_output import ChoiceOutput
 from jaxserve.entrypoints.openai.tool_calls import (
-    ToolCallStream,
     ToolPlan,
     plan_tools,
     tool_calls_message,
 )
-from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from jaxserve.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    get_tool_parser,
+    import_tool_parser_plugin,
+)
 from jaxserve.outputs import RequestOutput
+from jaxserve.reasoning import ReasoningParser, get_reasoning_parser, reasoning_end_token_id
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import apply_chat_template, read_chat_template
+
+
+_PROMPT_TAIL_TOKENS = 16      # enough of the prompt's end to see a <think> or </think>
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -57,6 +67,13 @@ class OpenAIServingChat(OpenAIServing):
         if self.server_config.enable_auto_tool_choice and not self.server_config.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                              f"{', '.join(sorted(TOOL_PARSERS))})")
+        self.reasoning_end_id = None
+        if self.server_config.reasoning_parser is not None:
+            get_reasoning_parser(self.server_config.reasoning_parser)   # unknown: fail now
+            self.reasoning_end_id = reasoning_end_token_id(self.server_config.reasoning_parser,
+                                                           self.tokenizer)
+        if self.server_config.tool_parser_plugin is not None:
+            import_tool_parser_plugin(self.server_config.tool_parser_plugin)
         if self.server_config.tool_call_parser is not None:
             get_tool_parser(self.server_config.tool_call_parser)     # unknown name: fail now
 
@@ -84,9 +101,10 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"could not apply the chat template: {exc}", param="messages") \
                 from None
 
-    async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
-        model = self.model_name(request.model)
+    async def prepare(self, request: ChatCompletionRequest
+                      ) -> tuple[ToolPlan, list[int], SamplingParams, str]:
+        """(tool plan, prompt ids, sampling params, prompt tail text) of a chat request;
+        shared with /v1/responses so both run the same engine path."""
         plan = plan_tools(request, self.server_config)
         constraint = structured_outputs_of(request)
         if plan.constraint is not None:
@@ -100,6 +118,12 @@ class OpenAIServingChat(OpenAIServing):
                                        plan.tools if plan.uses_tools else None)
         if not prompt_ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
+        prompt_tail = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:])
+        if constraint is not None and self.reasoning_end_id is not None \
+                and self.new_reasoning(prompt_tail).thinking_disabled is False:
+            # The grammar starts after the thinking (vLLM's rule).
+            constraint = dataclasses.replace(constraint,
+                                             reasoning_end_token_id=self.reasoning_end_id)
         requested = request.max_completion_tokens
         if requested is None:
             requested = request.max_tokens
@@ -107,21 +131,35 @@ class OpenAIServingChat(OpenAIServing):
         num_top = request.top_logprobs or 0
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
                                       request.prompt_logprobs, constraint)
+        return plan, prompt_ids, params, prompt_tail
 
+    def new_reasoning(self, prompt_tail: str) -> ReasoningParser | None:
+        """A fresh reasoning parser for one choice (None: --reasoning-parser not set)."""
+        name = self.server_config.reasoning_parser
+        return None if name is None else get_reasoning_parser(name, prompt_tail)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        model = self.model_name(request.model)
+        plan, prompt_ids, params, prompt_tail = await self.prepare(request)
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
         [stream] = await self.start_requests(request_id, [prompt_ids], [params],
                                              self.lora_for(model))
+
+        def new_output() -> ChoiceOutput:
+            return ChoiceOutput(plan, self.new_reasoning(prompt_tail))
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, model, created, stream, len(prompt_ids),
-                             plan), media_type="text/event-stream")
+                             new_output), media_type="text/event-stream")
         [final] = await until_disconnect(raw_request, collect_finals([stream]))
         return JSONResponse(self._full_response(request, request_id, model, created, final,
-                                                plan))
+                                                new_output))
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, model: str,
-                       created: int, final: RequestOutput, plan: ToolPlan) -> dict[str, Any]:
+                       created: int, final: RequestOutput,
+                       new_output: Callable[[], ChoiceOutput]) -> dict[str, Any]:
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             if c.finish_reason == "abort":
@@ -131,15 +169,16 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids),
                                                      request.top_logprobs or 0, self.tokenizer)}
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reasoning, content, calls = new_output().split(c.text, final=True)
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": content or None if calls else content}
+            if reasoning is not None:       # vLLM's field, and its older name
+                message["reasoning"] = message["reasoning_content"] = reasoning
             finish_reason = c.finish_reason
-            if plan.uses_tools:
-                content, calls = ToolCallStream(plan).split(c.text, final=True)
-                message["content"] = content or None if calls else content
-                if calls:
-                    message["tool_calls"] = tool_calls_message(calls)
-                    if finish_reason == "stop":
-                        finish_reason = "tool_calls"
+            if calls:
+                message["tool_calls"] = tool_calls_message(calls)
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
             choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         usage = usage_dict(len(final.prompt_token_ids),
@@ -150,10 +189,11 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       created: int, stream: AsyncIterator[RequestOutput],
-                      num_prompt_tokens: int, plan: ToolPlan) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, new_output: Callable[[], ChoiceOutput]
+                      ) -> AsyncIterator[str]:
         n = request.n
-        tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan.uses_tools else None
-        sent_chars, sent_tokens = [0] * n, [0] * n
+        outputs = [new_output() for _ in range(n)]
+        sent_tokens = [0] * n
         finished = [False] * n
         num_top = request.top_logprobs or 0
         last: RequestOutput | None = None
@@ -182,14 +222,15 @@ class OpenAIServingChat(OpenAIServing):
                     if finished[c.index]:
                         continue
                     finish_reason = c.finish_reason
-                    if tool_streams is None:
-                        text, calls = c.text[sent_chars[c.index]:], []
-                        sent_chars[c.index] = len(c.text)
-                    else:
-                        tools = tool_streams[c.index]
-                        text, calls = tools.deltas(c.text, final=finish_reason is not None)
-                        if tools.ids and finish_reason == "stop":
-                            finish_reason = "tool_calls"
+                    output = outputs[c.index]
+                    reasoning, text, calls = output.deltas(c.text,
+                                                           final=finish_reason is not None)
+                    if output.called_tools and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                    if reasoning:
+                        yield chunk([{"index": c.index, "delta": {
+                            "reasoning": reasoning, "reasoning_content": reasoning},
+                            "logprobs": logprobs_since(c), "finish_reason": None}])
                     if text:
                         yield chunk([{"index": c.index, "delta": {"content": text},
                                       "logprobs": logprobs_since(c), "finish_reason": None}])

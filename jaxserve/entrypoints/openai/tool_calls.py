@@ -56,7 +56,7 @@ class ToolPlan:
             return _NamedCallParser(self.function_name or "")
         if self.mode == "required":
             return _RequiredCallsParser()
-        return get_tool_parser(self.parser_name or "")
+        return get_tool_parser(self.parser_name or "", tools=self.tools)
 
 
 def plan_tools(request: ChatCompletionRequest, server: ServerConfig) -> ToolPlan:
