@@ -48,14 +48,17 @@ from jaxserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     error_body,
 )
+from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_engine import (
     APIError,
     ClientGone,
+    client_request_id,
     parse_body,
     validation_error,
 )
+from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     OpenAIServingLoRA,
@@ -150,6 +153,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names, config.server)
+    responses = OpenAIServingResponses(chat)
     for serving in (completions, chat):
         serving.log_requests = not config.server.disable_log_requests
     lora = OpenAIServingLoRA(getattr(engine.engine, "lora_registry", None), names[0])
@@ -191,6 +195,21 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         """OpenAI completions (text or token-id prompts), streamed or not."""
         request = await parse_body(raw_request, CompletionRequest)
         return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    @handle
+    async def create_response(raw_request: Request) -> Response:
+        """OpenAI Responses API (text, function tools, json_schema, reasoning items,
+        previous_response_id), streamed or not; served on the chat path."""
+        request = await parse_body(raw_request, ResponsesRequest)
+        return await responses.create_response(
+            request, raw_request, client_request_id(raw_request, "resp", "_"))
+
+    @app.get("/v1/responses/{response_id}")
+    @handle
+    async def retrieve_response(raw_request: Request) -> Response:
+        """A stored response (store was not false, within the store's size and age)."""
+        return JSONResponse(responses.retrieve(raw_request.path_params["response_id"]))
 
     @app.post("/v1/chat/completions")
     @handle

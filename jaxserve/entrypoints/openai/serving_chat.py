@@ -27,8 +27,8 @@ from jaxserve.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     chat_logprobs,
+    client_request_id,
     collect_finals,
-    new_request_id,
     prompt_logprobs_json,
     reraise_disconnect,
     sse,
@@ -142,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
                                      raw_request: Request) -> Response:
         model = self.model_name(request.model)
         plan, prompt_ids, params, prompt_tail = await self.prepare(request)
-        request_id = new_request_id("chatcmpl")
+        request_id = client_request_id(raw_request, "chatcmpl")
         created = int(time.time())
         [stream] = await self.start_requests(request_id, [prompt_ids], [params],
                                              self.lora_for(model))

@@ -24,11 +24,11 @@ from jaxserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     APIError,
     OpenAIServing,
+    client_request_id,
     collect_finals,
     completion_logprobs,
     echo_logprobs,
     merge_streams,
-    new_request_id,
     prompt_logprobs_json,
     reraise_disconnect,
     sse,
@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_texts = [t if t is not None else self.tokenizer.decode(ids)
                             for t, ids in zip(prompt_texts, prompt_ids)]
 
-        request_id = new_request_id("cmpl")
+        request_id = client_request_id(raw_request, "cmpl")
         created = int(time.time())
         streams = await self.start_requests(request_id, prompt_ids, params,
                                             self.lora_for(model))

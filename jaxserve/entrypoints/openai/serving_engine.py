@@ -96,12 +96,28 @@ async def parse_body(raw_request: Request, model_type: type[ModelT]) -> ModelT:
 
 def validation_error(exc: ValidationError | Any) -> APIError:
     errors = exc.errors() if hasattr(exc, "errors") else []
+    # Our validators' own messages ("content parts of type 'image_url' are not supported")
+    # say what is wrong; the other branches of a union that also failed only bury them.
+    ours = [err for err in errors if str(err.get("msg", "")).startswith("Value error, ")]
+    if ours:
+        errors = [{**err, "msg": err["msg"].removeprefix("Value error, ")} for err in ours]
     parts, param = [], None
     for err in errors[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = ".".join(str(p) for p in err.get("loc", ()) if _field_name(p))
         param = param or loc or None
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return APIError("; ".join(parts) or str(exc), param=param)
+
+
+_TYPE_NAMES = {"body", "str", "list", "dict", "int", "float", "bool", "none"}
+
+
+def _field_name(part: Any) -> bool:
+    """A location part that names a field or index, not one of pydantic's union branches."""
+    if isinstance(part, int):
+        return True
+    return bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(part))) and \
+        str(part) not in _TYPE_NAMES and not str(part)[0].isupper()
 
 
 class OpenAIServing:
@@ -231,6 +247,19 @@ class OpenAIServing:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def client_request_id(raw_request: Request, prefix: str, separator: str = "-") -> str:
+    """The response id: the client's ``x-request-id`` after ``prefix`` (as vLLM, so the id a
+    proxy or client chose shows up in responses and our logs), else a fresh one. An id
+    with other characters or over 128 long is not used (it would reach the logs as is)."""
+    given = raw_request.headers.get("x-request-id", "")
+    if not _CLIENT_ID.fullmatch(given):
+        given = uuid.uuid4().hex
+    return f"{prefix}{separator}{given}"
 
 
 async def until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:
