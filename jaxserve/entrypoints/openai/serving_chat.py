@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.config import ServerConfig
+from jaxserve.chat_templates import bundled_names, tool_aware_replacement
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
 from jaxserve.entrypoints.openai.serving_engine import (
@@ -53,6 +55,10 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import apply_chat_template, read_chat_template
 
 
+logger = logging.getLogger(__name__)
+
+TOOLS_NOT_RENDERED = ("the chat template does not render the request's tools: the model "
+                      "cannot see them.")
 _PROMPT_TAIL_TOKENS = 16      # enough of the prompt's end to see a <think> or </think>
 
 
@@ -63,6 +69,15 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, served_model_names)
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
+        else:
+            # A model whose own template drops tools (SmolLM2, the default model) gets
+            # jaxserve's tool-aware variant: it renders tool-free chats identically.
+            replacement = tool_aware_replacement(getattr(self.tokenizer, "chat_template", None))
+            if replacement is not None:
+                logger.info("serving the bundled tool-aware variant of the model's chat "
+                            "template (it renders tools; chats without tools are unchanged)")
+                self.chat_template = replacement
+        self._ignores_tools: dict[str | None, bool] = {}
         self.server_config = server_config or ServerConfig()
         if self.server_config.enable_auto_tool_choice and not self.server_config.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
@@ -118,6 +133,8 @@ class OpenAIServingChat(OpenAIServing):
                                        plan.tools if plan.uses_tools else None)
         if not prompt_ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
+        if plan.uses_tools:
+            plan.template_ignores_tools = self.template_ignores_tools(request)
         prompt_tail = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:])
         if constraint is not None and self.reasoning_end_id is not None \
                 and self.new_reasoning(prompt_tail).thinking_disabled is False:
@@ -132,6 +149,28 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
                                       request.prompt_logprobs, constraint)
         return plan, prompt_ids, params, prompt_tail
+
+    def template_ignores_tools(self, request: Any) -> bool:
+        """Whether the request's chat template renders nothing of a tool list (checked once
+        per template: a probe chat rendered with and without one tool). The first time it
+        does not, a warning; each such response carries an ``x-jaxserve-warning`` header."""
+        template = getattr(request, "chat_template", None) or self.chat_template
+        if template not in self._ignores_tools:
+            probe = [{"role": "user", "content": "probe"}]
+            tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {
+                "type": "object", "properties": {"probe_argument": {"type": "string"}}}}}
+            try:
+                ignores = (apply_chat_template(self.tokenizer, probe, chat_template=template,
+                                               tools=[tool])
+                           == apply_chat_template(self.tokenizer, probe,
+                                                  chat_template=template))
+            except Exception:  # noqa: BLE001 - a template that fails the probe is not judged
+                ignores = False
+            self._ignores_tools[template] = ignores
+            if ignores:
+                logger.warning(TOOLS_NOT_RENDERED + " Pass a tool-aware --chat-template (a "
+                               "file, or a bundled name: %s).", ", ".join(bundled_names()))
+        return self._ignores_tools[template]
 
     def new_reasoning(self, prompt_tail: str) -> ReasoningParser | None:
         """A fresh reasoning parser for one choice (None: --reasoning-parser not set)."""
@@ -149,13 +188,15 @@ class OpenAIServingChat(OpenAIServing):
 
         def new_output() -> ChoiceOutput:
             return ChoiceOutput(plan, self.new_reasoning(prompt_tail))
+        headers = {"x-jaxserve-warning": TOOLS_NOT_RENDERED} \
+            if plan.template_ignores_tools else None
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, model, created, stream, len(prompt_ids),
-                             new_output), media_type="text/event-stream")
+                             new_output), media_type="text/event-stream", headers=headers)
         [final] = await until_disconnect(raw_request, collect_finals([stream]))
         return JSONResponse(self._full_response(request, request_id, model, created, final,
-                                                new_output))
+                                                new_output), headers=headers)
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, model: str,
                        created: int, final: RequestOutput,

@@ -34,7 +34,7 @@ from jaxserve.entrypoints.openai.responses_protocol import (
     chat_tools,
     input_messages,
 )
-from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_chat import TOOLS_NOT_RENDERED, OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_engine import (
     APIError,
     collect_finals,
@@ -111,13 +111,15 @@ class OpenAIServingResponses:
         base = self._base(request, response_id, model)
         output = ChoiceOutput(plan, chat.new_reasoning(prompt_tail))
         conversation = history + [m for m in new_messages]
+        headers = {"x-jaxserve-warning": TOOLS_NOT_RENDERED} \
+            if plan.template_ignores_tools else None
         if request.stream:
             return StreamingResponse(self._stream(request, base, stream, output, conversation,
                                                   len(prompt_ids)),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=headers)
         [final] = await until_disconnect(raw_request, collect_finals([stream]))
         body = self._finish(base, final, output, conversation, request.store is not False)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         stored = self.store.get(response_id)

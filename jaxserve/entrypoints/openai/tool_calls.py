@@ -45,6 +45,7 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None   # required / named: the schema
     parser_name: str | None = None             # auto mode
     parallel: bool = True
+    template_ignores_tools: bool = False       # set when the prompt is rendered
 
     @property
     def uses_tools(self) -> bool:
