@@ -122,12 +122,25 @@ def test_auto_without_tools_used_and_tool_choice_none_keep_content(hermes_server
     assert "tool_calls" not in choice["message"]
 
 
-def test_legacy_functions_map_onto_tools(hermes_server):
+def test_legacy_functions_are_answered_in_the_legacy_shape(hermes_server):
+    """Old clients read message.function_call (and finish_reason "function_call")."""
     hermes_server.fake.script = HERMES_REPLY
-    r = chat(hermes_server, {"messages": USER, "functions": [WEATHER["function"]],
-                             "function_call": "auto", "max_tokens": 400})
-    [choice] = r.json()["choices"]
-    assert flat_calls(choice["message"])[0]["name"] == "get_weather"
+    body = {"messages": USER, "functions": [WEATHER["function"]], "function_call": "auto",
+            "max_tokens": 400}
+    [choice] = chat(hermes_server, body).json()["choices"]
+    assert choice["finish_reason"] == "function_call"
+    assert "tool_calls" not in choice["message"]
+    assert choice["message"]["function_call"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris", "celsius": true}'}
+    events = sse_events(chat(hermes_server, {**body, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e != "[DONE]" and e["choices"]]
+    assert not any("tool_calls" in d for d in deltas)
+    streamed = [d["function_call"] for d in deltas if "function_call" in d]
+    assert streamed[0]["name"] == "get_weather"
+    assert "".join(d.get("arguments", "") for d in streamed) == \
+        choice["message"]["function_call"]["arguments"]
+    assert [e["choices"][0]["finish_reason"] for e in events
+            if e != "[DONE]" and e["choices"]][-1] == "function_call"
 
 
 @pytest.mark.parametrize("body, param, needle", [

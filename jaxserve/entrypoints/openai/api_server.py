@@ -322,7 +322,8 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         if status == 404 and message == "Not Found":
             message = (f"The route {request.method} {request.url.path} is not supported by "
                        f"this server (jaxserve serves /v1/completions, /v1/chat/completions, "
-                       f"/v1/models, /tokenize, /detokenize, /health, /metrics, /version).")
+                       f"/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics, "
+                       f"/version).")
         elif status == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}."
         kind = "not_found_error" if status == 404 else "invalid_request_error"

@@ -193,13 +193,14 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, model, created, stream, len(prompt_ids),
-                             new_output), media_type="text/event-stream", headers=headers)
+                             plan, new_output), media_type="text/event-stream",
+                headers=headers)
         [final] = await until_disconnect(raw_request, collect_finals([stream]))
         return JSONResponse(self._full_response(request, request_id, model, created, final,
-                                                new_output), headers=headers)
+                                                plan, new_output), headers=headers)
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, model: str,
-                       created: int, final: RequestOutput,
+                       created: int, final: RequestOutput, plan: ToolPlan,
                        new_output: Callable[[], ChoiceOutput]) -> dict[str, Any]:
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
@@ -216,7 +217,12 @@ class OpenAIServingChat(OpenAIServing):
             if reasoning is not None:       # vLLM's field, and its older name
                 message["reasoning"] = message["reasoning_content"] = reasoning
             finish_reason = c.finish_reason
-            if calls:
+            if calls and plan.legacy:        # the functions API: one call, its own field
+                message["function_call"] = {"name": calls[0].name,
+                                            "arguments": calls[0].arguments}
+                if finish_reason == "stop":
+                    finish_reason = "function_call"
+            elif calls:
                 message["tool_calls"] = tool_calls_message(calls)
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
@@ -230,8 +236,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       created: int, stream: AsyncIterator[RequestOutput],
-                      num_prompt_tokens: int, new_output: Callable[[], ChoiceOutput]
-                      ) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, plan: ToolPlan,
+                      new_output: Callable[[], ChoiceOutput]) -> AsyncIterator[str]:
         n = request.n
         outputs = [new_output() for _ in range(n)]
         sent_tokens = [0] * n
@@ -267,7 +273,7 @@ class OpenAIServingChat(OpenAIServing):
                     reasoning, text, calls = output.deltas(c.text,
                                                            final=finish_reason is not None)
                     if output.called_tools and finish_reason == "stop":
-                        finish_reason = "tool_calls"
+                        finish_reason = "function_call" if plan.legacy else "tool_calls"
                     if reasoning:
                         yield chunk([{"index": c.index, "delta": {
                             "reasoning": reasoning, "reasoning_content": reasoning},
@@ -275,7 +281,11 @@ class OpenAIServingChat(OpenAIServing):
                     if text:
                         yield chunk([{"index": c.index, "delta": {"content": text},
                                       "logprobs": logprobs_since(c), "finish_reason": None}])
-                    if calls:
+                    if calls and plan.legacy:
+                        yield chunk([{"index": c.index, "delta": {"function_call": {
+                            k: v for k, v in calls[0]["function"].items()}},
+                            "logprobs": logprobs_since(c), "finish_reason": None}])
+                    elif calls:
                         yield chunk([{"index": c.index, "delta": {"tool_calls": calls},
                                       "logprobs": logprobs_since(c), "finish_reason": None}])
                     if finish_reason is not None:
