@@ -27,12 +27,14 @@ class PythonicToolParser(ToolParser):
     name = "pythonic"
 
     def split(self, text: str, final: bool) -> tuple[str, list[ParsedToolCall]]:
-        body = text.strip()
-        wrapped = body.startswith(_WRAP_START)
-        body = body.removeprefix(_WRAP_START).removesuffix(_WRAP_END).strip()
-        maybe_call = body.startswith("[") or (not wrapped and _WRAP_START.startswith(
-            text.strip()) and bool(text.strip()))
-        if not maybe_call:
+        stripped = text.strip()
+        if not final and stripped and _WRAP_START.startswith(stripped):
+            return "", []                           # may be the start of the wrapper
+        wrapped = stripped.startswith(_WRAP_START)
+        body = stripped.removeprefix(_WRAP_START).removesuffix(_WRAP_END).strip()
+        if wrapped and not body and not final:
+            return "", []
+        if not body.startswith("["):
             return text, []
         calls = _parse_calls(body)
         if calls is None:
