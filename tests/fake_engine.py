@@ -53,6 +53,7 @@ class FakeEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.script: str | None = None
+        self.last_prompt_ids: list[int] = []       # what the latest request was given
 
     def add_request(self, request_id, prompt, params: SamplingParams, *, prompt_token_ids=None,
                     arrival_time=None) -> None:
@@ -62,6 +63,7 @@ class FakeEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(ids) >= self.max_model_len:
             raise ValueError("prompt too long")
+        self.last_prompt_ids = list(ids)
         start = sum(ids) % len(CYCLE)
         self.requests[request_id] = {
             "ids": ids, "params": params, "outs": [[] for _ in range(params.n)],
