@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup serve chat generate test bench clean
+.PHONY: setup serve chat generate test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,11 @@ generate: setup       ## one short offline generation with LLM.generate
 	o = LLM().generate(['The capital of France is'], SamplingParams(max_tokens=24, temperature=0)); \
 	print(repr(o[0].outputs[0].text))"
 
-test: setup
+test: setup           ## the whole suite (what CI runs)
 	$(PY) -m pytest -q tests $(ARGS)
+
+test-fast: setup      ## the pre-commit tier: unit tests marked `fast`, under 2 minutes
+	$(PY) -m pytest -q -m fast tests $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_offline.py $(ARGS)

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from jaxserve.spec_settings import parse_speculative_config
+
 
 def opt(default: Any = None, help: str = "", **extra: Any) -> Any:
     """A config field with CLI help text (and optional argparse extras)."""
@@ -196,9 +198,7 @@ class EngineConfig(FlatOptions):
 
     @property
     def spec_decode(self):
-        """The parsed speculative settings (jaxserve/spec_decode/settings.py), None if off."""
-        from jaxserve.spec_decode.settings import parse_speculative_config
-
+        """The parsed speculative settings (jaxserve/spec_settings.py), None if off."""
         return parse_speculative_config(self.speculative_config.speculative_config)
 
     def finalize(self, platform: str) -> "EngineConfig":
@@ -207,16 +207,8 @@ class EngineConfig(FlatOptions):
         on_cpu = platform == "cpu"
         if s.max_num_batched_tokens is None:
             s.max_num_batched_tokens = 512 if on_cpu else 2048
-        # every backend reads int8 / fp8 caches (jaxserve/quantization/kv.py)
-        if self.runner_config.attention_backend == "auto":
-            if on_cpu:
-                from jaxserve.attention.cpu import available  # warns once if it cannot build
-
-                self.runner_config.attention_backend = "cpu" if available() else "reference"
-            elif platform in ("gpu", "cuda", "rocm"):
-                self.runner_config.attention_backend = "pallas"
-            else:
-                self.runner_config.attention_backend = "reference"
+        # attention_backend stays as given: "auto" needs a build probe of the CPU kernel, which
+        # belongs to the attention layer (attention.backend.resolve_backend_name), not to config.
         _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
         _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -50,6 +50,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail_next_step = False
         self.model_path = "fake-model"
+        self.lora_registry = None                  # LoRA off
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.script: str | None = None

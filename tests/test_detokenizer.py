@@ -6,6 +6,8 @@ import pytest
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker, find_stop_string
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 LONG_TEXT = (
     "Streaming text, token by token:   three spaces,\ttabs,\n\nnew lines  and  doubles.\n"
     "Emoji 🙂 family 👩‍👩‍👧 flags 🇫🇷🇯🇵 skin tones 👍🏽 and 🦀🐍.\n"

@@ -10,11 +10,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.mesh import make_mesh
+from jaxserve.models import partition
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import FAMILY as LLAMA
-from jaxserve.parallel import partition
 from jaxserve.parallel.data_parallel import DataParallelEngine
-from jaxserve.parallel.mesh import make_mesh
+
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 
 def _arch(**overrides) -> ModelArch:

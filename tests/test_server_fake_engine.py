@@ -19,6 +19,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 try:                                    # tests/ as a package or as a plain directory
     from tests.fake_engine import CYCLE, FakeEngine
 except ImportError:

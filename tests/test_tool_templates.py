@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from jaxserve.chat_templates import SMOLLM2_TEMPLATE, bundled_names, tool_aware_replacement
-from jaxserve.tokenizer import apply_chat_template, read_chat_template
+from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
 
 try:                                    # tests/ as a package or as a plain directory
     from tests.fake_engine import FakeEngine
@@ -31,7 +31,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer(default_gguf_path):
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     return load_tokenizer(str(default_gguf_path))
 

@@ -104,6 +104,15 @@ class AsyncLLMEngine:
     def config(self) -> Any:
         return self.engine.config
 
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def lora_registry(self) -> Any:
+        """The engine's LoRARegistry; None when LoRA is off (always under data parallelism)."""
+        return self.engine.lora_registry
+
     def shutdown(self, drain_timeout: float = 0.0, join_timeout: float = 30.0) -> None:
         """Stop accepting; let in-flight requests run up to `drain_timeout` s; abort the rest.
 

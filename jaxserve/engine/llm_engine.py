@@ -40,9 +40,9 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
 from jaxserve.engine.stats import EngineStats
-from jaxserve.engine.step_contract import SchedulerOutput
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_contract import SchedulerOutput
 from jaxserve.structured_outputs.bitmask import grammar_bitmask
 from jaxserve.structured_outputs.matcher import SeqGrammar
 
@@ -312,7 +312,7 @@ class LLMEngine:
             raise RuntimeError("not enough free KV blocks for prompt_logits")
         out = SchedulerOutput()
         try:
-            if seq.lora is not None and not self.scheduler._acquire_lora(seq, out):
+            if seq.lora is not None and not self.scheduler.acquire_lora(seq, out):
                 raise RuntimeError("no free LoRA slot for prompt_logits")
             for slot, weights in out.lora_loads.items():
                 self.runner.lora.write(slot, weights)

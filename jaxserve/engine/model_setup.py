@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import get_attention_backend
@@ -28,10 +27,6 @@ from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
-           "bf16": jnp.bfloat16, "float16": jnp.float16, "half": jnp.float16}
-
 
 @dataclass
 class ModelSetup:
@@ -55,15 +50,6 @@ class ModelSetup:
     # restore_weights threads).
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
-
-
-def resolve_dtype(name: str, platform: str):
-    if name == "auto":
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}") from None
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:
@@ -222,7 +208,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     draft_proposer = None
     if draft is not None:
         from jaxserve.engine.block_manager import BlockManager
-        from jaxserve.spec_decode.draft_model import DraftModelProposer
+        from jaxserve.engine.draft_model import DraftModelProposer
 
         draft_runner = ModelRunner(
             draft["arch"], draft["params"], backend, dtype=dtype,

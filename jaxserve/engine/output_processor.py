@@ -17,7 +17,6 @@ from typing import Any
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.step_contract import PromptLogprobsChunk, RunnerOutput
 from jaxserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -26,6 +25,7 @@ from jaxserve.outputs import (
     RequestOutput,
 )
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.step_contract import PromptLogprobsChunk, RunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ slot or one is free (jaxserve/lora/slots.py: at most ``max_loras`` distinct adap
 run at once); otherwise it is passed over, keeping its place, like a compiling grammar.
 
 The scheduler knows sequences and blocks, never tensors: it speaks to the
-runner only through `SchedulerOutput` (jaxserve/engine/step_contract.py).
+runner only through `SchedulerOutput` (jaxserve/step_contract.py).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from collections import deque
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.runner.buckets import next_power_of_2  # the step shapes the cap aims at
+from jaxserve.step_contract import NewSeqData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class Scheduler:
                 if num_new < num_remaining:
                     if not self.enable_chunked_prefill or num_partial >= self.max_num_partial_prefills:
                         break
-                if seq.lora is not None and not self._acquire_lora(seq, out):
+                if seq.lora is not None and not self.acquire_lora(seq, out):
                     passed_over.append(self._waiting.popleft())
                     continue
                 if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
@@ -270,7 +270,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give seq its adapter's slot (telling the runner to write it if it is new there);
         False when all max_loras slots serve other running adapters."""
         if self.lora_slots is None:

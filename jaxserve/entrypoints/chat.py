@@ -19,7 +19,7 @@ def run_chat(engine: Any, *, system: str | None = None, max_tokens: int = 512,
              temperature: float | None = None, read: Callable[[str], str] = input,
              out: TextIO = sys.stdout) -> int:
     """Read a line, reply, repeat. `read` and `out` are replaceable for tests."""
-    from jaxserve.tokenizer import apply_chat_template
+    from jaxserve.loader.tokenizer import apply_chat_template
 
     template = engine.config.model_config.chat_template
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []

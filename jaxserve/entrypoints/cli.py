@@ -278,7 +278,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export_tokenizer(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer or args.model, chat_template=args.chat_template)
     os.makedirs(args.out_dir, exist_ok=True)

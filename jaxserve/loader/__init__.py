@@ -91,7 +91,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                          "load_format='auto' (dummy weights are float)")
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     numpy_dtype = as_numpy_dtype(dtype)
     resolved = resolve_model(model)

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.arch import ModelArch
-from jaxserve.parallel.mesh import MODEL_AXIS
 from jaxserve.quantization.gguf_packed import BLOCK_WEIGHTS, BYTES_PER_BLOCK, PACKED_FORMATS
 
 # Partition rule kinds (Megatron-style on the `model` axis):

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.lora.layers import lora_delta
 from jaxserve.models.layer_matmul import (
     MAX_ROWS,
     SMALL_LOGITS_MAX_ROWS,
@@ -25,6 +24,7 @@ from jaxserve.models.layer_matmul import (
     small_logits,
     stacked_kernel,
 )
+from jaxserve.models.lora import lora_delta
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
@@ -32,7 +32,7 @@ from jaxserve.quantization.gguf_packed import (
     packed_matmul,
 )
 from jaxserve.quantization.kv import QuantizedKV, head_rotation, rotate_heads
-from jaxserve.runner.step_inputs import AttentionMetadata
+from jaxserve.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": nn.silu,

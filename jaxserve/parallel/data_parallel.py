@@ -27,8 +27,8 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.mesh import describe, make_mesh, replica_meshes
 from jaxserve.outputs import RequestOutput
-from jaxserve.parallel.mesh import describe, make_mesh, replica_meshes
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class DataParallelEngine:
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.model_path = first.model_path
+        self.lora_registry = None                      # config.finalize refuses LoRA with dp > 1
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")

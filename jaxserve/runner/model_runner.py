@@ -29,24 +29,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.engine.step_contract import (
-    PromptLogprobsChunk,
-    RunnerOutput,
-    SampledLogprobs,
-    SchedulerOutput,
-)
 from jaxserve.lora.stacks import LoRAStacks, with_lora
+from jaxserve.mesh import put_replicated
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
-from jaxserve.parallel.mesh import put_replicated
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, StepInputs
 from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
-from jaxserve.runner.step_inputs import StepLayout, resolve_token_ids
-from jaxserve.spec_decode.verify import last_emitted, sample_with_drafts
+from jaxserve.runner.spec_verify import last_emitted, sample_with_drafts
+from jaxserve.step_contract import (
+    PromptLogprobsChunk,
+    RunnerOutput,
+    SampledLogprobs,
+    SchedulerOutput,
+)
+from jaxserve.step_inputs import StepLayout, resolve_token_ids
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

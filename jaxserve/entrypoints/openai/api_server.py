@@ -81,7 +81,7 @@ def served_model_names(config: ServeConfig, engine: AsyncLLMEngine) -> list[str]
         return list(names)
     if config.engine.model_config.model:
         return [config.engine.model_config.model]
-    path = engine.engine.model_path
+    path = engine.model_path
     return [os.path.basename(str(path)).removesuffix(".gguf") if path else "default"]
 
 
@@ -156,7 +156,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     responses = OpenAIServingResponses(chat)
     for serving in (completions, chat):
         serving.log_requests = not config.server.disable_log_requests
-    lora = OpenAIServingLoRA(getattr(engine.engine, "lora_registry", None), names[0])
+    lora = OpenAIServingLoRA(engine.lora_registry, names[0])
     lora.load_startup_modules(config.server.lora_modules)
     metrics = attach_metrics(engine, names[0])
     engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp

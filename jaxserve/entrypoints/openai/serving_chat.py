@@ -52,7 +52,7 @@ from jaxserve.entrypoints.openai.tool_parsers import (
 from jaxserve.outputs import RequestOutput
 from jaxserve.reasoning import ReasoningParser, get_reasoning_parser, reasoning_end_token_id
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import apply_chat_template, read_chat_template
+from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
 
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
 from jaxserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("jaxserve.requests")

@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxserve.entrypoints.openai.protocol import SamplingFields
 from jaxserve.entrypoints.openai.serving_engine import APIError
-from jaxserve.structured_outputs.params import CONSTRAINT_FIELDS, StructuredOutputsParams
+from jaxserve.structured_outputs_params import CONSTRAINT_FIELDS, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

@@ -31,7 +31,7 @@ from jaxserve.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 _AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
                      '--tool-call-parser to be set')

@@ -42,8 +42,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.backend import AttentionBackend
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.arch import ModelArch
-from jaxserve.parallel.mesh import MODEL_AXIS
 
 logger = logging.getLogger(__name__)
 

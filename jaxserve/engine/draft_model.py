@@ -11,7 +11,7 @@ the mirrors are freed at once, so their blocks stay cached for the next round. S
 costs one prefill step of about a block per row plus k - 1 single-token steps.
 
 The drafts are the draft model's argmax, a point-mass proposal: the verification's
-acceptance rule (jaxserve/spec_decode/rejection_sampler.py) keeps the target's output
+acceptance rule (jaxserve/runner/rejection_sampler.py) keeps the target's output
 distribution exact for sampled requests too; their acceptance is p(draft), which for a
 draft that agrees with the target's mode is what min(1, p/q) gives a greedy draft.
 """
@@ -22,9 +22,9 @@ from collections.abc import Sequence as Seq
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_contract import NewSeqData, SchedulerOutput
 
 
 class DraftModelProposer:
