@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
