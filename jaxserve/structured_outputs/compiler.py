@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 512                    # compiled grammars kept (LRU)
 _PARSED_CACHE_SIZE = 128             # parsed grammars kept (LRU), shared by every engine
-COMPILE_TIMEOUT_S = 30.0             # a grammar still compiling after this fails its request
+COMPILE_TIMEOUT_S = 120.0            # a grammar still compiling after this fails its request (a 2-core box running many compiles at once needs the margin; the parse limits keep real ones short)
 _XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")   # "[22:14:11] /project/cpp/x.cc:94: "
 
 
