@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 512                    # compiled grammars kept (LRU)
 _PARSED_CACHE_SIZE = 128             # parsed grammars kept (LRU), shared by every engine
-COMPILE_TIMEOUT_S = 120.0            # a grammar still compiling after this fails its request (a 2-core box running many compiles at once needs the margin; the parse limits keep real ones short)
+# A grammar still compiling after this fails its request. The margin is for a 2-core box running
+# many compiles at once; the spec's depth/size limits keep real compiles far shorter.
+COMPILE_TIMEOUT_S = 120.0
 _XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")   # "[22:14:11] /project/cpp/x.cc:94: "
 
 
