@@ -341,10 +341,10 @@ def test_broken_compiler_raises_a_clear_error(monkeypatch, tmp_path):
 
 def test_auto_backend_is_cpu_when_it_builds_else_reference_with_one_warning(monkeypatch,
                                                                             caplog):
-    from jaxserve.config import EngineConfig
+    from jaxserve.attention.backend import resolve_backend_name
 
-    assert EngineConfig().finalize("cpu").runner_config.attention_backend == "cpu"
-    assert EngineConfig().finalize("gpu").runner_config.attention_backend == "pallas"
+    assert resolve_backend_name("auto", "cpu") == "cpu"
+    assert resolve_backend_name("auto", "gpu") == "pallas"
 
     def fail():
         raise loader.CpuAttentionBuildError("no C++ compiler found (test)")
@@ -353,6 +353,6 @@ def test_auto_backend_is_cpu_when_it_builds_else_reference_with_one_warning(monk
     monkeypatch.setattr(loader, "_warned", False)
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         for _ in range(2):
-            assert EngineConfig().finalize("cpu").runner_config.attention_backend == "reference"
+            assert resolve_backend_name("auto", "cpu") == "reference"
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()

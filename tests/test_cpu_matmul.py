@@ -77,7 +77,7 @@ def test_matrix_units_come_from_the_cpu_flags():
 
 
 def test_dtype_auto_follows_the_matrix_units_and_the_config_forces_float32(monkeypatch):
-    from jaxserve.engine import model_setup
+    from jaxserve.engine import compute_dtype as model_setup
 
     monkeypatch.setattr(matmul, "detect_matrix_units",
                         lambda: matmul.MatrixUnits(amx_bf16=True, avx512_bf16=True))

@@ -21,6 +21,7 @@ from jaxserve.loader.dummy import dummy_weights
 from jaxserve.loader.resolve import ResolvedModel, default_gguf_path, resolve_model
 from jaxserve.loader.weights import as_numpy_dtype, head_dim
 from jaxserve.models.registry import resolve_architecture, supported_architectures
+from jaxserve.quantization.awq_gptq import checkpoint_method, parse_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
     model_path: str = ""
     architecture: str = ""
+    quantization: str | None = None   # the mode the weights are in (awq / gptq: the checkpoint's)
 
 
 def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
@@ -60,7 +62,8 @@ def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in ("transformers_version", "_from_model_config")}
 
 
-def _load_hf_config(model_dir: str) -> tuple[Any, str]:
+def _load_hf_config(model_dir: str) -> tuple[Any, str, dict[str, Any] | None]:
+    """(transformers config, architecture, the raw quantization_config or None)."""
     import transformers
 
     config_path = Path(model_dir) / "config.json"
@@ -70,7 +73,23 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str]:
         raise ValueError(f"{config_path}: invalid JSON ({e})") from None
     architecture = resolve_architecture(raw.get("architectures"), raw.get("model_type"),
                                         str(config_path))
-    return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True), architecture
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return config, architecture, raw.get("quantization_config")
+
+
+def read_model_config(model: str | os.PathLike | None) -> tuple[Any, str]:
+    """(hf_config, resolved path) of `model`, reading no weights and no tokenizer: what an
+    ahead-of-time compile needs (a directory holding only config.json is enough)."""
+    resolved = resolve_model(model)
+    if resolved.format == "gguf":
+        from jaxserve.loader.gguf_loader import gguf_config, open_gguf
+
+        return gguf_config(open_gguf(resolved.path), resolved.path), resolved.path
+    if resolved.format == "orbax":
+        from jaxserve.loader.orbax_checkpoint import read_checkpoint
+
+        return read_checkpoint(resolved.path).hf_config, resolved.path
+    return _load_hf_config(resolved.path)[0], resolved.path
 
 
 def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
@@ -84,14 +103,18 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     needs only the config (a directory with config.json alone is enough).
     quantization: "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors packed (their weights
     entries are ``NAME.q4_1`` uint8 arrays, quantization/gguf_packed.py); "int8" and None
-    load float weights (int8 is applied to the params tree by the engine).
+    load float weights (int8 is applied to the params tree by the engine). An AWQ / GPTQ
+    checkpoint (config.json's quantization_config.quant_method) picks "awq" / "gptq" when
+    quantization is None, keeps its projections packed (``NAME.qweight`` ...,
+    quantization/awq_gptq.py), and refuses any other explicit mode.
+    LoadedModel.quantization is the mode the weights are in.
     """
     if quantization == "gguf" and load_format == "dummy":
         raise ValueError("quantization='gguf' keeps a GGUF file's packed tensors; it needs "
                          "load_format='auto' (dummy weights are float)")
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     numpy_dtype = as_numpy_dtype(dtype)
     resolved = resolve_model(model)
@@ -108,6 +131,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
             open_gguf,
         )
 
+        if quantization in ("awq", "gptq"):
+            raise ValueError(f"quantization={quantization!r} needs a {quantization} safetensors "
+                             f"checkpoint; {resolved.path} is a GGUF file (use gguf)")
         reader = open_gguf(resolved.path)
         hf_config = gguf_config(reader, resolved.path)
         architecture = hf_config.architectures[0]
@@ -123,11 +149,18 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                              "for a float checkpoint use quantization='int8'")
         from jaxserve.loader.safetensors_loader import load_safetensors_weights
 
-        hf_config, architecture = _load_hf_config(resolved.path)
+        hf_config, architecture, quant_config = _load_hf_config(resolved.path)
+        quantization = checkpoint_method(quant_config, quantization, resolved.path)
+        packed_int = (parse_quantization_config(quant_config)
+                      if quantization in ("awq", "gptq") else None)
         if load_format == "dummy":
+            if packed_int is not None:
+                raise ValueError(f"{resolved.path} is a {quantization} checkpoint; "
+                                 "load_format='dummy' makes float weights (use auto)")
             weights = dummy_weights(hf_config, numpy_dtype)
         else:
-            weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype)
+            weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype,
+                                               packed_int)
         loaded_tokenizer = load_tokenizer(tokenizer if tokenizer is not None else resolved.path)
         generation_config = read_generation_config(resolved.path)
     logger.info("loaded %s (%s, %s, %.1f MiB of weights) in %.2f s", resolved.path,
@@ -135,4 +168,4 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                 time.perf_counter() - start)
     return LoadedModel(hf_config=hf_config, weights=weights, tokenizer=loaded_tokenizer,
                        generation_config=generation_config, model_path=resolved.path,
-                       architecture=architecture)
+                       architecture=architecture, quantization=quantization)

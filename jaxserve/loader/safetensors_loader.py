@@ -19,8 +19,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxserve.loader.awq_gptq_loader import PackedProjections, quantized_projections
 from jaxserve.loader.weights import StackedWeights, is_ignorable, parse_name
 from jaxserve.models.registry import family_for, read_arch
+from jaxserve.quantization.awq_gptq import PackedIntConfig
 
 logger = logging.getLogger(__name__)
 
@@ -120,14 +122,25 @@ def _iter_tensors(files: list[SafetensorsFile]) -> Iterator[tuple[str, Safetenso
 
 
 def load_safetensors_weights(model_dir: str | os.PathLike, hf_config: Any,
-                             dtype: np.dtype) -> dict[str, np.ndarray]:
-    """All weights of a Hugging Face checkpoint directory, in our stacked layout and `dtype`."""
+                             dtype: np.dtype, packed_int: PackedIntConfig | None = None
+                             ) -> dict[str, np.ndarray]:
+    """All weights of a Hugging Face checkpoint directory, in our stacked layout and `dtype`.
+    packed_int: an AWQ / GPTQ checkpoint's config; its packed projections are kept packed
+    (loader/awq_gptq_loader.py), everything else is read as a float checkpoint's."""
     files = [SafetensorsFile(path) for path in checkpoint_files(model_dir)]
     arch = read_arch(hf_config)
     family = family_for(arch.architecture)
-    stacked = StackedWeights(family.weight_shapes(arch), dtype, source=str(model_dir))
+    shapes = family.weight_shapes(arch)
+    packed = None
+    if packed_int is not None:
+        kernels = quantized_projections([n for f in files for n in f.names()], family)
+        packed = PackedProjections(packed_int, family, shapes, kernels, str(model_dir))
+        shapes = {n: s for n, s in shapes.items() if n not in kernels}
+    stacked = StackedWeights(shapes, dtype, source=str(model_dir))
     unexpected = []
     for name, file in _iter_tensors(files):
+        if packed is not None and packed.take(name, lambda: file.get(name)):  # noqa: B023
+            continue
         parsed = parse_name(name, "hf", family)
         if parsed is None or not stacked.wants(parsed[0]):
             if name == "lm_head.weight" and arch.tie_word_embeddings:
@@ -140,4 +153,4 @@ def load_safetensors_weights(model_dir: str | os.PathLike, hf_config: Any,
         shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
         raise ValueError(f"{model_dir}: checkpoint has {len(unexpected)} tensor(s) this loader does "
                          f"not know how to use ({shown}); the model would silently ignore them")
-    return stacked.finish()
+    return stacked.finish() | (packed.finish() if packed is not None else {})

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.arch import ModelArch
-from jaxserve.parallel.mesh import MODEL_AXIS
+from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
 from jaxserve.quantization.gguf_packed import BLOCK_WEIGHTS, BYTES_PER_BLOCK, PACKED_FORMATS
 
 # Partition rule kinds (Megatron-style on the `model` axis):
@@ -99,9 +100,10 @@ class ModelFamily:
         present = set()
         for name, value in weights.items():
             # A GGUF-packed tensor ("layers.q_proj.q4_1", "embed_tokens.q8_0") stands in for
-            # the float one ("layers.q_proj.kernel", "embed_tokens"); quantization/gguf_packed.py
+            # the float one ("layers.q_proj.kernel", "embed_tokens"); quantization/gguf_packed.py;
+            # so do an AWQ / GPTQ projection's "layers.q_proj.qweight" / scales / zeros / g_idx
             base, _, fmt = name.rpartition(".")
-            if fmt in PACKED_FORMATS:
+            if fmt in PACKED_FORMATS or (fmt in AWQ_GPTQ_LEAVES and base.startswith("layers.")):
                 float_name = base + ".kernel" if base.startswith("layers.") else base
                 if float_name not in expected:
                     raise ValueError(f"unexpected packed weight {name!r} for {arch.architecture}")
@@ -136,6 +138,8 @@ class ModelFamily:
         leaf = path[-1]
         if leaf in PACKED_FORMATS:
             return _packed_spec(kind, leaf, shape, tp, "/".join(path))
+        if leaf in AWQ_GPTQ_LEAVES and path[0] == "layers":
+            return _awq_gptq_spec(kind, leaf, shape, tp, "/".join(path))
         if leaf == "scale" and kind in (VOCAB_ROWS, VOCAB_COLS):   # int8 lm_head [V] / [H/g, V]
             return P(*([None] * (len(shape) - 1)), MODEL_AXIS) if shape[-1] % tp == 0 else P()
         # int8 scales (quantization/int8.py): [L, out] per column, [L, in/g, out] group-wise
@@ -196,6 +200,25 @@ def _packed_spec(kind: str | None, fmt: str, shape: tuple[int, ...], tp: int, na
                              f"not split over tensor_parallel_size={tp}")
         return P(*rows, None, MODEL_AXIS)
     raise ValueError(f"no partition spec for packed parameter {name} {shape}")
+
+
+def _awq_gptq_spec(kind: str | None, leaf: str, shape: tuple[int, ...], tp: int,
+                   name: str) -> P:
+    """An AWQ / GPTQ projection (quantization/awq_gptq.py; stacked: qweight [L, in/p, out],
+    scales / zeros [L, G, out], g_idx [L, in]). Column-split layers split `out` (g_idx, over
+    `in`, replicated); row-split layers split the packed words of `in` and g_idx with them,
+    and keep the small group tables whole, so any group assignment (act-order's included)
+    finds its group on every device."""
+    if kind == COLUMN:
+        return P() if leaf == "g_idx" else P(None, None, MODEL_AXIS)
+    if kind == ROW:
+        if leaf in ("scales", "zeros"):
+            return P()
+        if shape[1] % tp:
+            raise ValueError(f"{name}: {shape[1]} rows of packed input features do not "
+                             f"split over tensor_parallel_size={tp}")
+        return P(None, MODEL_AXIS) if leaf == "g_idx" else P(None, MODEL_AXIS, None)
+    raise ValueError(f"no partition spec for AWQ/GPTQ parameter {name} {shape}")
 
 
 def _vocab_or_hidden(shape: tuple[int, ...], vocab_axis: int, tp: int) -> P:

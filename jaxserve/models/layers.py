@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.lora.layers import lora_delta
 from jaxserve.models.layer_matmul import IN_PLACE_DTYPES, SMALL_LOGITS_MAX_ROWS, small_logits
 from jaxserve.models.linear_method import linear_method_for
+from jaxserve.models.lora import lora_delta
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
@@ -27,7 +27,7 @@ from jaxserve.quantization.gguf_packed import (
     packed_matmul,
 )
 from jaxserve.quantization.kv import QuantizedKV, head_rotation, rotate_heads
-from jaxserve.runner.step_inputs import AttentionMetadata
+from jaxserve.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": nn.silu,

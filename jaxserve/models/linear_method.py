@@ -23,6 +23,8 @@ from jaxserve.models.layer_matmul import (
     stacked_kernel,
     stacked_params,
 )
+from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
+from jaxserve.quantization.awq_gptq import packed_int_matmul
 from jaxserve.quantization.gguf_packed import packed_format_of, packed_matmul
 
 
@@ -119,7 +121,22 @@ class GGUFPackedMethod:
         return packed_matmul(x, layer.get_variable("params", fmt), fmt, layer.dtype)
 
 
-_METHODS: list[Any] = [GGUFPackedMethod(), Int8GroupedMethod(), Int8PerChannelMethod()]
+class AwqGptqMethod:
+    """qweight int32 [in/p, out] + scales, zeros (+ g_idx): AWQ / GPTQ int4, dequantized in
+    the jit (jaxserve/quantization/awq_gptq.py)."""
+    name = "awq-gptq"
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return "qweight" in params
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        names = layer.variables.get("params", {})
+        return packed_int_matmul(x, {leaf: layer.get_variable("params", leaf)
+                                     for leaf in AWQ_GPTQ_LEAVES if leaf in names}, layer.dtype)
+
+
+_METHODS: list[Any] = [GGUFPackedMethod(), AwqGptqMethod(), Int8GroupedMethod(),
+                       Int8PerChannelMethod()]
 _DENSE = DenseMethod()
 
 
@@ -139,5 +156,5 @@ def linear_method_for(params: Mapping[str, Any]) -> Any:
     return _DENSE
 
 
-__all__ = ["LinearMethod", "DenseMethod", "Int8PerChannelMethod", "Int8GroupedMethod",
+__all__ = ["LinearMethod", "DenseMethod", "AwqGptqMethod", "Int8PerChannelMethod", "Int8GroupedMethod",
            "GGUFPackedMethod", "register_linear_method", "linear_method_for"]

@@ -6,12 +6,16 @@
             checkpoint (int8.py)
     gguf    a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors stay packed in device memory (the raw
             llama.cpp blocks) and are dequantized inside the jitted matmul (gguf_packed.py)
+    awq     an AWQ checkpoint's int4 projections (config.json's quantization_config picks it)
+    gptq    a GPTQ checkpoint's int4 / int8 projections, act-order too: both stay packed
+            (int32 words + float16 scales and zeros per group) and are dequantized inside
+            the jitted matmul (awq_gptq.py)
 
 The linen modules in models/layers.py (`Linear`, `Embedding`) pick the path from the
 parameter tree itself (which leaf names are present), so every family gets every mode.
 """
 
-QUANTIZATION_MODES = ("int8", "gguf")
+QUANTIZATION_MODES = ("int8", "gguf", "awq", "gptq")
 
 
 def check_mode(mode: str | None) -> str | None:
