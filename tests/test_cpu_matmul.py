@@ -126,8 +126,9 @@ def test_bf16_and_int8_engines_agree_with_float32_and_use_the_library(make_tiny_
         runner.wait_until_compiled()
         runners[name] = runner
         for (tokens_in_step, _), step in runner._steps.items():
-            # int8 above 8 rows needs the int8 units (W8A8); without them XLA's dot
-            if name != "int8" or tokens_in_step <= 8 or matmul.detect_matrix_units().int8:
+            # --quantization int8 writes group-wise scales (quantization/int8.py), which the
+            # library path (per-column W8A16 / W8A8) does not take yet: XLA's dot there
+            if name != "int8":
                 assert "jaxserve_matmul" in step.as_text(), (name, tokens_in_step)
     assert runners["float32"].model.dtype == jnp.float32
     assert runners["bfloat16"].model.dtype == jnp.bfloat16
