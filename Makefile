@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup serve chat generate test bench clean
+.PHONY: setup serve chat generate test test-fast test-gpu-compile bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +29,31 @@ generate: setup       ## one short offline generation with LLM.generate
 	o = LLM().generate(['The capital of France is'], SamplingParams(max_tokens=24, temperature=0)); \
 	print(repr(o[0].outputs[0].text))"
 
-test: setup
+test: setup           ## the whole suite (what CI runs)
 	$(PY) -m pytest -q tests $(ARGS)
+
+test-fast: setup      ## the pre-commit tier: unit tests marked `fast`, under 2 minutes
+	$(PY) -m pytest -q -m fast tests $(ARGS)
+
+# Compile-only GPU work (jaxserve compile --target h200, the gpu_compile tier) in its own
+# venv: the CUDA plugin in .venv would make every CPU-only process try (and fail, loudly) to
+# load CUDA. .venv-gpu sees .venv's packages through a .pth file and adds only the plugin
+# wheels (pip's cache keeps reinstalls to seconds).
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+$(GPU_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(PY) -c "import site; print(site.getsitepackages()[0])" > \
+	  $$($(GPU_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_base_venv.pth
+	$(GPU_VENV)/bin/python -m pip install -q $$($(PY) -c "import tomllib; \
+	  print(' '.join(d.replace(' ', '') for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-compile']))")
+	touch $(GPU_STAMP)
+
+test-gpu-compile: setup $(GPU_STAMP)
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -m gpu_compile tests/test_gpu_compile.py $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_offline.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache

@@ -3,14 +3,19 @@
 What a fast accelerator would expose: with the model's executables swapped for a function
 that hands back ready-made sampled tokens, the engine loop's own cost per step is all that
 is left — scheduling, the persistent batch's input packing and host->device puts, and
-output processing (token append, detokenization, stop strings, RequestOutputs). Printed
-per component (p50 and mean over the measured steps) at several batch sizes, in steady
-decode, and written to benchmarks/results/host-<tag>.json. The last line is the engine
-thread's CPU time per step: on a quiet box it equals the wall time; on a busy one (other
-processes on the cores) it is the figure that still means something.
+output processing on the engine thread (token append, stop tokens, token deltas). The front
+end's share (detokenization, stop strings, RequestOutputs: the server runs it on its asyncio
+side, LLM.generate on the same thread) is timed separately. Printed per component (p50 and
+mean over the measured steps) at several batch sizes, in steady decode, and written to
+benchmarks/results/host-<tag>.json. "engine thread" is `step_core` (what the server's
+engine thread runs); "total" adds the front end. The CPU-time line is the engine thread's
+`step_core` CPU time: on a busy box (other processes on the cores) it is the figure that
+still means something.
 
     python benchmarks/bench_host.py                       # 1, 64 and 256 running sequences
     python benchmarks/bench_host.py --sizes 64 --steps 400 --sync
+    python benchmarks/bench_host.py --by-position --sizes 16 --output-kind delta
+        # engine-thread output processing per step at 100 and 1,000 tokens produced
 """
 
 from __future__ import annotations
@@ -31,17 +36,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 class Timed:
     """Wraps a bound method and accumulates the time of each call in the current step."""
 
-    def __init__(self, obj, name: str) -> None:
+    def __init__(self, obj, name: str, cpu: bool = False) -> None:
+        self.obj, self.name = obj, name
         self.fn = getattr(obj, name)
+        self.clock = time.thread_time if cpu else time.perf_counter
         self.total = 0.0
         setattr(obj, name, self)
 
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = self.clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.total += time.perf_counter() - start
+            self.total += self.clock() - start
 
 
 def no_op_device(runner, vocab: int, rng: np.random.Generator) -> None:
@@ -95,11 +102,9 @@ def measure(engine, num_seqs: int, steps: int, prompt_len: int, output_kind: str
         engine.step()                          # admit and prefill everything first
     for _ in range(4):
         engine.step()
-    timers = {"schedule": Timed(engine.scheduler, "schedule"),
-              "execute (apply diffs, pack, put, dispatch)": Timed(engine.runner, "execute"),
-              "collect (tokens, stops, detokenize)": Timed(engine, "_collect"),
-              "drain (RequestOutputs)": Timed(engine.outputs, "drain")}
-    per_step = {name: [] for name in [*timers, "total", "total (engine thread CPU time)"]}
+    timers = start_timers(engine)
+    per_step = {name: [] for name in [*timers, "engine thread (step_core)", "total",
+                                      "engine thread CPU time"]}
     profiler = None
     if profile:
         import cProfile
@@ -107,25 +112,88 @@ def measure(engine, num_seqs: int, steps: int, prompt_len: int, output_kind: str
         profiler = cProfile.Profile()
         profiler.enable()
     for _ in range(steps):
-        before = {name: t.total for name, t in timers.items()}
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        engine.step()
-        per_step["total"].append(time.perf_counter() - start)
-        per_step["total (engine thread CPU time)"].append(time.thread_time() - start_cpu)
-        for name, t in timers.items():
-            per_step[name].append(t.total - before[name])
+        timed_step(engine, timers, per_step)
     if profiler is not None:
         import pstats
 
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    for name, t in timers.items():                # unwrap
-        setattr(t.fn.__self__, t.fn.__name__, t.fn)
+    stop_timers(timers)
     engine.abort_request([f"host-{num_seqs}-{i}" for i in range(num_seqs)])
     while engine.has_unfinished_requests():
         engine.step()
     return {name: {"p50_ms": 1000 * float(np.median(v)), "mean_ms": 1000 * float(np.mean(v))}
             for name, v in per_step.items()}
+
+
+ENGINE_OUTPUT_PROCESSING = ["update_from_output (append tokens)",
+                            "process_token (stop tokens, logprobs)", "drain (token deltas)"]
+
+
+def start_timers(engine) -> dict:
+    return {"schedule": Timed(engine.scheduler, "schedule"),
+            "execute (apply diffs, pack, put, dispatch)": Timed(engine.runner, "execute"),
+            "collect (wait for the step, then the three below)": Timed(engine, "_collect"),
+            ENGINE_OUTPUT_PROCESSING[0]: Timed(engine.scheduler, "update_from_output"),
+            ENGINE_OUTPUT_PROCESSING[1]: Timed(engine.outputs, "process_token"),
+            ENGINE_OUTPUT_PROCESSING[2]: Timed(engine.outputs, "drain"),
+            "front end (text, stop strings, RequestOutputs)": Timed(engine.frontend, "process"),
+            "front end CPU time": Timed(engine.frontend, "process", cpu=True)}
+
+
+def stop_timers(timers: dict) -> None:
+    for t in reversed(timers.values()):          # the last wrapper first
+        setattr(t.obj, t.name, t.fn)
+
+
+def timed_step(engine, timers: dict, per_step: dict) -> None:
+    """One `engine.step()`; appends each component's time (and the totals) to per_step."""
+    before = {name: t.total for name, t in timers.items()}
+    core = Timed(engine, "step_core")
+    core_cpu = Timed(engine, "step_core", cpu=True)      # wraps the wall-time wrapper
+    start = time.perf_counter()
+    engine.step()
+    per_step["total"].append(time.perf_counter() - start)
+    setattr(engine, "step_core", core.fn)       # core_cpu wraps core: drop both
+    per_step["engine thread (step_core)"].append(core.total)
+    per_step["engine thread CPU time"].append(core_cpu.total)
+    for name, t in timers.items():
+        per_step[name].append(t.total - before[name])
+
+
+def measure_by_position(engine, num_seqs: int, positions: list[int], window: int,
+                        prompt_len: int, output_kind: str) -> dict:
+    """Per-step times while every sequence has produced about `position` tokens, for each
+    position: the engine thread's output processing must not grow with it."""
+    from jaxserve import RequestOutputKind, SamplingParams
+
+    last = max(positions) + window
+    params = SamplingParams(temperature=0.0, max_tokens=last + 64, ignore_eos=True,
+                            stop=["\n\nUser:", "<|im_end|>"],
+                            output_kind=RequestOutputKind[output_kind.upper()])
+    rng = np.random.default_rng(num_seqs)
+    ids = [f"pos-{num_seqs}-{i}" for i in range(num_seqs)]
+    for request_id in ids:
+        engine.add_request(request_id, None, params,
+                           prompt_token_ids=rng.integers(100, 20000, prompt_len).tolist())
+    timers = start_timers(engine)
+    names = [*timers, "engine thread (step_core)", "total", "engine thread CPU time"]
+    results = {}
+    for position in sorted(positions):
+        while engine.scheduler.num_waiting or min(
+                s.num_output_tokens for s in engine.scheduler.running) < position:
+            engine.step()
+        per_step = {name: [] for name in names}
+        for _ in range(window):
+            timed_step(engine, timers, per_step)
+        results[str(position)] = {name: {"p50_ms": 1000 * float(np.median(v)),
+                                         "mean_ms": 1000 * float(np.mean(v))}
+                                  for name, v in per_step.items()}
+    stop_timers(timers)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return results
 
 
 def main() -> None:
@@ -138,6 +206,10 @@ def main() -> None:
     parser.add_argument("--output-kind", default="final_only",
                         choices=["final_only", "delta", "cumulative"],
                         help="final_only is LLM.generate's; the server streams")
+    parser.add_argument("--by-position", action="store_true",
+                        help="time steps at 100 and 1,000 tokens produced (--positions)")
+    parser.add_argument("--positions", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--window", type=int, default=50, help="steps timed per position")
     parser.add_argument("--profile", action="store_true",
                         help="print a cProfile of the measured steps (timings then include it)")
     args = parser.parse_args()
@@ -148,16 +220,20 @@ def main() -> None:
 
     ModelRunner.warmup = lambda self, *a, **k: 0.0   # the executables are replaced anyway
     max_seqs = max(args.sizes)
+    steps = max(args.positions) + args.window if args.by_position else args.steps
     config = EngineConfig.from_kwargs(
         max_num_seqs=max_seqs, max_num_batched_tokens=max(512, max_seqs),
-        max_model_len=args.prompt_len + args.steps + 128, disable_log_stats=True,
-        kv_cache_memory_bytes=(max_seqs * (args.prompt_len + args.steps + 96)) * 30 * 1536,
+        max_model_len=args.prompt_len + steps + 128, disable_log_stats=True,
+        kv_cache_memory_bytes=(max_seqs * (args.prompt_len + steps + 96)) * 30 * 1536,
         async_scheduling=not args.sync)
     engine = LLMEngine(config)
     no_op_device(engine.runner, len(engine.tokenizer), np.random.default_rng(0))
     results = {"machine": {"platform": platform.platform(), "python": platform.python_version()},
                "async_scheduling": not args.sync, "steps": args.steps,
                "output_kind": args.output_kind, "sizes": {}}
+    if args.by_position:
+        print_by_position(engine, args)
+        return
     for size in args.sizes:
         stats = measure(engine, size, args.steps, args.prompt_len, args.output_kind, args.profile)
         results["sizes"][str(size)] = stats
@@ -169,6 +245,22 @@ def main() -> None:
     path = RESULTS / f"host-{args.tag}-{args.output_kind}{'-sync' if args.sync else ''}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {path}")
+
+
+def print_by_position(engine, args) -> None:
+    for size in args.sizes:
+        results = measure_by_position(engine, size, args.positions, args.window,
+                                      args.prompt_len, args.output_kind)
+        print(f"\n{size} running sequences ({args.output_kind} outputs), p50 ms per step, "
+              f"by tokens produced:")
+        print(f"  {'':48s}" + "".join(f"{p:>10d}" for p in args.positions))
+        for name in results[str(args.positions[0])]:
+            print(f"  {name:48s}" + "".join(
+                f"{results[str(p)][name]['p50_ms']:10.3f}" for p in args.positions))
+        base, top = (sum(results[str(p)][name]["p50_ms"] for name in ENGINE_OUTPUT_PROCESSING)
+                     for p in (min(args.positions), max(args.positions)))
+        print(f"  engine-thread output processing (the three above) at {max(args.positions)} / at "
+              f"{min(args.positions)} tokens: {top / base:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,32 @@
-"""The layer projections of a decoder step, three ways, on SmolLM2-135M's shapes (CPU, f32).
+"""The layer projections of a decoder step, several ways, on SmolLM2-135M's shapes (CPU).
 
-    python benchmarks/bench_layer_matmul.py                 # T in 1 8 16 32 64 128 256 512
-    python benchmarks/bench_layer_matmul.py --rows 64 --repeats 30
+    python benchmarks/bench_layer_matmul.py                 # T in 1 8 64 256
+    python benchmarks/bench_layer_matmul.py --rows 64 --repeats 30 --out benchmarks/results/layer_matmul.json
+    python benchmarks/bench_layer_matmul.py --old-lib ~/.cache/jaxserve/ffi/paged_attention-<hash>.so
+                                  # adds the removed hand-written GEMM/GEMV (JaxserveLayerMatmul)
 
 Each variant runs the seven projections of every layer (q, k, v, o, gate, up, down; hidden
 576, intermediate 1536, kv 192, 30 layers) on a [T, 576] activation, chained so nothing is
 dead code (no attention, no norms: only the matmuls and a few cheap elementwise ops):
 
-  scan_xla    the layers under lax.scan over weights stacked [L, in, out], XLA's dot (the
-              engine above the in-place threshold: each layer's slice is a copy)
-  unrolled    a Python loop over per-layer weight buffers, XLA's dot (no slice, no copy:
-              the ceiling for XLA without the copy)
-  scan_kernel the scan, each projection by jaxserve_layer_matmul reading the stacked
-              weights in place (models/layer_matmul.py)
+  xla_scan_f32       lax.scan over weights stacked [L, in, out], XLA's dot (slices are copies)
+  xla_unrolled_f32   a Python loop over per-layer buffers, XLA's dot (no copy)
+  xla_unrolled_bf16  the same in bf16 (XLA's own bf16 dot, f32 accumulation)
+  onednn_f32/_bf16   the scan, each projection one oneDNN call on the stacked weights in place
+                     (jaxserve/kernels/cpu/matmul.cc, GEMV off)
+  gemv_f32/_bf16     the scan, matmul.cc's streaming GEMV (rows <= 8 only)
+  old_kernel_f32     the removed hand-written kernel (--old-lib)
 
-The variants are timed interleaved (one call of each per round, the order rotating) so a
-noisy, shared box slows them alike; prints min / p5 / median ms per forward and the ratios
-of the mins against scan_xla.
+Timed interleaved (one call of each per round, the order rotating) so a noisy, shared box
+slows them alike; prints the min ms per forward and each variant's ratio to xla_scan_f32.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
+import os
 import time
 
 import jax
@@ -40,65 +45,106 @@ def layer(x, mm):
     x = x + mm("o", q * 0.01 + kv * 0.01)
     h = jax.nn.silu(mm("gate", x)) * mm("up", x)
     x = x + mm("down", h) * 0.01
-    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    xf = x.astype(jnp.float32)
+    return (xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
-def make_variants(gemv_rows: int):
-    from jaxserve.models.layer_matmul import layer_matmul
+def scan_of(mm):
+    def run(x, stacked):
+        def body(x, idx):
+            return layer(x, lambda n, a: mm(a, stacked[n], idx)), None
+        return jax.lax.scan(body, x, jnp.arange(LAYERS, dtype=jnp.int32))[0]
+    return jax.jit(run)
 
-    def scan_xla(x, stacked):
+
+def make_variants(old_lib: str | None):
+    from jaxserve.kernels.cpu.matmul import layer_matmul
+
+    def xla_scan(x, stacked):
         def body(x, w):
             return layer(x, lambda n, a: a @ w[n]), None
         return jax.lax.scan(body, x, stacked)[0]
 
     def unrolled(x, per_layer):
         for w in per_layer:
-            x = layer(x, lambda n, a, w=w: a @ w[n])
+            x = layer(x, lambda n, a, w=w: jnp.dot(a, w[n], preferred_element_type=a.dtype))
         return x
 
-    def scan_kernel(x, stacked):
-        def body(x, idx):
-            return layer(x, lambda n, a: layer_matmul(a, stacked[n], idx, gemv_rows)), None
-        return jax.lax.scan(body, x, jnp.arange(LAYERS, dtype=jnp.int32))[0]
+    variants = {  # name: (fn, weights kind, dtype, max rows or None)
+        "xla_scan_f32": (jax.jit(xla_scan), "stacked", jnp.float32, None),
+        "xla_unrolled_f32": (jax.jit(unrolled), "per_layer", jnp.float32, None),
+        "xla_unrolled_bf16": (jax.jit(unrolled), "per_layer", jnp.bfloat16, None),
+        "onednn_f32": (scan_of(lambda a, w, i: layer_matmul(a, w, i, gemv_rows=0)),
+                       "stacked", jnp.float32, None),
+        "onednn_bf16": (scan_of(lambda a, w, i: layer_matmul(a, w, i, gemv_rows=0)),
+                        "stacked", jnp.bfloat16, None),
+        "gemv_f32": (scan_of(lambda a, w, i: layer_matmul(a, w, i)), "stacked", jnp.float32, 8),
+        "gemv_bf16": (scan_of(lambda a, w, i: layer_matmul(a, w, i)), "stacked", jnp.bfloat16, 8),
+    }
+    if old_lib:
+        handle = ctypes.CDLL(os.path.expanduser(old_lib))
+        jax.ffi.register_ffi_target("old_layer_matmul",
+                                    jax.ffi.pycapsule(handle.JaxserveLayerMatmul), platform="cpu")
 
-    return {"scan_xla": jax.jit(scan_xla), "unrolled": jax.jit(unrolled),
-            "scan_kernel": jax.jit(scan_kernel)}
+        def old(a, w, i):
+            call = jax.ffi.ffi_call("old_layer_matmul",
+                                    jax.ShapeDtypeStruct((a.shape[0], w.shape[2]), jnp.float32))
+            return call(a, w, jnp.asarray(i, jnp.int32), gemv_rows=np.int64(-1))
+        variants["old_kernel_f32"] = (scan_of(old), "stacked", jnp.float32, None)
+    return variants
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256, 512])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--gemv-rows", type=int, default=-1,
-                        help="kernel's GEMV/GEMM switch (-1: its default)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--only", nargs="+", help="variant names to run (default: all)")
+    parser.add_argument("--old-lib", help="a .so with the removed JaxserveLayerMatmul")
+    parser.add_argument("--out", help="write the mins (ms) as JSON here")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
-    stacked = {n: jnp.asarray(rng.standard_normal((LAYERS, *s), np.float32) / np.sqrt(s[0]))
-               for n, s in SHAPES.items()}
-    per_layer = [{n: jnp.array(w[i]) for n, w in stacked.items()} for i in range(LAYERS)]
-    variants = make_variants(args.gemv_rows)
-    weights = {"scan_xla": stacked, "unrolled": per_layer, "scan_kernel": stacked}
-    print(f"{'T':>4} " + " ".join(f"{n:>26}" for n in variants) + "   kernel/xla unrolled/xla")
+    stacked32 = {n: rng.standard_normal((LAYERS, *s), np.float32) / np.sqrt(s[0])
+                 for n, s in SHAPES.items()}
+    weights = {}
+    for dt in (jnp.float32, jnp.bfloat16):
+        st = {n: jnp.asarray(w, dt) for n, w in stacked32.items()}
+        weights[("stacked", dt)] = st
+        weights[("per_layer", dt)] = [{n: jnp.array(w[i]) for n, w in st.items()}
+                                      for i in range(LAYERS)]
+    variants = make_variants(args.old_lib)
+    if args.only:
+        variants = {n: v for n, v in variants.items() if n in args.only or n == "xla_scan_f32"}
+    results = {"cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": "),
+               "ms": {}}
     for rows in args.rows:
-        x = jnp.asarray(rng.standard_normal((rows, HIDDEN), np.float32))
-        outs = {n: np.asarray(f(x, weights[n])) for n, f in variants.items()}
-        ref = outs["unrolled"]
-        for n, o in outs.items():
-            err = np.max(np.abs(o - ref)) / (np.max(np.abs(ref)) + 1e-9)
-            assert err < 1e-3, (n, rows, err)
-        times = {n: [] for n in variants}
-        names = list(variants)
+        x32 = rng.standard_normal((rows, HIDDEN), np.float32)
+        live = {n: v for n, v in variants.items() if v[3] is None or rows <= v[3]}
+        ref = np.asarray(live["xla_unrolled_f32"][0](jnp.asarray(x32),
+                                                     weights[("per_layer", jnp.float32)])) \
+            if "xla_unrolled_f32" in live else None
+        inputs = {}
+        for n, (fn, kind, dt, _) in live.items():
+            inputs[n] = (jnp.asarray(x32, dt), weights[(kind, dt)])
+            out = np.asarray(fn(*inputs[n]).astype(jnp.float32))
+            if ref is not None:
+                err = np.max(np.abs(out - ref)) / (np.max(np.abs(ref)) + 1e-9)
+                assert err < (5e-2 if dt == jnp.bfloat16 else 1e-3), (n, rows, err)
+        times = {n: [] for n in live}
+        names = list(live)
         for r in range(args.repeats):
-            for n in names[r % 3:] + names[:r % 3]:
+            for n in names[r % len(names):] + names[:r % len(names)]:
                 start = time.perf_counter()
-                variants[n](x, weights[n]).block_until_ready()
+                live[n][0](*inputs[n]).block_until_ready()
                 times[n].append((time.perf_counter() - start) * 1e3)
-        stats = {n: (min(t), np.percentile(t, 5), np.median(t)) for n, t in times.items()}
-        cells = " ".join(f"{s[0]:8.2f}/{s[1]:7.2f}/{s[2]:7.2f} ms" for s in stats.values())
-        base = stats["scan_xla"][0]
-        print(f"{rows:>4} {cells}   {stats['scan_kernel'][0] / base:9.2f} "
-              f"{stats['unrolled'][0] / base:8.2f}", flush=True)
+        mins = {n: min(t) for n, t in times.items()}
+        results["ms"][rows] = mins
+        base = mins["xla_scan_f32"]
+        print(f"T={rows:<4} " + "  ".join(f"{n} {m:7.2f} ms ({m / base:4.2f}x)"
+                                          for n, m in mins.items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ targets written on the fly in PEFT's format:
     decode time = wall time of 64 prompts x 17 new tokens minus that of 64 x 1 (prefill),
     prefix caching off so both runs prefill the same; the four cases interleaved, 3 runs
     each, the fastest kept (the box is shared: see decode_tok_s);
-  * the three ways to compute the per-token delta (jaxserve/lora/layers.py) on one
+  * the three ways to compute the per-token delta (jaxserve/models/lora.py) on one
     SmolLM2-sized projection (576 -> 1536), at decode (T=64) and prefill (T=512) sizes.
 """
 
@@ -79,7 +79,7 @@ def decode_tok_s(cases: dict[str, tuple[LLM, list]], prompts: list[list[int]],
 
 
 def delta_methods() -> dict:
-    from jaxserve.lora.layers import METHODS, lora_delta
+    from jaxserve.models.lora import METHODS, lora_delta
 
     rng = np.random.default_rng(0)
     fan_in, fan_out, slots = 576, 1536, 5

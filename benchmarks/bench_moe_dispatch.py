@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.mesh import MODEL_AXIS, make_mesh
 from jaxserve.models import moe
-from jaxserve.parallel.mesh import MODEL_AXIS, make_mesh
 
 _COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|all-to-all|reduce-scatter|"
                          r"collective-permute)(?:-start)?\(")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.models.layers import apply_rope
 from jaxserve.models.registry import family_for, read_arch
-from jaxserve.runner.step_inputs import AttentionMetadata
+from jaxserve.step_inputs import AttentionMetadata
 
 NUM_TOKENS, NUM_SEQS, BLOCK_SIZE, NUM_BLOCKS, WIDTH = 64, 8, 16, 64, 16
 

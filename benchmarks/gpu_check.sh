@@ -38,3 +38,13 @@ timeout 300 $py benchmarks/bench_offline.py "${engine_args[@]}" --tag gpu-8b-asy
 timeout 240 $py benchmarks/bench_offline.py "${engine_args[@]}" --batch-sizes 64 \
     --no-async-scheduling --tag gpu-8b-sync 2>&1 | tee "$out/gpu_engine_sync.log"
 cp benchmarks/results/offline_gpu-8b-*.json "$out/" 2>/dev/null || true
+
+# Executables compiled on a machine without a GPU (`jaxserve compile --target h200`), carried
+# here: load them, run, compare tokens with the JIT-compiled engine, decode tok/s and the HBM
+# bandwidth it implies. Build DIR first (CPU box, .venv-gpu):
+#   JAX_PLATFORMS=cpu jaxserve compile configs/models/llama-3-8b --target h200 \
+#     --max-model-len 2048 --max-num-seqs 8 --max-num-batched-tokens 256 --output aot/llama-3-8b-h200
+aot_dir="${AOT_DIR:-aot/llama-3-8b-h200}"
+if [ -f "$aot_dir/manifest.json" ]; then
+  timeout 300 $py benchmarks/bench_aot_gpu.py --aot-dir "$aot_dir" 2>&1 | tee "$out/gpu_aot.log"
+fi

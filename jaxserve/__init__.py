@@ -6,7 +6,7 @@ _LAZY = {
     "LLM": "jaxserve.entrypoints.llm",
     "SamplingParams": "jaxserve.sampling_params",
     "RequestOutputKind": "jaxserve.sampling_params",
-    "StructuredOutputsParams": "jaxserve.structured_outputs.params",
+    "StructuredOutputsParams": "jaxserve.structured_outputs_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "EngineConfig": "jaxserve.config",

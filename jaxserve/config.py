@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from jaxserve.spec_settings import parse_speculative_config
+
 
 def opt(default: Any = None, help: str = "", **extra: Any) -> Any:
     """A config field with CLI help text (and optional argparse extras)."""
@@ -34,8 +36,9 @@ class ModelConfig:
         "auto", "auto reads the checkpoint (safetensors or GGUF); dummy builds random weights "
         "from the model's config alone (benchmarks of models you have no weights for).",
         choices=["auto", "dummy"])
-    dtype: str = opt("auto", "Weights and activations dtype: auto (float32 on CPU, bfloat16 "
-                     "on GPU), float32, bfloat16, float16.",
+    dtype: str = opt("auto", "Weights and activations dtype: auto (on CPU bfloat16 when it has "
+                     "bf16 matrix units -- AMX or AVX512-BF16 -- else float32; bfloat16 on "
+                     "GPU), float32, bfloat16, float16.",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"])
     quantization: str | None = opt(
         None, "Weight quantization (vLLM's flag). int8: weight-only int8 per output channel "
@@ -45,6 +48,10 @@ class ModelConfig:
         "int4/int8 projections stay packed and are dequantized inside the step; picked from "
         "config.json's quantization_config when unset. Default: weights in --dtype.",
         choices=["int8", "gguf", "awq", "gptq"])
+    matrix_units: str = opt(
+        "auto", "CPU matrix units dtype=auto may use: auto (detected from the CPU's flags: AMX, "
+        "AVX512-BF16), none (serve as on a CPU without bf16 units: float32).",
+        choices=["auto", "none"])
     max_model_len: int | None = opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")
@@ -132,6 +139,11 @@ class RunnerConfig:
     compilation_cache_dir: str | None = opt(
         None, "JAX persistent compilation cache. Default: ~/.cache/jaxserve/jax. 'off' disables.")
     disable_log_stats: bool = opt(False, "Do not log periodic engine stats.")
+    aot_dir: str | None = opt(
+        None, "A directory `jaxserve compile` wrote: load its step executables (compiled "
+        "ahead of time, e.g. for --target h200 on a machine without a GPU) instead of "
+        "compiling them, when its manifest matches this engine (device, versions, config); "
+        "otherwise compile as usual, with one warning saying why.")
     compile_in_background: bool = opt(
         True, "Start serving once the largest step bucket (which serves any step, padded) "
         "and the one-token bucket are compiled, and compile the other buckets in a background "
@@ -198,9 +210,7 @@ class EngineConfig(FlatOptions):
 
     @property
     def spec_decode(self):
-        """The parsed speculative settings (jaxserve/spec_decode/settings.py), None if off."""
-        from jaxserve.spec_decode.settings import parse_speculative_config
-
+        """The parsed speculative settings (jaxserve/spec_settings.py), None if off."""
         return parse_speculative_config(self.speculative_config.speculative_config)
 
     def finalize(self, platform: str) -> "EngineConfig":
@@ -209,16 +219,8 @@ class EngineConfig(FlatOptions):
         on_cpu = platform == "cpu"
         if s.max_num_batched_tokens is None:
             s.max_num_batched_tokens = 512 if on_cpu else 2048
-        # every backend reads int8 / fp8 caches (jaxserve/quantization/kv.py)
-        if self.runner_config.attention_backend == "auto":
-            if on_cpu:
-                from jaxserve.attention.cpu import available  # warns once if it cannot build
-
-                self.runner_config.attention_backend = "cpu" if available() else "reference"
-            elif platform in ("gpu", "cuda", "rocm"):
-                self.runner_config.attention_backend = "pallas"
-            else:
-                self.runner_config.attention_backend = "reference"
+        # attention_backend stays as given: "auto" needs a build probe of the CPU kernel, which
+        # belongs to the attention layer (attention.backend.resolve_backend_name), not to config.
         _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
         _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)
@@ -287,6 +289,49 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = opt(
         False, "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates "
         "them behind VLLM_ALLOW_RUNTIME_LORA_UPDATING; here a flag).")
+    trust_request_chat_template: bool = opt(
+        False, "Let a chat request bring its own `chat_template` (vLLM's flag). Off: such a "
+        "request is a 400, since a template is a program the server runs. Trusted templates "
+        "still render off the event loop.")
+    step_stall_timeout: float = opt(
+        5.0, "GET /health answers 503 while one engine iteration (a step, or admitting "
+        "requests) has been running longer than this many seconds. A step of a loaded CPU "
+        "takes up to about a second; a stall of this length means every stream is stuck.")
+    # -- faults, overload, shutdown (jaxserve/engine/async_engine.py) --
+    max_engine_restarts: int = opt(
+        3, "After a failed engine step (a device error, a bug) the requests in that step get "
+        "503, the engine rebuilds its state in-process (KV cache contents dropped, queued "
+        "requests re-run) and serves again; after this many restarts in a row with no good "
+        "step between, the process exits with status 1 so a supervisor restarts it.")
+    max_queued_requests: int = opt(
+        1024, "Admission control (SGLang's flag): sequences (prompts x n of each request) that "
+        "may wait beyond the running batch (--max-num-seqs per replica). A request that does "
+        "not fit gets 503 with Retry-After at once, so a load balancer can send it elsewhere. "
+        "The default bounds the memory of queued prompts (a waiting sequence holds its prompt "
+        "ids, up to max_model_len, and its detokenizer: ~0.3 GB for 1,024 8k-token prompts) "
+        "and still admits the largest single request (1,024 choices) on an idle server. "
+        "-1: no limit.")
+    max_queue_time: float | None = opt(
+        None, "Seconds a request may wait without being scheduled; then it gets 503 (with "
+        "Retry-After) instead of waiting on. Default: no limit.")
+    shutdown_timeout: float = opt(
+        30.0, "On SIGTERM/SIGINT: seconds running requests get to finish (new ones get 503) "
+        "before the rest are aborted (finish_reason \"abort\"); then the process exits 0. "
+        "A second SIGINT exits at once.")
+    fault_injection_every_steps: int = opt(
+        0, "TESTING ONLY (benchmarks/soak.py): inject a step fault every N engine steps to "
+        "exercise in-process recovery; each fault fails the requests in that step. 0: off.")
+
+    def check(self) -> "ServerConfig":
+        """Range-check the options; returns self."""
+        _check_range("max_engine_restarts", self.max_engine_restarts, 0, 1 << 20)
+        _check_range("max_queued_requests", self.max_queued_requests, -1, 1 << 30)
+        if self.max_queue_time is not None:
+            _check_range("max_queue_time", self.max_queue_time, 0.0, 1e9)
+        _check_range("shutdown_timeout", self.shutdown_timeout, 0.0, 1e9)
+        _check_range("fault_injection_every_steps", self.fault_injection_every_steps, 0,
+                     1 << 40)
+        return self
 
 
 @dataclass

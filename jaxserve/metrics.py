@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jaxserve.engine.engine_core import EngineSnapshot
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.engine_io import EngineCoreOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -94,6 +94,30 @@ class _EngineCollector(Collector):
             yield info
 
 
+class _ResilienceCollector(Collector):
+    """In-process engine restarts and rejected requests, read from the AsyncLLMEngine."""
+
+    REASONS = ("queue_full", "queue_timeout")     # errors.QueueFullError / QueueTimeoutError
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        restarts = CounterMetricFamily(
+            "jaxserve:engine_restarts", "In-process engine restarts after a failed step.",
+            labels=["model_name"])
+        restarts.add_metric([self.model_name], self.engine.num_restarts)
+        yield restarts
+        rejected = CounterMetricFamily(
+            "jaxserve:num_requests_rejected", "Requests refused with 503 by admission "
+            "control, by reason.", labels=["model_name", "reason"])
+        counts = dict(self.engine.num_rejected)
+        for reason in sorted(set(self.REASONS) | set(counts)):
+            rejected.add_metric([self.model_name, reason], counts.get(reason, 0))
+        yield rejected
+
+
 class ServerMetrics:
     """The metrics of one app: a private registry plus per-request recording."""
 
@@ -124,37 +148,42 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         self._lock = threading.Lock()
-        # request id -> (tokens seen, time of the last token) for inter-token latency
-        self._progress: dict[str, tuple[int, float]] = {}
+        # request id -> time of its last token, for inter-token latency
+        self._progress: dict[str, float] = {}
 
-    def observe(self, outputs: list[RequestOutput], now: float) -> None:
-        """Record a step's outputs (called on the engine thread)."""
+    def observe(self, outputs: list[EngineCoreOutput], now: float) -> None:
+        """Record a step's outputs (called on the engine thread). A FINAL_ONLY request
+        without stop strings reports once, so it has no inter-token latency samples."""
         with self._lock:
             for out in outputs:
                 self._observe_one(out, now)
 
-    def _observe_one(self, out: RequestOutput, now: float) -> None:
+    def _observe_one(self, out: EngineCoreOutput, now: float) -> None:
         m = out.metrics
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        seen, last_time = self._progress.get(out.request_id, (0, None))
-        if num_tokens > seen:
-            token_time = (m.last_token_time if m and m.last_token_time else now)
-            if seen == 0:
-                if m is not None and m.first_token_time is not None:
+        num_new = sum(len(s.new_token_ids) for s in out.seqs)
+        last_time = self._progress.get(out.request_id)
+        if num_new:
+            token_time = m.last_token_time if m.last_token_time else now
+            if last_time is None:
+                if m.first_token_time is not None:
                     self._ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
-                if m is not None and m.first_scheduled_time is not None:
+                if m.first_scheduled_time is not None:
                     self._queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-            elif last_time is not None:
+            else:
                 self._itl.observe(max(0.0, token_time - last_time))
-            self._progress[out.request_id] = (num_tokens, token_time)
+            self._progress[out.request_id] = token_time
         if out.finished:
             self._progress.pop(out.request_id, None)
-            reasons = [c.finish_reason or "abort" for c in out.outputs]
+            reasons = [s.finish_reason or "abort" for s in out.seqs]
             reason = "abort" if "abort" in reasons else reasons[0] if reasons else "abort"
             self.request_success.labels(self.model_name, reason).inc()
-            if m is not None:
-                end = m.finished_time or now
-                self._e2e.observe(max(0.0, end - m.arrival_time))
+            self._e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that ended with an error and no final output (engine thread)."""
+        with self._lock:
+            for request_id in request_ids:
+                self._progress.pop(request_id, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -163,5 +192,7 @@ class ServerMetrics:
 def attach_metrics(engine: Any, model_name: str) -> ServerMetrics:
     """Metrics for an AsyncLLMEngine: snapshot gauges plus an output observer."""
     metrics = ServerMetrics(model_name, lambda: engine.snapshot)
+    metrics.registry.register(_ResilienceCollector(engine, model_name))
     engine.add_output_observer(metrics.observe)
+    engine.add_failure_observer(metrics.forget)
     return metrics

@@ -22,13 +22,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5     # temperature below this is greedy
 _MIN_TEMP = 1e-2         # vLLM raises smaller positive temperatures to this
 MAX_LOGIT_BIAS_ENTRIES = 300
+# Request-size limits (ours; vLLM has none): generous for any real use, small enough that one
+# request's stop strings cannot cost the server noticeable memory or matching time.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 4096
+# Integers that reach int32 host/device arrays (top_k, logprobs, token counts) must fit one.
+INT32_MAX = 2**31 - 1
+# Seeds: vLLM takes any int64; we also take the uint64 range (seeds are folded to 32 bits).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# Floats that reach float32 device arrays must be finite there too.
+FLOAT32_MAX = 3.4028234663852886e38
 # Fields whose model default may come from generation_config.json, and vLLM's defaults.
 GENERATION_CONFIG_DEFAULTS: dict[str, float | int] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -93,10 +103,19 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = ([] if self.stop_token_ids is None
-                               else list(dict.fromkeys(self.stop_token_ids)))
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, "
+                             f"got {_short(self.stop)}.")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must contain only integers, "
+                             f"got {_short(self.stop_token_ids)}.")
+        else:
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.logprobs is True:
             self.logprobs = 1
         if self.logit_bias is not None:
@@ -118,74 +137,98 @@ class SamplingParams:
         """Check every field, then apply vLLM's normalizations (top_k -1 → 0, greedy)."""
         _check_int("n", self.n)
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise ValueError(f"n must be at least 1, got {_short(self.n)}.")
+        if self.n > INT32_MAX:
+            raise ValueError(f"n must be at most {INT32_MAX}, got {_short(self.n)}.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must be None or equal to n={self.n} (best_of > n is "
-                             f"not supported), got {self.best_of}.")
+                             f"not supported), got {_short(self.best_of)}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (_is_real(value) and -2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
-        if not (_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)):
+            if not (_is_finite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {_short(value)}.")
+        if not _is_finite(self.repetition_penalty):
             raise ValueError(f"repetition_penalty must be a finite number, "
-                             f"got {self.repetition_penalty}.")
+                             f"got {_short(self.repetition_penalty)}.")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be greater than zero, "
-                             f"got {self.repetition_penalty}.")
-        if not (_is_real(self.temperature) and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature}.")
+                             f"got {_short(self.repetition_penalty)}.")
+        if not _is_finite(self.temperature):
+            raise ValueError(f"temperature must be a finite number (float32), "
+                             f"got {_short(self.temperature)}.")
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise ValueError(f"temperature must be non-negative, "
+                             f"got {_short(self.temperature)}.")
         if 0.0 < self.temperature < _MIN_TEMP:
             logger.warning("temperature %s is less than %s, which may cause numerical errors "
                            "nan or inf in tensors. We have maxed it out to %s.",
                            self.temperature, _MIN_TEMP, _MIN_TEMP)
             self.temperature = _MIN_TEMP
-        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not (_is_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {_short(self.top_p)}.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__} "
-                             f"{self.top_k!r}.")
+                             f"{_short(self.top_k)}.")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, "
+                             f"got {_short(self.top_k)}.")
+        if self.top_k > INT32_MAX:
+            raise ValueError(f"top_k must be at most the vocabulary size, "
+                             f"got {_short(self.top_k)}.")
         if self.top_k == -1:
             self.top_k = 0
-        if not (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not (_is_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {_short(self.min_p)}.")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] "
+                                 f"(a 64-bit integer), got {_short(self.seed)}.")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             # max_tokens=0 is "prefill only", for prompt logprobs (vLLM's API serves echo with
             # max_tokens=0 by generating one token it drops; we skip generating it).
+            if self.max_tokens > INT32_MAX:
+                raise ValueError(f"max_tokens must be at most {INT32_MAX}, "
+                                 f"got {_short(self.max_tokens)}.")
             if self.max_tokens < 1 and not (self.max_tokens == 0
                                             and self.prompt_logprobs is not None):
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens} "
+                raise ValueError(f"max_tokens must be at least 1, got {_short(self.max_tokens)} "
                                  "(0 only with prompt_logprobs).")
         _check_int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
+        if not 0 <= self.min_tokens <= INT32_MAX:
             raise ValueError(f"min_tokens must be greater than or equal to 0, "
-                             f"got {self.min_tokens}.")
+                             f"got {_short(self.min_tokens)}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to "
-                             f"max_tokens={self.max_tokens}, got {self.min_tokens}.")
+                             f"max_tokens={self.max_tokens}, got {_short(self.min_tokens)}.")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if self.logprobs < 0:
-                raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+                raise ValueError(f"logprobs must be non-negative, got {_short(self.logprobs)}.")
+            if self.logprobs > INT32_MAX:
+                raise ValueError(f"logprobs must be at most max_logprobs, "
+                                 f"got {_short(self.logprobs)}.")
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs)
             if self.prompt_logprobs < 0:
                 raise ValueError(f"prompt_logprobs must be non-negative, "
-                                 f"got {self.prompt_logprobs}.")
-        if not all(isinstance(t, int) and not isinstance(t, bool)
-                   for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must contain only integers, "
-                             f"got {self.stop_token_ids}.")
+                                 f"got {_short(self.prompt_logprobs)}.")
+            if self.prompt_logprobs > INT32_MAX:
+                raise ValueError(f"prompt_logprobs must be at most max_logprobs, "
+                                 f"got {_short(self.prompt_logprobs)}.")
         if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+            raise ValueError(f"stop must be a string or a list of strings, "
+                             f"got {_short(self.stop)}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may have at most {MAX_STOP_STRINGS} strings, "
+                             f"got {len(self.stop)}.")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"each stop string may be at most {MAX_STOP_STRING_CHARS} "
+                             f"characters, got one of {longest}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True. "
                              "Set detokenize=True to use stop.")
@@ -209,12 +252,15 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be at most max_model_len={max_model_len}, "
                              f"got {self.min_tokens}.")
         if vocab_size is not None:
+            if self.top_k > vocab_size:
+                raise ValueError(f"top_k cannot be greater than vocabulary size "
+                                 f"({vocab_size}), got {self.top_k}.")
             for name, ids in (("logit_bias", list(self.logit_bias or ())),
                               ("stop_token_ids", self.stop_token_ids)):
                 invalid = [t for t in ids if t < 0 or t >= vocab_size]
                 if invalid:
-                    raise ValueError(f"token_id(s) {invalid} in {name} contain out-of-vocab "
-                                     f"token ids. Vocabulary size: {vocab_size}")
+                    raise ValueError(f"token_id(s) {_short(invalid)} in {name} contain "
+                                     f"out-of-vocab token ids. Vocabulary size: {vocab_size}")
 
     # -- derived ------------------------------------------------------------------------
     @property
@@ -264,13 +310,13 @@ def _normalize_logit_bias(logit_bias: dict[Any, Any]) -> dict[int, float]:
             token_id = int(token)
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias contains key(s) that cannot be converted to "
-                             f"integer token IDs: {token!r}") from None
+                             f"integer token IDs: {_short(token)}") from None
         if isinstance(token, float) and token != token_id or isinstance(token, bool):
-            raise ValueError(f"logit_bias keys must be integer token IDs, got {token!r}")
-        if not (_is_real(bias) and not math.isnan(bias)):
+            raise ValueError(f"logit_bias keys must be integer token IDs, got {_short(token)}")
+        if not _is_real(bias) or (isinstance(bias, float) and math.isnan(bias)):
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], "
-                             f"got {bias!r} for token {token_id}.")
-        out[token_id] = min(100.0, max(-100.0, float(bias)))
+                             f"got {_short(bias)} for token {token_id}.")
+        out[token_id] = float(min(100, max(-100, bias)))
     return out
 
 
@@ -278,6 +324,26 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_finite(value: Any) -> bool:
+    """A real number that stays finite as a float32 (what the step's arrays hold)."""
+    if not _is_real(value):
+        return False
+    try:
+        return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    except OverflowError:          # an int too large for any float
+        return False
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters: an error message must not echo a huge input."""
+    try:
+        text = repr(value)
+    except ValueError:             # an int beyond Python's digit limit for str()
+        return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}.")
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} "
+                         f"{_short(value)}.")

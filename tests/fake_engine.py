@@ -7,7 +7,9 @@ import time
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine_core import EngineSnapshot
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest, SeqDelta
+from jaxserve.engine.frontend import Frontend
+from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 CYCLE = "the quick brown fox jumps over the lazy dog. "
@@ -39,7 +41,9 @@ class ByteTokenizer:
 
 class FakeEngine:
     """LLMEngine's surface; each step appends one character of CYCLE to every sequence
-    (of ``script`` instead, when set: then the sequence stops at the script's end)."""
+    (of ``script`` instead, when set: then the sequence stops at the script's end). Stop
+    strings, text and RequestOutputs come from the real front end (`Frontend`,
+    AsyncLLMEngine's asyncio side), as with LLMEngine."""
 
     def __init__(self, max_model_len: int = 128, step_delay: float = 0.0) -> None:
         self.config = EngineConfig()
@@ -48,25 +52,36 @@ class FakeEngine:
         self.step_delay = step_delay
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
+        self.finished_by_frontend: list[tuple[str, int]] = []
         self.fail_next_step = False
         self.model_path = "fake-model"
+        self.lora_registry = None                  # LoRA off
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.script: str | None = None
+        self.num_steps = 0
+        self.first_token_step: dict[str, int] = {}     # request id -> step of its first token
+        self.frontend = Frontend(self, self.tokenizer, max_model_len,
+                                 self.config.model_config.max_logprobs)
+        self.fault_hook = None
+        self.num_recoveries = 0
 
-    def add_request(self, request_id, prompt, params: SamplingParams, *, prompt_token_ids=None,
-                    arrival_time=None) -> None:
-        ids = prompt_token_ids if prompt_token_ids is not None else \
-            self.tokenizer.encode(prompt)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if len(ids) >= self.max_model_len:
-            raise ValueError("prompt too long")
-        start = sum(ids) % len(CYCLE)
-        self.requests[request_id] = {
-            "ids": ids, "params": params, "outs": [[] for _ in range(params.n)],
-            "finish": [None] * params.n, "start": start, "changed": False,
-            "metrics": RequestMetrics(arrival_time=arrival_time or time.time())}
+    def add_request(self, request_id, prompt, params: SamplingParams | None = None,
+                    **kwargs) -> None:
+        self.frontend.add_request(request_id, prompt, params, **kwargs)
+
+    def step(self) -> list[RequestOutput]:
+        return self.frontend.step()
+
+    def add_core_request(self, request: EngineRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        ids, n = request.prompt_token_ids, request.params.n
+        self.requests[request.request_id] = {
+            "ids": ids, "params": request.params, "outs": [[] for _ in range(n)],
+            "sent": [0] * n, "finish": [None] * n, "finish_sent": [False] * n,
+            "start": sum(ids) % len(CYCLE), "changed": False,
+            "metrics": RequestMetrics(arrival_time=request.arrival_time)}
         self.num_prompt_tokens += len(ids)
 
     def abort_request(self, request_ids) -> None:
@@ -78,19 +93,47 @@ class FakeEngine:
             state["finish"] = [f or "abort" for f in state["finish"]]
             state["changed"] = True
 
-    def has_unfinished_requests(self) -> bool:
-        # Like LLMEngine today: an aborted request's pending final output does not count,
-        # though the next step() still returns it.
-        return any(f is None for state in self.requests.values() for f in state["finish"])
+    def finish_sequences(self, sequences) -> None:
+        for request_id, index in sequences:
+            state = self.requests.get(request_id)
+            if state is None or state["finish"][index] is not None:
+                continue
+            self.finished_by_frontend.append((request_id, index))
+            state["finish"][index] = "stop"
+            state["changed"] = True
 
-    def step(self) -> list[RequestOutput]:
+    def has_unfinished_requests(self) -> bool:
+        return any(state["changed"] or any(f is None for f in state["finish"])
+                   for state in self.requests.values())
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def unscheduled_requests(self) -> dict[str, float]:
+        return {rid: state["metrics"].arrival_time for rid, state in self.requests.items()
+                if state["metrics"].first_scheduled_time is None}
+
+    def recover(self) -> None:
+        self.requests.clear()
+        self.num_recoveries += 1
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        now = time.time()
+        for state in self.requests.values():      # every request is in every step
+            m = state["metrics"]
+            m.first_scheduled_time = m.first_scheduled_time or now
         if self.fail_next_step:
+            self.fail_next_step = False
             raise RuntimeError("injected engine failure")
+        if self.fault_hook is not None:
+            self.fault_hook()
         if self.step_delay:
             time.sleep(self.step_delay)
         now = time.time()
         outputs = []
+        self.num_steps += 1
         for request_id, state in list(self.requests.items()):
+            self.first_token_step.setdefault(request_id, self.num_steps)
             params: SamplingParams = state["params"]
             for j, out in enumerate(state["outs"]):
                 if state["finish"][j] is not None:
@@ -105,8 +148,7 @@ class FakeEngine:
                 m.first_scheduled_time = m.first_scheduled_time or now
                 m.first_token_time = m.first_token_time or now
                 m.last_token_time = now
-                text = self.tokenizer.decode(out)
-                if any(s in text for s in params.stop) or text == self.script:
+                if self.script is not None and self.tokenizer.decode(out) == self.script:
                     state["finish"][j] = "stop"
                 elif len(out) >= params.max_tokens:
                     state["finish"][j] = "length"
@@ -114,29 +156,26 @@ class FakeEngine:
                 outputs.append(self._output(request_id, state, now))
         return outputs
 
-    def _output(self, request_id, state, now) -> RequestOutput:
+    def _output(self, request_id, state, now) -> EngineCoreOutput:
         state["changed"] = False
         params = state["params"]
-        completions = []
+        deltas = []
         for j, out in enumerate(state["outs"]):
-            text = self.tokenizer.decode(out)
-            stop_reason = None
-            for s in params.stop:
-                if s in text:
-                    text, stop_reason = text[:text.index(s)], s
+            new = out[state["sent"][j]:]
+            if not new and (state["finish"][j] is None or state["finish_sent"][j]):
+                continue
+            state["sent"][j] = len(out)
+            state["finish_sent"][j] = state["finish"][j] is not None
             logprobs = None
             if params.logprobs is not None:
-                logprobs = [{t: Logprob(-0.5, 1, chr(t)),
-                             **{t2: Logprob(-1.5, 2, chr(t2)) for t2 in [ord("#")]
-                                if params.logprobs >= 1}} for t in out]
-            completions.append(CompletionOutput(j, text, list(out), None, logprobs,
-                                                state["finish"][j], stop_reason))
+                top = [ord("#")] if params.logprobs >= 1 else []
+                logprobs = [(t, -0.5, 1, [t, *top], [-0.5, *[-1.5] * len(top)]) for t in new]
+            deltas.append(SeqDelta(j, new, logprobs, state["finish"][j]))
         finished = all(f is not None for f in state["finish"])
         if finished:
             state["metrics"].finished_time = now
             del self.requests[request_id]
-        return RequestOutput(request_id, None, state["ids"], completions, finished,
-                             metrics=state["metrics"])
+        return EngineCoreOutput(request_id, deltas, finished, 0, state["metrics"])
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(num_running=len(self.requests),

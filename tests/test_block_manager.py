@@ -7,6 +7,8 @@ import pytest
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 
 def make_seq(tokens, request_id: str = "r") -> Sequence:
     return Sequence(request_id, list(tokens), sampling_params=None)

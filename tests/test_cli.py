@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 try:                                    # tests/ as a package or as a plain directory
     from tests.fake_engine import FakeEngine
 except ImportError:
@@ -150,7 +152,7 @@ def test_export_tokenizer_writes_a_directory_huggingface_loads(make_tiny_model, 
                                                                capsys):
     import transformers
 
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     model_dir = make_tiny_model("llama")
     assert main(["export-tokenizer", str(tmp_path / "tok"), "--model", str(model_dir)]) == 0

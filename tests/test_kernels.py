@@ -13,6 +13,8 @@ from jax import export
 
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, write_kv
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 # Jitted once per shape: eager op-by-op dispatch of the loop is far slower on CPU.
 reference = jax.jit(
     ragged_paged_attention_reference, static_argnames=("sm_scale", "block_q", "kv_chunk_blocks")

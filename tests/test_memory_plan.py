@@ -10,6 +10,8 @@ from jaxserve.config import CacheConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.runner import memory
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 ARCH = ModelArch("LlamaForCausalLM", vocab_size=1000, hidden_size=192, intermediate_size=512,
                  num_layers=5, num_heads=6, num_kv_heads=3, head_dim=64,
                  max_position_embeddings=2048, tie_word_embeddings=True)

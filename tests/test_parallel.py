@@ -92,7 +92,7 @@ def _collectives(runner) -> dict:
 def _placement_facts(llm) -> dict:
     import jax
 
-    from jaxserve.parallel.partition import per_device_bytes
+    from jaxserve.models.partition import per_device_bytes
 
     runner = llm.llm_engine.runner
     values = getattr(runner.k_cache, "data", runner.k_cache)    # QuantizedKV: its values
@@ -206,8 +206,8 @@ def _pallas_under_shard_map() -> dict:
     from jax.sharding import NamedSharding
 
     from jaxserve.attention.backend import get_attention_backend
-    from jaxserve.parallel.mesh import make_mesh
-    from jaxserve.parallel.partition import HEADS_SPEC, KV_CACHE_SPEC, shard_backend
+    from jaxserve.mesh import make_mesh
+    from jaxserve.models.partition import HEADS_SPEC, KV_CACHE_SPEC, shard_backend
 
     rng = np.random.default_rng(0)
     heads, kv_heads, head_dim, block_size, num_blocks, width = 4, 2, 16, 4, 16, 4

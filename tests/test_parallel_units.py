@@ -10,11 +10,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.mesh import make_mesh
+from jaxserve.models import partition
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import FAMILY as LLAMA
-from jaxserve.parallel import partition
 from jaxserve.parallel.data_parallel import DataParallelEngine
-from jaxserve.parallel.mesh import make_mesh
+
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 
 def _arch(**overrides) -> ModelArch:
@@ -94,9 +96,16 @@ class _FakeReplica:
     def block_manager(self):
         return self
 
-    def add_request(self, request_id, *args, **kwargs):
-        self.added.append(request_id)
+    def add_core_request(self, request):
+        self.added.append(request.request_id)
         self.unfinished += 1
+
+
+def _request(request_id):
+    from jaxserve.engine.engine_io import EngineRequest
+    from jaxserve.sampling_params import SamplingParams
+
+    return EngineRequest(request_id, None, [1, 2], SamplingParams(), 0.0)
 
 
 def test_requests_go_to_the_least_loaded_replica():
@@ -104,12 +113,12 @@ def test_requests_go_to_the_least_loaded_replica():
     front.replicas = [_FakeReplica(2, 0.1), _FakeReplica(1, 0.9), _FakeReplica(1, 0.2)]
     front.num_routed, front._owner = [0, 0, 0], {}
     for request_id in "abcd":
-        front.add_request(request_id, None)
+        front.add_core_request(_request(request_id))
     # fewest unfinished first, then the emptiest KV cache, then the lowest index
     assert [r.added for r in front.replicas] == [["c"], ["b"], ["a", "d"]]
     assert front.num_routed == [1, 1, 2]
     with pytest.raises(ValueError, match="already in use"):
-        front.add_request("a", None)
+        front.add_core_request(_request("a"))
 
 
 def test_snapshot_sums_the_replicas():

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from jaxserve.quantization import cost
+
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 
 def test_measured_cost_quotes_the_modes_row_and_says_when_unmeasured(tmp_path, monkeypatch):

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.layers import Embedding, Linear
 from jaxserve.models.llama import FAMILY as LLAMA
-from jaxserve.parallel.mesh import MODEL_AXIS
 from jaxserve.quantization.gguf_packed import BYTES_PER_BLOCK, dequantize
 from jaxserve.quantization.int8 import dequantize_int8, group_size_for, quantize_int8
 

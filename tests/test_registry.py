@@ -14,6 +14,8 @@ from jaxserve.models import registry
 from tests.test_gemma import GEMMA2, GEMMA3
 from tests.test_moe import MIXTRAL, QWEN3_MOE
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 # A tiny test model per registered architecture (make_tiny_model arguments): registering an
 # architecture without one fails test_every_registered_architecture_has_a_tiny_test_model.
 TINY_MODELS: dict[str, tuple[str, dict]] = {

@@ -6,12 +6,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.sampler import process_logits, sample, sampling_probs
 from jaxserve.runner.sampling_tensors import SamplingTensors
-from jaxserve.runner.step_inputs import StepLayout
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_contract import NewSeqData, SchedulerOutput
+from jaxserve.step_inputs import StepLayout
+
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 # One shape for most tests (each new shape is a compile): V is not a multiple of the
 # block widths and large enough for the two-level top-k.

@@ -8,6 +8,8 @@ import pytest
 
 from jaxserve.sampling_params import SamplingParams, SamplingType
 
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
+
 
 def test_defaults_match_vllm():
     p = SamplingParams()

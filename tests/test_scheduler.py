@@ -16,11 +16,13 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.step_contract import SchedulerOutput
 from jaxserve.runner.buckets import BucketPolicy, next_power_of_2
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.step_inputs import StepLayout
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_contract import SchedulerOutput
+from jaxserve.step_inputs import StepLayout
+
+pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 _NAMES: dict[int, str] = {}     # seq id -> request id, for readable plans
 

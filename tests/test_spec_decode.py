@@ -19,8 +19,8 @@ from scipy import stats
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
+from jaxserve.runner.rejection_sampler import num_emitted_tokens
 from jaxserve.spec_decode.ngram import NgramProposer
-from jaxserve.spec_decode.rejection_sampler import num_emitted_tokens
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2}

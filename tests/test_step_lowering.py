@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.attention.backend import get_attention_backend
+from jaxserve.attention.backend import get_attention_backend, resolve_backend_name
 from jaxserve.config import EngineConfig
 from jaxserve.engine.model_setup import setup_model
 
@@ -53,8 +53,7 @@ def test_pallas_needs_a_gpu_and_interpret_mode_is_only_on_request():
     assert get_attention_backend("pallas-interpret", "cpu").name == "pallas-interpret"
     for platform, expected in (("cpu", "cpu"), ("tpu", "reference"),
                                ("cuda", "pallas"), ("gpu", "pallas")):
-        config = EngineConfig().finalize(platform)
-        assert config.runner_config.attention_backend == expected, platform
+        assert resolve_backend_name("auto", platform) == expected, platform
 
 
 def test_speculative_verification_step_exports_for_cuda(make_tiny_model):

@@ -9,7 +9,7 @@ sliding_window=0, sm_scale=None, logits_soft_cap=0.0)``: the window may be a tra
 `cpu` is the C++ kernel of `jaxserve.attention.cpu` through the XLA FFI (compiled on first
 use; CPU only); `pallas` runs our Pallas/Triton kernels and needs a GPU; `pallas-interpret`
 runs the same kernels in Pallas interpret mode on any platform (slow: tests only, and only
-when asked). `auto` (EngineConfig.finalize) picks by platform: GPU -> pallas, CPU -> cpu
+when asked). `auto` (resolve_backend_name) picks by platform: GPU -> pallas, CPU -> cpu
 (reference if it cannot be built), TPU -> reference: JAX's TPU ragged paged attention wants
 another KV layout (combined K/V pages), not adapted yet.
 """
@@ -33,9 +33,24 @@ class AttentionBackend:
     attention: Callable
 
 
+def resolve_backend_name(name: str, platform: str) -> str:
+    """The concrete backend `auto` means on `platform`: GPU -> pallas; CPU -> cpu when the C++
+    kernel builds here (else reference, with one warning); anything else -> reference. Every
+    backend reads int8 / fp8 caches (jaxserve/quantization/kv.py)."""
+    if name != "auto":
+        return name
+    if platform == "cpu":
+        from jaxserve.attention.cpu import available  # warns once if it cannot build
+
+        return "cpu" if available() else "reference"
+    return "pallas" if platform in GPU_PLATFORMS else "reference"
+
+
 def get_attention_backend(name: str, platform: str | None = None) -> AttentionBackend:
-    """Resolve a backend by name for `platform` (default: this process's devices)."""
+    """Resolve a backend by name (`auto` included) for `platform` (default: this process's
+    devices)."""
     platform = platform or jax.default_backend()
+    name = resolve_backend_name(name, platform)
     if name == "reference":
         from pallas_kernels import write_kv
         from pallas_kernels.reference import ragged_paged_attention_reference

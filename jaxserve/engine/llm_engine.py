@@ -6,7 +6,11 @@ One `step()` on a screen, with async scheduling (two steps in flight):
     pending = runner.execute(out)          # diffs applied, inputs packed, dispatched
     result = oldest_in_flight.result()     # step N's samples (the device already has them)
     scheduler.update_from_output(...)      # append tokens, register full blocks
-    output processing                      # EOS / stop strings / text, while N+1 runs
+    output processing                      # EOS / stop tokens / max_tokens, while N+1 runs
+
+`step_core()` is that loop; it returns each changed request's new tokens (`EngineCoreOutput`,
+no text). `step()` adds the front end for callers on this thread (jaxserve/engine/frontend.py:
+text, stop strings, RequestOutputs); the server runs that part on its asyncio side instead.
 
 Without async scheduling the same loop keeps one step in flight: it collects each step
 before scheduling the next, so both modes run the same code and give the same tokens.
@@ -26,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -36,14 +40,17 @@ if TYPE_CHECKING:
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.engine_core import EngineSnapshot, NameSet, PositionCounts
+from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
+from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
 from jaxserve.engine.stats import EngineStats
-from jaxserve.engine.step_contract import SchedulerOutput
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_contract import SchedulerOutput
 from jaxserve.structured_outputs.bitmask import grammar_bitmask
+from jaxserve.structured_outputs.compiler import COMPILE_TIMEOUT_S
 from jaxserve.structured_outputs.matcher import SeqGrammar
 
 if TYPE_CHECKING:
@@ -70,16 +77,9 @@ class LLMEngine:
         self.tokenizer = s.tokenizer
         self.max_model_len = s.max_model_len
         self.model_path = s.model_path
-        self.block_manager = BlockManager(s.kv_plan.num_blocks, s.kv_plan.block_size,
-                                          config.cache_config.enable_prefix_caching)
-        lc = config.lora_config
         self.lora_registry = s.lora_registry    # None: LoRA off
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
-                                   max_loras=lc.max_loras if lc.enable_lora else 0)
         self.runner = s.runner
-        self.outputs = OutputProcessor(self.tokenizer, s.eos_token_ids, s.max_model_len,
-                                       config.model_config.max_logprobs,
-                                       s.default_sampling_overrides, seed=config.model_config.seed)
+        self._build_request_state()
         self.stats = EngineStats()
         if log_stats is None:
             log_stats = not config.runner_config.disable_log_stats
@@ -88,7 +88,7 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self.vocab_size = s.runner.arch.vocab_size          # logits width: the bitmask's V
         self._grammars: GrammarService | None = None        # built on the first constrained request
-        self._compiling: dict[str, Future] = {}             # request id → its grammar compiling
+        self._compiling: dict[str, tuple[Future, float]] = {}   # request id → (grammar, since)
         self.spec = config.spec_decode                       # None: speculation off
         self._proposer = None
         if self.spec is not None:
@@ -100,6 +100,47 @@ class LLMEngine:
             self.stats.enable_spec_decode(self.spec.num_speculative_tokens)
         self._drafting = True          # the last proposal found drafts (or none was made)
         self._steps_until_proposal = 0
+        # Tests only: called inside step() after a dispatch, so an exception it raises is a
+        # step fault with steps in flight (jaxserve/engine/fault_injection.py). None: off.
+        self.fault_hook: Callable[[], None] | None = None
+
+    def _build_request_state(self) -> None:
+        """A fresh block manager, scheduler and output processor: no request, empty cache."""
+        s, config = self.setup, self.config
+        self.block_manager = BlockManager(s.kv_plan.num_blocks, s.kv_plan.block_size,
+                                          config.cache_config.enable_prefix_caching)
+        lc = config.lora_config
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
+                                   max_loras=lc.max_loras if lc.enable_lora else 0)
+        self.outputs = OutputProcessor(s.eos_token_ids, s.max_model_len,
+                                       s.default_sampling_overrides, seed=config.model_config.seed)
+        self.frontend = Frontend(self, self.tokenizer, s.max_model_len,
+                                 config.model_config.max_logprobs)
+
+    def recover(self) -> None:
+        """Rebuild after a failed step: every request is dropped (their outputs are never
+        returned; the caller fails or re-adds them), the KV cache is zeroed, the weights and
+        compiled steps stay. Prometheus counters (stats, prefix-cache and preemption totals)
+        carry over, so they never go backwards."""
+        blocks, scheduler = self.block_manager, self.scheduler
+        self._in_flight.clear()
+        self._compiling.clear()
+        self._build_request_state()
+        self.block_manager.prefix_cache_queries = blocks.prefix_cache_queries
+        self.block_manager.prefix_cache_hits = blocks.prefix_cache_hits
+        self.scheduler.num_preemptions = scheduler.num_preemptions
+        self.runner.reset()
+        if hasattr(self._proposer, "reset"):      # a draft model has its own rows and cache
+            self._proposer.reset()
+        self._drafting = True
+        self._steps_until_proposal = 0
+
+    def unscheduled_requests(self) -> dict[str, float]:
+        """Request id -> arrival time of every unfinished request none of whose sequences
+        has been scheduled yet (still queued: recovery re-runs them, queue timeouts end them)."""
+        return {request_id: state.metrics.arrival_time
+                for request_id, state in self.outputs.requests.items()
+                if state.metrics.first_scheduled_time is None and not state.finished}
 
     @property
     def grammars(self) -> GrammarService:
@@ -116,28 +157,35 @@ class LLMEngine:
                     sampling_params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, lora_request: Any = None) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) if it can never run.
+        """Queue a request (validated at the front end; its outputs come from `step`).
+        Raises ValueError (and changes nothing) if it can never run.
 
         lora_request: a LoRARequest (loaded now unless in the host LRU; a bad adapter is a
         ValueError) or an already loaded LoadedLoRA (the server loads off this thread)."""
-        params = sampling_params or SamplingParams()
+        self.frontend.add_request(request_id, prompt, sampling_params,
+                                  prompt_token_ids=prompt_token_ids, arrival_time=arrival_time,
+                                  lora_request=lora_request)
+
+    def add_core_request(self, request: EngineRequest) -> None:
+        """Queue a validated request (`InputProcessor`); ValueError (changing nothing) if this
+        engine cannot run it (its sampling needs, grammar or LoRA adapter)."""
+        params = request.params
         self.runner.batch.check(params)
-        lora = self._resolve_lora(lora_request)
+        lora = self._resolve_lora(request.lora_request)
         compiled = None
         if params.structured_outputs is not None:   # parsed now (ValueError), compiled async
             constraint = params.structured_outputs
             if self.config.structured_outputs_config.structured_outputs_disable_any_whitespace:
                 constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
             compiled = self.grammars.grammar_for(constraint)
-        seqs = self.outputs.new_request(request_id, prompt, prompt_token_ids, params,
-                                        arrival_time or time.time())
+        seqs = self.outputs.new_request(request)
         for seq in seqs:
             seq.lora = lora
             if compiled is not None:
                 seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
             self.scheduler.add_seq(seq)
         if compiled is not None:
-            self._compiling[request_id] = compiled
+            self._compiling[request.request_id] = (compiled, time.monotonic())
 
     def _resolve_lora(self, lora_request: Any) -> Any:
         from jaxserve.lora.registry import LoadedLoRA
@@ -154,7 +202,17 @@ class LLMEngine:
             request_ids = [request_ids]
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
-            self.outputs.abort(request_id)
+            self.outputs.finish(request_id, None, "abort")
+
+    def finish_sequences(self, sequences: Iterable[tuple[str, int]]) -> None:
+        """Finish (request id, sequence index) pairs that a stop string ended at the front
+        end: their KV blocks are freed now; their final output comes from the next step."""
+        for request_id, index in sequences:
+            state = self.outputs.requests.get(request_id)
+            if state is None:
+                continue
+            self.scheduler.finish_seq(state.seqs[index], SequenceStatus.FINISHED_STOPPED)
+            self.outputs.finish(request_id, index, "stop")
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._in_flight)
@@ -165,24 +223,33 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """`step_core` plus the front end: RequestOutputs of requests that changed (by each
+        one's output_kind: a FINAL_ONLY request's only when it finishes)."""
+        return self.frontend.step()
+
+    def step_core(self) -> list[EngineCoreOutput]:
         """Dispatch the next step (if there is room in flight) and collect the oldest one when
-        the pipeline is full; returns outputs of requests that changed (or finished)."""
+        the pipeline is full; returns the new tokens of requests that changed (or finished)."""
         dispatched = False
         if self._compiling:
             self._fail_unbuildable_grammars()
         max_in_flight = self._max_in_flight()
         if len(self._in_flight) < max_in_flight and self.scheduler.has_unfinished():
             out = self.scheduler.schedule(self._propose())
+            # Marked before anything can fail: a request whose data breaks this step counts
+            # as scheduled, so recovery fails it rather than re-queueing it forever.
+            now = time.time()
+            for new in out.new_seqs:
+                self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
             if self._grammars is not None:
                 out.grammar_bitmask = grammar_bitmask(out, self.scheduler.get_seq,
                                                       self.vocab_size)
             pending = self.runner.execute(out)      # applies the diffs even with no tokens
             if pending is not None:
-                now = time.time()
-                for new in out.new_seqs:
-                    self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
                 self._in_flight.append((out, pending, time.perf_counter()))
                 dispatched = True
+                if self.fault_hook is not None:
+                    self.fault_hook()
         if self._in_flight and (len(self._in_flight) >= max_in_flight or not dispatched):
             self._collect(*self._in_flight.popleft())
         if self.log_stats:
@@ -190,17 +257,24 @@ class LLMEngine:
         return self.outputs.drain()
 
     def _fail_unbuildable_grammars(self) -> None:
-        """A grammar that parsed but failed to compile (rare: add_request already parsed it)
-        ends its request with finish_reason "error"; the engine keeps serving."""
-        for request_id, future in list(self._compiling.items()):
-            if not future.done():
+        """A grammar that failed to compile (rare: add_request already parsed it), or is still
+        compiling after COMPILE_TIMEOUT_S, ends its request with finish_reason "error"; the
+        engine keeps serving."""
+        now = time.monotonic()
+        for request_id, (future, started) in list(self._compiling.items()):
+            if future.done() and future.exception() is None:
+                del self._compiling[request_id]
+                continue
+            if future.done():
+                error = future.exception()
+            elif now - started > COMPILE_TIMEOUT_S:
+                error = f"still compiling after {COMPILE_TIMEOUT_S:.0f} s"
+            else:
                 continue
             del self._compiling[request_id]
-            if future.exception() is not None:
-                logger.error("request %s: grammar compilation failed: %s", request_id,
-                             future.exception())
-                self.scheduler.abort_request(request_id, SequenceStatus.FINISHED_ERROR)
-                self.outputs.abort(request_id, reason="error")
+            logger.error("request %s: grammar compilation failed: %s", request_id, error)
+            self.scheduler.abort_request(request_id, SequenceStatus.FINISHED_ERROR)
+            self.outputs.finish(request_id, None, "error")
 
     def _max_in_flight(self) -> int:
         """Steps to keep in flight now. A constrained row's next bitmask needs the token in
@@ -238,29 +312,32 @@ class LLMEngine:
         for row, chunk in result.prompt_logprobs.items():   # before the tokens: a request
             seq = self.scheduler.get_seq(out.seq_ids[row])   # may finish with its prompt
             if seq is not None:
-                self.outputs.process_prompt_logprobs(seq, chunk)
+                try:
+                    self.outputs.process_prompt_logprobs(seq, chunk)
+                except Exception as exc:   # this request's data failed: it alone ends
+                    self._finish_seq(seq, self.outputs.fail(seq, exc))
         emitted = result.emitted_token_ids
         received = self.scheduler.update_from_output(out, result.sampled_token_ids, emitted)
         stride = result.logprobs_stride
         num_generated = 0
-        if emitted is None:                       # one token per row: the batched fast path
-            for seq, status in self.outputs.process_tokens(received, result, now):
-                self.scheduler.finish_seq(seq, status)
-            num_generated = len(received)
-            received = ()
         for row, seq in received:
-            status = self.outputs.process_token(seq, result, row * stride, now)
-            num_generated += 1
-            # Accepted drafts: one at a time, each through the stop checks (EOS, a stop
-            # string or max_tokens inside the drafts ends the sequence there).
-            for j, token in enumerate(emitted[row][1:] if emitted else (), start=1):
-                if status is not None:
-                    break
-                seq.token_ids.append(token)
-                status = self.outputs.process_token(seq, result, row * stride + j, now)
+            if seq.is_finished:            # a sibling's failure ended its request
+                continue
+            try:
+                status = self.outputs.process_token(seq, result, row * stride, now)
                 num_generated += 1
+                # Accepted drafts: one at a time, each through the stop checks (EOS, a stop
+                # string or max_tokens inside the drafts ends the sequence there).
+                for j, token in enumerate(emitted[row][1:] if emitted else (), start=1):
+                    if status is not None:
+                        break
+                    seq.token_ids.append(token)
+                    status = self.outputs.process_token(seq, result, row * stride + j, now)
+                    num_generated += 1
+            except Exception as exc:   # this request's data failed: it alone ends
+                status = self.outputs.fail(seq, exc)
             if status is not None:
-                self.scheduler.finish_seq(seq, status)
+                self._finish_seq(seq, status)
         if out.draft_token_ids and emitted is not None:
             self.stats.record_drafts(out, emitted)
         self.stats.record_step(
@@ -268,6 +345,13 @@ class LLMEngine:
             - sum(map(len, out.draft_token_ids.values())),
             num_generation_tokens=num_generated, num_preempted=len(out.preempted_seq_ids),
             dispatch_time=dispatch_time, collect_time=time.perf_counter())
+
+    def _finish_seq(self, seq: Any, status: SequenceStatus) -> None:
+        """A failed sequence ends its whole request (every sibling); others end alone."""
+        if status is SequenceStatus.FINISHED_ERROR:
+            self.scheduler.abort_request(seq.request_id, status)
+        else:
+            self.scheduler.finish_seq(seq, status)
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, blocks, stats = self.scheduler, self.block_manager, self.stats
@@ -311,7 +395,7 @@ class LLMEngine:
             raise RuntimeError("not enough free KV blocks for prompt_logits")
         out = SchedulerOutput()
         try:
-            if seq.lora is not None and not self.scheduler._acquire_lora(seq, out):
+            if seq.lora is not None and not self.scheduler.acquire_lora(seq, out):
                 raise RuntimeError("no free LoRA slot for prompt_logits")
             for slot, weights in out.lora_loads.items():
                 self.runner.lora.write(slot, weights)

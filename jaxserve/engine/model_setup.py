@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
+from jaxserve.engine.compute_dtype import auto_compute_dtype
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization.cost import measured_cost
@@ -28,10 +28,6 @@ from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
-           "bf16": jnp.bfloat16, "float16": jnp.float16, "half": jnp.float16}
-
 
 @dataclass
 class ModelSetup:
@@ -55,15 +51,6 @@ class ModelSetup:
     # restore_weights threads).
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
-
-
-def resolve_dtype(name: str, platform: str):
-    if name == "auto":
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}") from None
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:
@@ -96,6 +83,16 @@ def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
     return [int(i) for i in ids]
 
 
+def settle_batch_limits(config: EngineConfig, max_model_len: int) -> None:
+    """Without chunked prefill a prompt is never split: the step's token budget (and the
+    prompt-logprobs gather) must hold a whole max_model_len prompt."""
+    sc = config.scheduler_config
+    if not sc.enable_chunked_prefill:
+        sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
+        if sc.max_prompt_logprobs_per_step:
+            sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
+
+
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -124,10 +121,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     family = family_for(placed.source_arch.architecture)
     max_model_len = resolve_max_model_len(mc.max_model_len, placed.source_arch)
-    if not sc.enable_chunked_prefill:
-        sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
-        if sc.max_prompt_logprobs_per_step:   # a prompt is never split: it must fit whole
-            sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
+    settle_batch_limits(config, max_model_len)
     num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
     arch, params, resident_bytes = placed.arch, placed.params, placed.resident_bytes
     # A RestoringParams (model_source.py) is still being read: plan from its shapes.
@@ -137,6 +131,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     phases = {**placed.phases, "load": load_seconds}
 
     devices = jax.devices()
+    if mc.dtype == "auto":
+        logger.info("compute dtype (dtype=auto): %s", auto_compute_dtype(platform,
+                                                                         mc.matrix_units)[1])
     logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
                 "weights, %.2fx %s), on %d %s device(s) (%s) [%.1f s]",
                 placed.model_path, arch.architecture, num_params / 1e6, np.dtype(dtype).name,
@@ -168,6 +165,11 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if spec is not None and spec.method == "draft_model":
         draft = _load_draft(config, arch, dtype, platform, max_model_len, max_spec_rows)
         weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
+    aot_dir = None
+    if config.runner_config.aot_dir:     # shipped executables: take their KV block count
+        from jaxserve.engine.aot_manifest import aot_dir_for_engine
+
+        aot_dir, cc = aot_dir_for_engine(config, placed, dtype, kv_dtype, max_model_len)
     kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation_bytes,
                                             max_model_len, tp_size=placement.tp,
                                             device=placement.device))
@@ -203,7 +205,11 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
         input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings,
         lora=lora_stacks)
-    if cache_dir is not None and jax.process_count() == 1:
+    if aot_dir is not None:
+        from jaxserve.runner.aot_executables import AotExecutables, execution_devices
+
+        runner.executable_cache = AotExecutables(aot_dir, execution_devices(placement.mesh))
+    elif cache_dir is not None and jax.process_count() == 1:
         # Serialized step executables beside JAX's cache: a warm start skips tracing too.
         runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
     phases["runner"] = time.perf_counter() - t_runner
@@ -222,7 +228,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     draft_proposer = None
     if draft is not None:
         from jaxserve.engine.block_manager import BlockManager
-        from jaxserve.spec_decode.draft_model import DraftModelProposer
+        from jaxserve.engine.draft_model import DraftModelProposer
 
         draft_runner = ModelRunner(
             draft["arch"], draft["params"], backend, dtype=dtype,

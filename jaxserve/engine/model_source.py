@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.compute_dtype import resolve_dtype
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization import check_mode
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 class PlacedModel:
     arch: ModelArch              # placement.arch
     source_arch: ModelArch       # the checkpoint's
-    placement: Any               # parallel/placement.py ModelPlacement
+    placement: Any               # models/placement.py ModelPlacement
     params: Any
     resident_bytes: int          # parameter bytes as stored (all devices together)
     dtype: Any                   # the float dtype of weights and activations (jnp dtype)
@@ -85,24 +86,23 @@ def place_model(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
 
 
 def _placement(config: EngineConfig, arch: ModelArch, mesh: Any) -> Any:
-    from jaxserve.parallel.placement import ModelPlacement
+    from jaxserve.models.placement import ModelPlacement
 
     return ModelPlacement.create(config.parallel_config, arch, mesh)
 
 
 def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
-    from jaxserve.engine.model_setup import resolve_dtype
     from jaxserve.loader import load_model
 
     mc = config.model_config
-    dtype = resolve_dtype(mc.dtype, platform)
+    dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
     quantization = check_mode(mc.quantization)
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
                         load_format=mc.load_format, quantization=quantization)
     quantization = loaded.quantization     # awq / gptq: the checkpoint's own
     source_arch = read_arch(loaded.hf_config)
     family = family_for(source_arch.architecture)
-    # Sharding (jaxserve/parallel/placement.py): with tp > 1 each device receives only its
+    # Sharding (jaxserve/models/placement.py): with tp > 1 each device receives only its
     # shard of every weight and its KV heads; with one device this is a plain device_put.
     placement = _placement(config, source_arch, mesh)
     if placement.arch.num_kv_heads != source_arch.num_kv_heads and \
@@ -126,15 +126,14 @@ def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedMod
 
 
 def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> PlacedModel:
-    from jaxserve.engine.model_setup import resolve_dtype
     from jaxserve.loader.orbax_checkpoint import (
         load_checkpoint_tokenizer,
         read_checkpoint,
         restore_params,
         restore_targets,
     )
-    from jaxserve.parallel.partition import kv_replication
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
+    from jaxserve.models.partition import kv_replication
 
     mc = config.model_config
     info = read_checkpoint(path)
@@ -144,7 +143,7 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
         raise ValueError(f"{path} is a converted checkpoint; load_format={mc.load_format!r} "
                          "does not apply to it (use auto)")
     dtype = resolve_dtype(info.dtype, platform)
-    if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform) != dtype:
+    if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform, mc.matrix_units) != dtype:
         raise ValueError(f"{path} was converted in {info.dtype}; dtype={mc.dtype!r} needs "
                          f"`jaxserve convert --dtype {mc.dtype}`")
     quantization = check_mode(mc.quantization)

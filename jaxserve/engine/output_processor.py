@@ -1,10 +1,17 @@
-"""Host side of a request: validation, sampled tokens → text, stop checks, RequestOutputs.
+"""Engine-thread side of a request's outputs: when a sequence is done, and what is new.
 
-The scheduler decides who runs; this module decides when a sequence is done
-(EOS, stop token, stop string, max_tokens, max_model_len, a completed
-structured-output grammar, whose matcher advances here with each token) and what the client
-sees (incrementally detokenized text that never shows half a character or the
-beginning of a stop string that is about to match).
+The scheduler decides who runs; this module decides when a sequence finishes on token
+grounds (EOS, stop token, max_tokens, max_model_len, a completed structured-output
+grammar, whose matcher advances here with each token) and reports each changed request
+as an `EngineCoreOutput`: the tokens (and numeric logprobs) new since its last report.
+Nothing here builds text or grows with a request's length: detokenization, stop strings
+and logprob token text run on the front end's side (jaxserve/engine/request_text.py),
+which asks the engine to finish a sequence whose text matched a stop string
+(`LLMEngine.finish_sequences`).
+
+A request reports every step it changes when its front end needs the tokens as they come
+(streaming, or stop strings to watch); a FINAL_ONLY request without stop strings reports
+once, when it finishes, with all its tokens.
 """
 
 from __future__ import annotations
@@ -12,62 +19,44 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest, RawLogprobs, SeqDelta
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.step_contract import PromptLogprobsChunk, RunnerOutput
-from jaxserve.outputs import (
-    CompletionOutput,
-    Logprob,
-    PromptLogprobs,
-    RequestMetrics,
-    RequestOutput,
-)
+from jaxserve.outputs import RequestMetrics
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.step_contract import PromptLogprobsChunk, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _SeqText:
-    detok: IncrementalDetokenizer | None
-    text: str = ""                 # full detokenized output (truncated at a matched stop string)
-    finish_reason: str | None = None
-    sent_tokens: int = 0           # DELTA outputs: what earlier outputs already carried
-    sent_chars: int = 0
-
-
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    texts: list[_SeqText]
     metrics: RequestMetrics
+    reports_each_step: bool                 # else only the final report
+    stop_token_ids: frozenset
+    finish_reasons: list[str | None]
+    sent_tokens: list[int]                  # output tokens earlier reports carried, per seq
+    finish_sent: list[bool]                 # an earlier report carried its finish_reason
     finished: bool = False
-    stops: StopChecker = field(default_factory=StopChecker)   # stop strings and hold-back
-    stop_token_ids: frozenset = field(default_factory=frozenset)
-    # vLLM's prompt_logprobs: [None, entry of prompt token 1, ...]; None if not asked.
-    prompt_logprobs: PromptLogprobs | None = None
-    num_prompt_logprobs_missing: int = 0     # entries no step has filled yet
-    prompt_logprobs_sent: bool = False       # DELTA outputs carry them once
+    # numeric prompt logprobs: [None, entry of prompt token 1, ...]; None if not asked
+    prompt_logprobs: list[RawLogprobs | None] | None = None
+    num_prompt_logprobs_missing: int = 0    # entries no step has filled yet
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int,
-                 max_logprobs: int, default_overrides: dict[str, Any], seed: int = 0) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, eos_token_ids: list[int], max_model_len: int,
+                 default_overrides: dict, seed: int = 0) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.max_logprobs = max_logprobs
         self.default_overrides = default_overrides
         self._rng = random.Random(seed)
         self.requests: dict[str, RequestState] = {}
-        # Requests with an output for the next `drain` (changed since the last one), in order.
+        # Requests with news for the next `drain` (changed since the last one), in order.
         self._changed: dict[str, RequestState] = {}
 
     @property
@@ -79,60 +68,36 @@ class OutputProcessor:
         return bool(self._changed)
 
     # -- admission -----------------------------------------------------------------------------
-    def new_request(self, request_id: str, prompt: str | list[int] | None,
-                    prompt_token_ids: list[int] | None, params: SamplingParams,
-                    arrival_time: float) -> list[Sequence]:
+    def new_request(self, request: EngineRequest) -> list[Sequence]:
+        """The request's n sequences (validated at the edge: jaxserve/engine/input_processor)."""
+        request_id, params = request.request_id, request.params
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, list):
-            prompt, prompt_token_ids = None, prompt
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("a request needs a prompt or prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
-                f"model length of {self.max_model_len}. Make sure that `max_model_len` is no "
-                "smaller than the number of text tokens plus one generated token.")
         if self.default_overrides:
             params = params.clone()
             params.update_from_generation_config(self.default_overrides)
-        params.verify(self.max_logprobs, self.max_model_len)
-
-        seqs, texts = [], []
+        prompt_token_ids = request.prompt_token_ids
+        max_num_tokens = self.max_model_len if params.max_tokens is None else min(
+            self.max_model_len, len(prompt_token_ids) + params.max_tokens)
+        seqs = []
         for i in range(params.n):
             if params.seed is not None:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & 0x7FFFFFFF
             else:
                 seed = self._rng.getrandbits(31)
-            max_num_tokens = self.max_model_len if params.max_tokens is None else min(
-                self.max_model_len, len(prompt_token_ids) + params.max_tokens)
             seq = Sequence(request_id, prompt_token_ids, params, index=i, seed=seed,
-                           arrival_time=arrival_time, max_num_tokens=max_num_tokens)
+                           arrival_time=request.arrival_time, max_num_tokens=max_num_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
             seqs.append(seq)
-            detok = None
-            if params.detokenize:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens)
-            texts.append(_SeqText(detok))
-        self.requests[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, seqs, texts,
-            RequestMetrics(arrival_time=arrival_time),
-            stops=StopChecker(params.stop, params.include_stop_str_in_output),
-            stop_token_ids=frozenset(params.stop_token_ids or ()))
+        state = self.requests[request_id] = RequestState(
+            request_id, params, seqs, RequestMetrics(arrival_time=request.arrival_time),
+            reports_each_step=bool(params.output_kind != RequestOutputKind.FINAL_ONLY
+                                   or params.stop),
+            stop_token_ids=frozenset(params.stop_token_ids or ()),
+            finish_reasons=[None] * params.n, sent_tokens=[0] * params.n,
+            finish_sent=[False] * params.n)
         if params.prompt_logprobs is not None:
-            state = self.requests[request_id]
             state.prompt_logprobs = [None] * len(prompt_token_ids)
             state.num_prompt_logprobs_missing = len(prompt_token_ids) - 1
         return seqs
@@ -151,120 +116,57 @@ class OutputProcessor:
             return
         num_top = state.params.prompt_logprobs
         entries = state.prompt_logprobs
+        top_ids, top_lps = chunk.top_token_ids[:, :num_top], chunk.top_logprobs[:, :num_top]
         for i in range(len(chunk.token_ids)):
             position = chunk.first + i
             if entries[position] is None:
                 state.num_prompt_logprobs_missing -= 1
-            entries[position] = self._logprob_entry(
-                int(chunk.token_ids[i]), float(chunk.logprobs[i]), int(chunk.ranks[i]),
-                chunk.top_token_ids[i][:num_top], chunk.top_logprobs[i][:num_top])
-
-    def process_tokens(self, received: list[tuple[int, Sequence]], result: RunnerOutput,
-                       now: float) -> list[tuple[Sequence, SequenceStatus]]:
-        """`process_token` for each (row, seq) that received one token this step; returns the
-        sequences that finish, with their status.
-
-        The engine's hottest host loop (once per running sequence per step), so the common
-        case -- no logprobs, no grammar, the detokenizer's byte path -- is `process_token`
-        and `_check_stop` inlined, with the same checks in the same order; anything else
-        takes `process_token` itself."""
-        finished = []
-        requests = self.requests
-        eos_token_ids = self.eos_token_ids
-        stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
-        for row, seq in received:
-            state = requests[seq.request_id]
-            params = state.params
-            if seq.logprobs is not None or seq.grammar is not None or params.max_tokens == 0:
-                status = self.process_token(seq, result, row, now)
-                if status is not None:
-                    finished.append((seq, status))
-                continue
-            if params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                self._changed[seq.request_id] = state   # (FINAL_ONLY: only when it finishes)
-            metrics = state.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            token_ids = seq.token_ids
-            token = token_ids[-1]
-            text = state.texts[seq.index]
-            detok = text.detok
-            delta = ""
-            if detok is not None:
-                delta = detok.step_token(token)
-                if delta:
-                    text.text += delta
-            num_tokens = len(token_ids)
-            status = None
-            if num_tokens - seq.num_prompt_tokens > params.min_tokens:
-                if token in eos_token_ids and not params.ignore_eos:
-                    status = stopped
-                elif token in state.stop_token_ids:
-                    seq.stop_reason = token
-                    status = stopped
-                elif delta and params.stop and state.stops.may_complete(delta):
-                    match = state.stops.check(text.text, len(delta))
-                    if match is not None:
-                        seq.stop_reason, text.text = match
-                        status = stopped
-            if status is None and num_tokens >= seq.max_num_tokens:
-                status = length
-            if status is not None:
-                self._changed[seq.request_id] = state
-                self._finish(state, text, status, now)
-                finished.append((seq, status))
-        return finished
+            entries[position] = (int(chunk.token_ids[i]), float(chunk.logprobs[i]),
+                                 int(chunk.ranks[i]), top_ids[i].tolist(), top_lps[i].tolist())
+        if state.num_prompt_logprobs_missing == 0:
+            self._changed[seq.request_id] = state
 
     def process_token(self, seq: Sequence, result: RunnerOutput, row: int, now: float
                       ) -> SequenceStatus | None:
-        """seq just received the token of batch row ``row`` (already appended to it): text,
-        logprobs and stop checks. Returns a finish status, or None.
+        """seq just received the token of logprobs row ``row`` (already appended to it):
+        logprobs and the token-level stop checks. Returns a finish status, or None.
 
-        This runs once per sequence per step on the engine's critical path: keep it lean."""
+        Once per sequence per step on the engine's critical path: O(1) (plus O(top-N) when
+        logprobs were asked), whatever the sequence's length."""
         state = self.requests[seq.request_id]
         params = state.params
-        self._changed[seq.request_id] = state
+        if state.reports_each_step:
+            self._changed[seq.request_id] = state
         if params.max_tokens == 0:     # prefill only (prompt logprobs): the sample is dropped
-            return self._finish(state, state.texts[seq.index], SequenceStatus.FINISHED_LENGTH,
-                                now)
+            return self._finish(state, seq, SequenceStatus.FINISHED_LENGTH, now)
         token = seq.token_ids[-1]
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
         if seq.logprobs is not None:
-            logprobs = result.logprobs
-            seq.cumulative_logprob += float(logprobs.sampled_logprobs[row])
-            seq.logprobs.append(self._logprob_entry(
-                token, float(logprobs.sampled_logprobs[row]), int(logprobs.sampled_ranks[row]),
-                logprobs.top_token_ids[row][:params.logprobs],
-                logprobs.top_logprobs[row][:params.logprobs]))
-
-        text = state.texts[seq.index]
-        detok = text.detok
-        num_new_chars = 0
-        if detok is not None:
-            delta = detok.step_token(token)
-            if delta:
-                text.text += delta
-                num_new_chars = len(delta)
-        status = self._check_stop(seq, state, text, token, num_new_chars)
+            logprobs, num_top = result.logprobs, params.logprobs
+            logprob = float(logprobs.sampled_logprobs[row])
+            seq.cumulative_logprob += logprob
+            seq.logprobs.append((token, logprob, int(logprobs.sampled_ranks[row]),
+                                 logprobs.top_token_ids[row, :num_top].tolist(),
+                                 logprobs.top_logprobs[row, :num_top].tolist()))
+        status = self._check_stop(seq, state, token)
         if status is not None:
-            self._finish(state, text, status, now)
+            self._finish(state, seq, status, now)
         return status
 
-    @staticmethod
-    def _finish(state: RequestState, text: _SeqText, status: SequenceStatus, now: float
-                ) -> SequenceStatus:
-        text.finish_reason = status.value      # the scheduler sets seq.status as it frees
-        if all(t.finish_reason is not None for t in state.texts):
-            state.finished = True
-            state.metrics.finished_time = now
-        return status
+    def fail(self, seq: Sequence, exc: BaseException) -> SequenceStatus:
+        """End ``seq``'s request with finish_reason "error" after its own output processing
+        (logprobs, grammar, stop checks) raised: the engine and every other request go on.
+        Returns the status to finish ``seq`` with in the scheduler."""
+        logger.error("request %s failed in output processing: %r", seq.request_id, exc,
+                     exc_info=exc)
+        self.finish(seq.request_id, None, "error")
+        return SequenceStatus.FINISHED_ERROR
 
-    def _check_stop(self, seq: Sequence, state: RequestState, text: _SeqText, token: int,
-                    num_new_chars: int) -> SequenceStatus | None:
+    def _check_stop(self, seq: Sequence, state: RequestState, token: int
+                    ) -> SequenceStatus | None:
         params = state.params
         grammar = seq.grammar
         if grammar is not None and not grammar.accept(token):
@@ -273,8 +175,7 @@ class OutputProcessor:
                          seq.request_id, token)
             return SequenceStatus.FINISHED_ERROR
         num_tokens = len(seq.token_ids)
-        num_output = num_tokens - seq.num_prompt_tokens
-        if num_output > params.min_tokens:
+        if num_tokens - seq.num_prompt_tokens > params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return SequenceStatus.FINISHED_STOPPED
             if token in state.stop_token_ids:
@@ -282,81 +183,69 @@ class OutputProcessor:
                 return SequenceStatus.FINISHED_STOPPED
         if grammar is not None and grammar.is_terminated:
             return SequenceStatus.FINISHED_STOPPED      # the structured output is complete
-        if num_output > params.min_tokens and num_new_chars and params.stop \
-                and text.detok is not None:
-            match = state.stops.check(text.text, num_new_chars)
-            if match is not None:
-                seq.stop_reason, text.text = match
-                return SequenceStatus.FINISHED_STOPPED
         if num_tokens >= seq.max_num_tokens:    # max_tokens or max_model_len, whichever first
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids, top_logprobs
-                       ) -> dict[int, Logprob]:
-        """vLLM's entry: the actual token first (with its vocab rank), then the top-N by rank."""
-        entry: dict[int, Logprob] = {token: Logprob(logprob, rank, self._decode_one(token))}
-        for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
-            tid = int(tid)
-            if tid not in entry:
-                entry[tid] = Logprob(float(lp), r, self._decode_one(tid))
-        return entry
-
-    def _decode_one(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+    def _finish(self, state: RequestState, seq: Sequence, status: SequenceStatus, now: float
+                ) -> SequenceStatus:
+        """Record a sequence's finish (the scheduler sets seq.status as it frees)."""
+        if state.finish_reasons[seq.index] is None:
+            state.finish_reasons[seq.index] = status.value
+        self._changed[seq.request_id] = state
+        if all(reason is not None for reason in state.finish_reasons):
+            state.finished = True
+            state.metrics.finished_time = now
+        return status
 
     # -- results -------------------------------------------------------------------------------
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Finish the request now; unfinished completions get finish_reason ``reason``."""
+    def finish(self, request_id: str, index: int | None, reason: str) -> None:
+        """Finish sequence ``index`` of the request (every unfinished one: None) now, with
+        finish_reason ``reason`` ("abort", "error", or "stop" for a front end's stop string).
+        """
         state = self.requests.get(request_id)
         if state is None or state.finished:
             return
-        for text in state.texts:
-            if text.finish_reason is None:
-                text.finish_reason = reason
-        state.finished = True
+        for i, current in enumerate(state.finish_reasons):
+            if current is None and (index is None or i == index):
+                state.finish_reasons[i] = reason
         self._changed[request_id] = state
-        state.metrics.finished_time = time.time()
+        if all(reason is not None for reason in state.finish_reasons):
+            state.finished = True
+            state.metrics.finished_time = time.time()
 
-    def drain(self) -> list[RequestOutput]:
-        """RequestOutputs (cumulative, like vLLM) of every request that changed since last time."""
+    def drain(self) -> list[EngineCoreOutput]:
+        """The news of every request that changed since the last drain."""
         outputs = []
         changed, self._changed = self._changed, {}
         for request_id, state in changed.items():
-            if state.finished or state.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(state))
+            outputs.append(self._make_output(state))
             if state.finished:
                 del self.requests[request_id]
         return outputs
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
-        delta = state.params.output_kind == RequestOutputKind.DELTA
-        completions = []
-        for seq, text in zip(state.seqs, state.texts):
-            visible = text.text
-            if text.finish_reason is None and state.stops.holdback:
-                visible = visible[:max(0, len(visible) - state.stops.holdback)]
-            first, logprobs = 0, seq.logprobs
-            if delta:   # only what earlier outputs did not carry
-                visible, text.sent_chars = visible[text.sent_chars:], len(visible)
-                first, text.sent_tokens = text.sent_tokens, seq.num_output_tokens
-                logprobs = logprobs[first:] if logprobs is not None else None
-            completions.append(CompletionOutput(
-                index=seq.index, text=visible,
-                token_ids=seq.token_ids[seq.num_prompt_tokens + first:],
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(logprobs) if logprobs is not None else None,
-                finish_reason=text.finish_reason, stop_reason=seq.stop_reason))
+    def _make_output(self, state: RequestState) -> EngineCoreOutput:
+        deltas = []
+        seqs = state.seqs
+        for seq in seqs:
+            index = seq.index
+            first, reason = state.sent_tokens[index], state.finish_reasons[index]
+            token_ids = seq.token_ids
+            num_output = len(token_ids) - seq.num_prompt_tokens
+            if num_output == first and (reason is None or state.finish_sent[index]):
+                continue                      # nothing new for this one
+            state.sent_tokens[index] = num_output
+            state.finish_sent[index] = reason is not None
+            logprobs = seq.logprobs
+            deltas.append(SeqDelta(
+                index, token_ids[seq.num_prompt_tokens + first:],
+                logprobs[first:] if logprobs is not None else None, reason,
+                seq.stop_reason if isinstance(seq.stop_reason, int) else None))
         prompt_logprobs = None
         if state.prompt_logprobs is not None and state.num_prompt_logprobs_missing == 0 \
-                and not (delta and state.prompt_logprobs_sent):
-            # Shared, not copied (each cumulative output would copy the whole prompt's):
-            # complete entries change no more (a recompute rewrites the same values).
-            prompt_logprobs = state.prompt_logprobs
-            state.prompt_logprobs_sent = True
-        return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids, outputs=completions,
-            finished=state.finished,
-            num_cached_tokens=max(s.num_cached_tokens for s in state.seqs),
-            metrics=state.metrics, prompt_logprobs=prompt_logprobs)
+                and not state.prompt_logprobs_sent:
+            prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
+        num_cached = seqs[0].num_cached_tokens if len(seqs) == 1 else max(
+            s.num_cached_tokens for s in seqs)
+        return EngineCoreOutput(state.request_id, deltas, state.finished, num_cached,
+                                state.metrics, prompt_logprobs)

@@ -39,26 +39,42 @@ slot or one is free (jaxserve/lora/slots.py: at most ``max_loras`` distinct adap
 run at once); otherwise it is passed over, keeping its place, like a compiling grammar.
 
 The scheduler knows sequences and blocks, never tensors: it speaks to the
-runner only through `SchedulerOutput` (jaxserve/engine/step_contract.py).
+runner only through `SchedulerOutput` (jaxserve/step_contract.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.runner.buckets import next_power_of_2  # the step shapes the cap aims at
+from jaxserve.step_contract import NewSeqData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _StepRoom:
+    """What one `schedule` call has left to hand out, shared by its two halves."""
+    budget: int                      # tokens
+    prompt_logprobs: int             # prompt-logprob gather slots
+    num_decodes: int                 # decodes this step (the decode-aware prefill cap)
+    prefill_used: int = 0            # prompt tokens planned so far
+    num_partial: int = 0             # sequences still inside their prompt after this step
+
+
 class Scheduler:
     """Waiting queue (FIFO) and running list; ``schedule`` then ``update_from_output``."""
+
+    # `schedule` and `update_from_output` inline their per-sequence common case (a plain
+    # decode); tests turn this off to prove the general path gives the same outputs
+    # (tests/test_scheduler_fast_paths.py).
+    inline_fast_paths = True
 
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
                  max_model_len: int, max_loras: int = 0) -> None:
@@ -135,24 +151,32 @@ class Scheduler:
         budget and the sequence's length limit allow; its KV slots are allocated for all of
         them and `update_from_output` rolls back the rejected ones.
         """
-        drafts = drafts or {}
         out = SchedulerOutput(finished_seq_ids=self._finished_ids,
                               block_table_lengths=self._rolled_back)
         self._finished_ids = []
         self._rolled_back = {}
-        budget = self.max_num_batched_tokens
-        running = self._running
         # Decodes this step (running sequences past their prompt): the decode-aware prefill
         # cap needs the count before any prefill chunk is planned.
-        num_decodes = sum(1 for seq in running if seq.num_computed_tokens >= seq.num_prompt_tokens)
-        num_partial = 0           # sequences still inside their prompt after this step
-        prefill_used = 0          # prompt tokens planned this step
-        prompt_logprobs_room = self.max_prompt_logprobs_per_step   # gather slots left
+        room = _StepRoom(budget=self.max_num_batched_tokens,
+                         prompt_logprobs=self.max_prompt_logprobs_per_step,
+                         num_decodes=sum(1 for seq in self._running
+                                         if seq.num_computed_tokens >= seq.num_prompt_tokens))
+        self._schedule_running(out, drafts or {}, room)
+        if not out.preempted_seq_ids:   # admit waiting ones unless the cache was just short
+            self._admit_waiting(out, room)
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - room.budget
+        return out
 
-        # Running sequences first: decodes and the next chunks of unfinished prefills.
+    def _schedule_running(self, out: SchedulerOutput, drafts: dict[int, list[int]],
+                          room: _StepRoom) -> None:
+        """Plan the running sequences: decodes and the next chunks of unfinished prefills."""
+        running = self._running
+        budget = room.budget        # a local in the per-sequence loop, written back below
+        num_decodes = room.num_decodes
         block_size = self.block_manager.block_size
         seq_ids, num_scheduled = out.seq_ids, out.num_scheduled_tokens
         num_computed, is_sampling = out.num_computed_tokens, out.is_sampling
+        fast = self.inline_fast_paths
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -160,7 +184,8 @@ class Scheduler:
             pending = seq.num_pending_tokens
             num_tokens = len(seq.token_ids) + pending
             num_new = num_tokens - computed
-            if (num_new == 1 and seq.grammar is None and computed < len(seq.block_table) * block_size
+            if (fast and num_new == 1 and seq.grammar is None
+                    and computed < len(seq.block_table) * block_size
                     and not (pending and num_tokens >= seq.max_num_tokens)
                     and (not drafts or seq.seq_id not in drafts)):
                 # The common case, inlined (this loop runs once per sequence per step): a
@@ -191,19 +216,19 @@ class Scheduler:
             if proposed and not is_prefill and not seq.num_pending_tokens:
                 # Drafts fit the budget (the newest token first) and the length limit: the
                 # step emits at most one token more than it accepts.
-                room = min(budget - 1, seq.max_num_tokens - seq.num_tokens - 1)
-                proposed = proposed[:max(0, room)]
+                draft_room = min(budget - 1, seq.max_num_tokens - seq.num_tokens - 1)
+                proposed = proposed[:max(0, draft_room)]
                 num_new += len(proposed)
             else:
                 proposed = None
             if is_prefill:
-                num_new = min(num_new, self._chunk_cap(prefill_used, num_decodes))
+                num_new = min(num_new, self._chunk_cap(room.prefill_used, num_decodes))
             num_new = _fit_prompt_logprobs(seq, seq.num_computed_tokens,
-                                           min(num_new, budget), prompt_logprobs_room)
+                                           min(num_new, budget), room.prompt_logprobs)
             if num_new <= 0:
                 i += 1
                 continue
-            prompt_logprobs_room -= _prompt_logprobs_positions(seq, seq.num_computed_tokens,
+            room.prompt_logprobs -= _prompt_logprobs_positions(seq, seq.num_computed_tokens,
                                                                num_new)
             if not self._allocate_running(seq, num_new, out, len(proposed or ())):
                 continue              # seq preempted itself; running[i] is now past the end
@@ -211,66 +236,65 @@ class Scheduler:
                 out.draft_token_ids[seq.seq_id] = list(proposed)
             budget -= num_new
             if is_prefill:
-                prefill_used += num_new
+                room.prefill_used += num_new
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    num_partial += 1
+                    room.num_partial += 1
             else:
                 out.num_decode_tokens += 1
             i += 1
+        room.budget = budget
 
-        # Then admit waiting sequences in FIFO order, unless the cache was just short.
-        # Passed over this step, keeping their place: grammar not compiled yet, no LoRA slot
-        # for them, or a sibling still prefilling the shared prompt.
+    def _admit_waiting(self, out: SchedulerOutput, room: _StepRoom) -> None:
+        """Admit waiting sequences in FIFO order while the budget, the batch and the cache
+        allow. Passed over this step, keeping their place: grammar not compiled yet, no LoRA
+        slot for them, or a sibling still prefilling the shared prompt."""
+        running = self._running
         passed_over: list[Sequence] = []
-        if not out.preempted_seq_ids:
-            while self._waiting and budget > 0 and len(running) < self.max_num_seqs:
-                seq = self._waiting[0]
-                if seq.num_pending_tokens:
-                    break   # preempted while a step ran: wait for that step's token
-                if (seq.grammar is not None and not seq.grammar.is_ready) or \
-                        self._waits_for_sibling(seq):
-                    passed_over.append(self._waiting.popleft())
-                    continue
-                cap = min(budget, self._chunk_cap(prefill_used, num_decodes))
-                if cap <= 0:
-                    break
-                computed_blocks, num_cached = [], 0
-                if seq.sampling_params.prompt_logprobs is None:
-                    computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
-                num_remaining = seq.num_tokens - num_cached
-                num_new = _fit_prompt_logprobs(seq, num_cached, min(num_remaining, cap),
-                                               prompt_logprobs_room)
-                if num_new <= 0:
-                    break
-                if num_new < num_remaining:
-                    if not self.enable_chunked_prefill or num_partial >= self.max_num_partial_prefills:
-                        break
-                if seq.lora is not None and not self._acquire_lora(seq, out):
-                    passed_over.append(self._waiting.popleft())
-                    continue
-                if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
-                    self._release_lora(seq)
-                    break  # head-of-line blocking keeps admission FIFO-fair
-                self._waiting.popleft()
-                prompt_logprobs_room -= _prompt_logprobs_positions(seq, num_cached, num_new)
-                seq.status = SequenceStatus.RUNNING
-                running.append(seq)
-                out.new_seqs.append(NewSeqData(
-                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                    list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed,
-                    seq.lora_slot))
-                self._plan(seq, num_new, out)
-                self._maybe_lead_prefill(seq)
-                budget -= num_new
-                prefill_used += num_new
-                if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    num_partial += 1
+        while self._waiting and room.budget > 0 and len(running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            if seq.num_pending_tokens:
+                break   # preempted while a step ran: wait for that step's token
+            if (seq.grammar is not None and not seq.grammar.is_ready) or \
+                    self._waits_for_sibling(seq):
+                passed_over.append(self._waiting.popleft())
+                continue
+            cap = min(room.budget, self._chunk_cap(room.prefill_used, room.num_decodes))
+            if cap <= 0:
+                break
+            computed_blocks, num_cached = [], 0
+            if seq.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            num_remaining = seq.num_tokens - num_cached
+            num_new = _fit_prompt_logprobs(seq, num_cached, min(num_remaining, cap),
+                                           room.prompt_logprobs)
+            if num_new <= 0:
+                break
+            if num_new < num_remaining and (not self.enable_chunked_prefill or
+                                            room.num_partial >= self.max_num_partial_prefills):
+                break
+            if seq.lora is not None and not self.acquire_lora(seq, out):
+                passed_over.append(self._waiting.popleft())
+                continue
+            if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+                self._release_lora(seq)
+                break  # head-of-line blocking keeps admission FIFO-fair
+            self._waiting.popleft()
+            room.prompt_logprobs -= _prompt_logprobs_positions(seq, num_cached, num_new)
+            seq.status = SequenceStatus.RUNNING
+            running.append(seq)
+            out.new_seqs.append(NewSeqData(
+                seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed,
+                seq.lora_slot))
+            self._plan(seq, num_new, out)
+            self._maybe_lead_prefill(seq)
+            room.budget -= num_new
+            room.prefill_used += num_new
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                room.num_partial += 1
         self._waiting.extendleft(reversed(passed_over))
 
-        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        return out
-
-    def _acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give seq its adapter's slot (telling the runner to write it if it is new there);
         False when all max_loras slots serve other running adapters."""
         if self.lora_slots is None:
@@ -424,11 +448,12 @@ class Scheduler:
         block_size = self.block_manager.block_size
         num_registered = self.block_manager.num_registered.get \
             if self.block_manager.enable_prefix_caching else None
+        fast = self.inline_fast_paths and not all_drafts
         for row, seq_id in enumerate(out.seq_ids):
             seq = seqs.get(seq_id)
             if seq is None:
                 continue                        # finished meanwhile
-            if not all_drafts and is_sampling[row] and seq.status is running \
+            if fast and is_sampling[row] and seq.status is running \
                     and seq.max_num_tokens > seq.num_prompt_tokens:
                 # The common case, inlined: a sampled token for a running sequence.
                 seq.num_pending_tokens -= 1

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 _HELP = "Type a message and press Enter. /reset starts over, /exit (or Ctrl-D) leaves."
 
@@ -19,7 +19,7 @@ def run_chat(engine: Any, *, system: str | None = None, max_tokens: int = 512,
              temperature: float | None = None, read: Callable[[str], str] = input,
              out: TextIO = sys.stdout) -> int:
     """Read a line, reply, repeat. `read` and `out` are replaceable for tests."""
-    from jaxserve.tokenizer import apply_chat_template
+    from jaxserve.loader.tokenizer import apply_chat_template
 
     template = engine.config.model_config.chat_template
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -46,7 +46,8 @@ def run_chat(engine: Any, *, system: str | None = None, max_tokens: int = 512,
             out.write("(the conversation no longer fits the context; /reset to start over)\n")
             history.pop()
             continue
-        params = SamplingParams(max_tokens=min(max_tokens, budget), temperature=temperature)
+        params = SamplingParams(max_tokens=min(max_tokens, budget), temperature=temperature,
+                                output_kind=RequestOutputKind.DELTA)
         turn += 1
         try:
             reply = _generate(engine, f"chat-{turn}", prompt_ids, params, out)
@@ -63,15 +64,13 @@ def run_chat(engine: Any, *, system: str | None = None, max_tokens: int = 512,
 def _generate(engine: Any, request_id: str, prompt_ids: list[int], params: SamplingParams,
               out: TextIO) -> str:
     engine.add_request(request_id, None, params, prompt_token_ids=prompt_ids)
-    shown = 0
-    text = ""
+    pieces = []          # DELTA outputs: each carries only the new text
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.request_id != request_id:
                 continue
-            text = output.outputs[0].text
-            out.write(text[shown:])
+            pieces.append(output.outputs[0].text)
+            out.write(pieces[-1])
             out.flush()
-            shown = len(text)
     out.write("\n")
-    return text
+    return "".join(pieces)

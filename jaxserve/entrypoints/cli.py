@@ -193,6 +193,29 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--log-level", default="warning",
                         choices=["debug", "info", "warning", "error"])
 
+    compile_ = commands.add_parser(
+        "compile", help="compile the engine's steps for a GPU (no GPU needed) and plan memory",
+        usage="jaxserve compile [MODEL] --target {h100,h200,a100,cpu} --output DIR [--json] "
+        "[options]",
+        description="Build the engine's step for --target without a device and without "
+        "reading weights (a directory holding only config.json is enough), compile every "
+        "bucket the engine would use, plan the KV cache from the compiled programs (device "
+        "memory x --gpu-memory-utilization - weights - the largest activation peak), and "
+        "write the serialized executables and a manifest to DIR for `jaxserve serve "
+        "--aot-dir DIR`. GPU targets need `pip install 'jaxserve[gpu-compile]'`; 'cpu' "
+        "compiles for this machine.")
+    _add_common(compile_)
+    add_config_flags(compile_, EngineConfig())
+    compile_.add_argument("--target", required=True, help="h100, h200, a100 (files in "
+                          "jaxserve/targets/), or cpu")
+    compile_.add_argument("--output", required=True, metavar="DIR",
+                          help="directory for the executables and manifest.json")
+    compile_.add_argument("--plan-only", action="store_true",
+                          help="compile only the smallest and largest buckets (what the plan "
+                          "is made from), print the plan, write no executables")
+    compile_.add_argument("--json", action="store_true",
+                          help="print the plan as one JSON object, the last stdout line")
+
     convert = commands.add_parser(
         "convert", help="save a model as it sits in device memory (orbax), for fast restarts",
         usage="jaxserve convert MODEL OUT [--quantization int8] [--tensor-parallel-size N]",
@@ -279,7 +302,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export_tokenizer(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer or args.model, chat_template=args.chat_template)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -301,8 +324,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    config = config_from_args(EngineConfig(), args)
+    if args.model_positional is not None:
+        config.model_config.model = args.model_positional
+    setup_logging(args.log_level)
+    from jaxserve.entrypoints.compile import run_compile
+
+    return run_compile(config, args.target, args.output, as_json=args.json,
+                       plan_only=args.plan_only)
+
+
 _COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_export_tokenizer,
-             "convert": cmd_convert}
+             "convert": cmd_convert, "compile": cmd_compile}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,7 @@ def convert_model(model: str | None, out: str, *, quantization: str | None = Non
     from jaxserve.engine.model_source import place_model
     from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
     from jaxserve.loader.resolve import resolve_model
-    from jaxserve.parallel.partition import kv_replication
+    from jaxserve.models.partition import kv_replication
 
     if resolve_model(model).format == "orbax":
         raise ValueError(f"{model} is already a converted checkpoint; convert its source model")

@@ -98,7 +98,7 @@ class LLM:
              add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
-        from jaxserve.tokenizer import apply_chat_template
+        from jaxserve.loader.tokenizer import apply_chat_template
 
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template = chat_template or self.llm_engine.config.model_config.chat_template

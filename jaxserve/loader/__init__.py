@@ -77,6 +77,21 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str, dict[str, Any] | None]:
     return config, architecture, raw.get("quantization_config")
 
 
+def read_model_config(model: str | os.PathLike | None) -> tuple[Any, str]:
+    """(hf_config, resolved path) of `model`, reading no weights and no tokenizer: what an
+    ahead-of-time compile needs (a directory holding only config.json is enough)."""
+    resolved = resolve_model(model)
+    if resolved.format == "gguf":
+        from jaxserve.loader.gguf_loader import gguf_config, open_gguf
+
+        return gguf_config(open_gguf(resolved.path), resolved.path), resolved.path
+    if resolved.format == "orbax":
+        from jaxserve.loader.orbax_checkpoint import read_checkpoint
+
+        return read_checkpoint(resolved.path).hf_config, resolved.path
+    return _load_hf_config(resolved.path)[0], resolved.path
+
+
 def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
                tokenizer: str | os.PathLike | None = None,
                load_format: str = "auto", quantization: str | None = None) -> LoadedModel:
@@ -99,7 +114,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                          "load_format='auto' (dummy weights are float)")
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loader.tokenizer import load_tokenizer
 
     numpy_dtype = as_numpy_dtype(dtype)
     resolved = resolve_model(model)

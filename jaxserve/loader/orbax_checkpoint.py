@@ -144,8 +144,8 @@ def restore_targets(info: CheckpointInfo, mesh: Any, param_spec: Any) -> Any:
     import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding, SingleDeviceSharding
 
-    from jaxserve.parallel import partition
-    from jaxserve.parallel.mesh import MODEL_AXIS
+    from jaxserve.mesh import MODEL_AXIS
+    from jaxserve.models import partition
 
     with ocp.StandardCheckpointer() as checkpointer:
         metadata = checkpointer.metadata(info.path / PARAMS_DIR).item_metadata.tree

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from jaxserve.lora.peft_loader import LoRAWeights, load_peft_adapter
 from jaxserve.lora.request import LoRARequest
+from jaxserve.models import partition
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.family import ModelFamily
-from jaxserve.parallel import partition
 
 logger = logging.getLogger(__name__)
 

@@ -45,9 +45,11 @@ def with_lora(params: Any, stacks: dict) -> Any:
 class LoRAStacks:
     def __init__(self, targets: dict[str, TargetShape], num_layers: int, max_loras: int,
                  max_lora_rank: int, dtype: Any, mesh: Any = None,
-                 kernel_specs: dict[str, P] | None = None) -> None:
+                 kernel_specs: dict[str, P] | None = None, abstract: bool = False) -> None:
         """targets: the (sharded model's) target shapes; kernel_specs: each target's base
-        kernel PartitionSpec [L, in, out] (None: one device)."""
+        kernel PartitionSpec [L, in, out] (None: one device). abstract: ``arrays`` are the
+        stacks' ShapeDtypeStructs (an ahead-of-time compile for devices not here); such
+        stacks cannot be written."""
         self.targets, self.num_layers = targets, num_layers
         self.max_loras, self.max_lora_rank, self.dtype = max_loras, max_lora_rank, dtype
         L, S, R = num_layers, max_loras + 1, max_lora_rank
@@ -65,6 +67,12 @@ class LoRAStacks:
         out_shardings = shardings or None
         zeros = jax.jit(lambda: {t: {k: jnp.zeros(s, dtype) for k, s in pair.items()}
                                  for t, pair in shapes.items()}, out_shardings=out_shardings)
+        if abstract:
+            default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            self.arrays = {t: {k: jax.ShapeDtypeStruct(
+                s, dtype, sharding=shardings[t][k] if shardings else default)
+                for k, s in pair.items()} for t, pair in shapes.items()}
+            return
         self.arrays = zeros()
         self._write = jax.jit(_write_slot, donate_argnums=0, out_shardings=out_shardings)
         self._zeros = {name: {"lora_a": np.zeros((L, t.in_features, R), np.float32),
@@ -74,7 +82,8 @@ class LoRAStacks:
 
     @property
     def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.arrays))
+        return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                   for leaf in jax.tree.leaves(self.arrays))
 
     def write(self, slot: int, weights: LoRAWeights | None) -> None:
         """Put an adapter's weights (None: zeros) into ``slot`` of every target."""

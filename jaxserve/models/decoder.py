@@ -42,7 +42,7 @@ from jaxserve.models.layers import (
     paged_self_attention,
     soft_cap,
 )
-from jaxserve.runner.step_inputs import AttentionMetadata
+from jaxserve.step_inputs import AttentionMetadata
 
 
 def layer_constants(arch: ModelArch, inv_freqs: list[np.ndarray],

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.arch import ModelArch
-from jaxserve.parallel.mesh import MODEL_AXIS
 from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
 from jaxserve.quantization.gguf_packed import BLOCK_WEIGHTS, BYTES_PER_BLOCK, PACKED_FORMATS
 

@@ -1,27 +1,19 @@
-"""Projections that read one layer of the stacked weights in place (CPU, float32).
+"""Projections that read one layer of the stacked weights in place (CPU, float32 or bfloat16).
 
 The layers run under a scan over weights stacked ``[L, in, out]``, so each step XLA slices
 layer ``l``'s weights for its dot -- and on XLA:CPU that slice is a copy: every layer's
-weights are copied in every step, on top of the dot reading them. Here a plain float32
-`Linear` in a step of at most ``MAX_ROWS`` rows calls the C++ kernel `jaxserve_layer_matmul`
-(jaxserve/attention/cpu/layer_matmul.cc) on the stacked weights and the layer index
-instead; the slice is then unused and XLA drops it. The kernel picks its own algorithm by
-row count: up to 8 rows a GEMV that streams the weights once (a decode of a few
-sequences: pure memory traffic, where the copy more than doubled the cost), above that a
-cache- and register-blocked GEMM (decode batches, prefill chunks).
-
-Measured on SmolLM2-135M's shapes (benchmarks/bench_layer_matmul.py: the seven projections
-of 30 layers, 2 shared cores), the kernel in the scan against XLA's dot in the scan: ~0.6x
-the time at 1 row, ~0.75-0.85x at 16-128 rows (as fast as or faster than XLA's dot on
-per-layer buffers, the no-copy ceiling for XLA), ~0.95x at 256-512. ``MAX_ROWS`` is the
-engine's largest default token bucket (512); bigger steps keep XLA's dot, unmeasured.
+weights are copied in every step, on top of the dot reading them (in bf16 the scan ran 6x
+slower than the same dots on per-layer buffers). Here a plain float32 / bfloat16 `Linear`
+in a step of at most ``MAX_ROWS`` rows calls the oneDNN matmul library
+(jaxserve/kernels/cpu/matmul.py: the CPU's matrix units where it has them) on the stacked
+weights and the layer index instead; the slice is then unused and XLA drops it.
 
 `CausalLM` turns it on around its layer scan (``stacked_layer_weights``) when it was built
 with ``small_batch_layer_matmul`` (the runner does so with the CPU attention backend on one
-device) and the step has at most ``MAX_ROWS`` tokens; the layer body names its layer
-(``current_layer``); `Linear` asks ``stacked_kernel(path)``. Anything else -- quantized or
-bf16 weights, tensor parallelism, other platforms (the GPU/TPU lowering never sees the
-kernel) -- keeps XLA's dot.
+device when the library loads) and the step has at most ``MAX_ROWS`` tokens; the layer body
+names its layer (``current_layer``); `Linear` asks ``stacked_kernel(path)``. Anything else --
+quantized weights, tensor parallelism, other platforms (the GPU/TPU lowering never sees the
+call) -- keeps XLA's dot.
 """
 
 from __future__ import annotations
@@ -33,9 +25,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-MAX_ROWS = 512    # steps of at most this many tokens take the kernel (see above)
+MAX_ROWS = 512    # steps of at most this many tokens take the library (the largest default bucket)
+IN_PLACE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @dataclass(frozen=True)
@@ -84,46 +76,28 @@ def stacked_kernel(path: tuple[str, ...]) -> tuple[jax.Array, Any] | None:
             return None
         node = node[name]
     kernel = node.get("kernel") if hasattr(node, "get") else None
-    if kernel is None or kernel.ndim != 3 or kernel.dtype != jnp.float32:
+    if kernel is None or kernel.ndim != 3 or kernel.dtype not in IN_PLACE_DTYPES:
         return None
     return kernel, state.layer
 
 
-def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, gemv_rows: int = -1) -> jax.Array:
-    """x [T, in] @ stacked[layer] ([L, in, out] float32) -> [T, out] float32, any T.
+def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -> jax.Array:
+    """x [T, in] @ stacked[layer] ([L, in, out]) -> [T, out] in out_dtype (f32 accumulation)."""
+    from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
 
-    ``gemv_rows``: the largest T the kernel runs as a GEMV (-1: its own limit, 8); larger T
-    take the blocked GEMM. Tests force one or the other; the engine leaves it."""
-    from jaxserve.attention.cpu.loader import LAYER_MATMUL_TARGET, register
-
-    register()
-    if x.ndim != 2 or stacked.ndim != 3 or x.shape[1] != stacked.shape[1]:
-        raise ValueError(f"layer_matmul wants x [T, in] and weights [L, in, out]; "
-                         f"got {x.shape} and {stacked.shape}")
-    call = jax.ffi.ffi_call(LAYER_MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((x.shape[0], stacked.shape[2]), jnp.float32))
-    return call(x.astype(jnp.float32), stacked, jnp.asarray(layer, jnp.int32).reshape(()),
-                gemv_rows=np.int64(gemv_rows))
+    return library_matmul(x.astype(stacked.dtype), stacked, layer, out_dtype)
 
 
-SMALL_LOGITS_MAX_ROWS = 8    # the small-logits kernel's row limit
+SMALL_LOGITS_MAX_ROWS = 512    # logits rows that take the library (a step's sampled rows)
 
 
 def small_logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """x [T, H] @ table[V, H]^T ([V, H] float32, a tied embedding) -> [T, V], T <=
-    SMALL_LOGITS_MAX_ROWS.
+    """x [T, H] @ table[V, H]^T (a tied embedding, f32 or bf16) -> [T, V] float32, read in
+    place (XLA:CPU hands this dot at 2..8 rows to XNNPACK, ~5x slower than its one-row GEMV
+    on SmolLM2's table, and a speculative verify step's logits are k + 1 rows)."""
+    from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
 
-    The C++ kernel `jaxserve_small_logits`: XLA:CPU hands this dot at 2..8 rows to XNNPACK,
-    ~5x slower than its one-row GEMV on SmolLM2's table, and a speculative verify step's
-    logits are k + 1 rows."""
-    from jaxserve.attention.cpu.loader import SMALL_LOGITS_TARGET, register
-
-    register()
-    if x.ndim != 2 or x.shape[0] > SMALL_LOGITS_MAX_ROWS or table.ndim != 2 \
-            or x.shape[1] != table.shape[1]:
-        raise ValueError(f"small_logits wants x [T <= {SMALL_LOGITS_MAX_ROWS}, H] and a table "
-                         f"[V, H]; "
-                         f"got {x.shape} and {table.shape}")
-    call = jax.ffi.ffi_call(SMALL_LOGITS_TARGET,
-                            jax.ShapeDtypeStruct((x.shape[0], table.shape[0]), jnp.float32))
-    return call(x.astype(jnp.float32), table)
+    if x.ndim != 2 or table.ndim != 2 or x.shape[1] != table.shape[1]:
+        raise ValueError(f"small_logits wants x [T, H] and a table [V, H]; got {x.shape} and "
+                         f"{table.shape}")
+    return library_matmul(x.astype(table.dtype), table[None], 0, jnp.float32, transposed=True)

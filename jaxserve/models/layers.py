@@ -17,14 +17,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.lora.layers import lora_delta
 from jaxserve.models.layer_matmul import (
+    IN_PLACE_DTYPES,
     MAX_ROWS,
     SMALL_LOGITS_MAX_ROWS,
     layer_matmul,
     small_logits,
     stacked_kernel,
 )
+from jaxserve.models.lora import lora_delta
 from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
 from jaxserve.quantization.awq_gptq import packed_int_matmul
 from jaxserve.quantization.gguf_packed import (
@@ -34,7 +35,7 @@ from jaxserve.quantization.gguf_packed import (
     packed_matmul,
 )
 from jaxserve.quantization.kv import QuantizedKV, head_rotation, rotate_heads
-from jaxserve.runner.step_inputs import AttentionMetadata
+from jaxserve.step_inputs import AttentionMetadata
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": nn.silu,
@@ -121,9 +122,9 @@ class Linear(nn.Module):
             kernel = self.param("kernel", nn.initializers.lecun_normal(),
                                 (x.shape[-1], self.features), self.dtype)
             stacked = stacked_kernel(self.scope.path) if x.ndim == 2 \
-                and x.shape[0] <= MAX_ROWS and kernel.dtype == jnp.float32 else None
+                and x.shape[0] <= MAX_ROWS and kernel.dtype in IN_PLACE_DTYPES else None
             if stacked is not None:   # CPU, <= MAX_ROWS rows: read this layer's weights in place
-                y = layer_matmul(x, *stacked).astype(self.dtype)
+                y = layer_matmul(x, *stacked, self.dtype)
             else:
                 y = jax.lax.dot_general(x.astype(self.dtype), kernel,
                                         (((x.ndim - 1,), (0,)), ((), ())))
@@ -165,14 +166,17 @@ class Embedding(nn.Module):
 
     def attend(self, query: jax.Array, small_rows_kernel: bool = False) -> jax.Array:
         """query [N, H] -> [N, V]: query @ table.T. small_rows_kernel (CPU, one device): a
-        float32 table with 2..SMALL_LOGITS_MAX_ROWS rows of query goes to the C++ kernel
-        (layer_matmul.small_logits), not XLA's dot (whose one-row GEMV is as fast)."""
+        float32 / bfloat16 table goes to the oneDNN library (layer_matmul.small_logits), the
+        table read in place -- except one row of a float32 table, where XLA's GEMV is as
+        fast."""
         if self.packed_format is None:
             if small_rows_kernel and query.ndim == 2 \
-                    and 2 <= query.shape[0] <= SMALL_LOGITS_MAX_ROWS \
-                    and self.embedding.dtype == jnp.float32:
-                return small_logits(query, self.embedding).astype(self.dtype)
-            return jnp.dot(query.astype(self.dtype), self.embedding.T)
+                    and query.shape[0] <= SMALL_LOGITS_MAX_ROWS \
+                    and self.embedding.dtype in IN_PLACE_DTYPES \
+                    and (query.shape[0] >= 2 or self.embedding.dtype != jnp.float32):
+                return small_logits(query, self.embedding)
+            return jnp.dot(query.astype(self.dtype), self.embedding.T,
+                           preferred_element_type=jnp.float32)
         return packed_matmul(query, self._packed(), self.packed_format, self.dtype)
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.decoder import CausalLM, layer_constants, pre_norm_layer
 from jaxserve.models.family import (
@@ -41,7 +42,6 @@ from jaxserve.models.layers import AttentionConfig, PagedCache
 from jaxserve.models.llama import unpermute_llama_qk
 from jaxserve.models.moe import ExpertSharding, MoEConfig, moe_block
 from jaxserve.models.rope import Rope, hf_rope_parameters
-from jaxserve.parallel.mesh import MODEL_AXIS
 
 EXPERT_WEIGHTS = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
 

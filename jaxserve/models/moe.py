@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.grouped_matmul import grouped_matmul
 from jaxserve.models.layers import ACTIVATIONS, dense
-from jaxserve.parallel.mesh import MODEL_AXIS
 
 
 @dataclass(frozen=True)
@@ -147,16 +147,3 @@ def moe_block(h: jax.Array, cfg: MoEConfig, sharding: ExpertSharding | None,
     if sharding is None:
         return grouped_experts(h, weights, experts, w_gate, w_up, w_down, 0, cfg.activation)
     return sharded_experts(sharding, cfg.activation)(h, weights, experts, w_gate, w_up, w_down)
-
-
-def dense_moe_reference(x, weights, experts, w_gate, w_up, w_down, activation: str = "silu"):
-    """Every expert on every token, weighted by the router (the test oracle only):
-    x [T, H], weights/experts [T, k], stacked kernels → [T, H] float32."""
-    act = ACTIVATIONS[activation]
-    xf = x.astype(jnp.float32)
-    all_out = jnp.einsum("tei,eih->teh",
-                         act(jnp.einsum("th,ehi->tei", xf, w_gate)) *
-                         jnp.einsum("th,ehi->tei", xf, w_up), w_down)    # [T, E, H]
-    mix = jnp.zeros((x.shape[0], w_gate.shape[0]), jnp.float32).at[
-        jnp.arange(x.shape[0])[:, None], experts].add(weights)
-    return jnp.einsum("te,teh->th", mix, all_out)

@@ -27,8 +27,10 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
+from jaxserve.engine.frontend import Frontend
+from jaxserve.mesh import describe, make_mesh, replica_meshes
 from jaxserve.outputs import RequestOutput
-from jaxserve.parallel.mesh import describe, make_mesh, replica_meshes
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +57,13 @@ class DataParallelEngine:
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.model_path = first.model_path
+        self.lora_registry = None                      # config.finalize refuses LoRA with dp > 1
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
+        self.frontend = Frontend(self, self.tokenizer, self.max_model_len,
+                                 config.model_config.max_logprobs)
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")
+        self.fault_hook: Any = None       # tests only: a step fault (engine_core.EngineCore)
 
     # -- requests ------------------------------------------------------------------------------
     def least_loaded(self) -> int:
@@ -76,17 +82,23 @@ class DataParallelEngine:
         return EngineSnapshot(**totals)
 
     def add_request(self, request_id: str, prompt: str | list[int] | None,
-                    sampling_params: Any = None, *, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request on the least-loaded replica (ValueError if it can never run)."""
-        if request_id in self._owner:
-            raise ValueError(f"request id {request_id!r} is already in use")
+                    sampling_params: Any = None, **kwargs: Any) -> None:
+        """Validate and queue a request (ValueError if it can never run)."""
+        self.frontend.add_request(request_id, prompt, sampling_params, **kwargs)
+
+    def add_core_request(self, request: EngineRequest) -> None:
+        """Queue a validated request on the least-loaded replica."""
+        if request.request_id in self._owner:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         index = self.least_loaded()
-        self.replicas[index].add_request(request_id, prompt, sampling_params,
-                                         prompt_token_ids=prompt_token_ids,
-                                         arrival_time=arrival_time)
-        self._owner[request_id] = index
+        self.replicas[index].add_core_request(request)
+        self._owner[request.request_id] = index
         self.num_routed[index] += 1
+
+    def finish_sequences(self, sequences: Iterable[tuple[str, int]]) -> None:
+        for request_id, index in sequences:
+            if request_id in self._owner:
+                self.replicas[self._owner[request_id]].finish_sequences([(request_id, index)])
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -104,14 +116,29 @@ class DataParallelEngine:
     def get_num_unfinished_requests(self) -> int:
         return sum(r.get_num_unfinished_requests() for r in self.replicas)
 
+    def unscheduled_requests(self) -> dict[str, float]:
+        return {k: v for r in self.replicas for k, v in r.unscheduled_requests().items()}
+
+    def recover(self) -> None:
+        """Every replica starts over: one replica's failed step fails the whole step."""
+        for replica in self.replicas:
+            replica.recover()
+        self._owner.clear()
+
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """`step_core` plus the front end (jaxserve/engine/frontend.py)."""
+        return self.frontend.step()
+
+    def step_core(self) -> list[EngineCoreOutput]:
         """Step every replica that has work, concurrently; their outputs, replica order."""
+        if self.fault_hook is not None:
+            self.fault_hook()
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         if len(busy) <= 1:
-            results = [r.step() for r in busy]
+            results = [r.step_core() for r in busy]
         else:
-            results = list(self._pool.map(lambda replica: replica.step(), busy))
+            results = list(self._pool.map(lambda replica: replica.step_core(), busy))
         outputs = [out for result in results for out in result]
         for out in outputs:
             if out.finished:

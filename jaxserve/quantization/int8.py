@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 INT8_MAX = 127
@@ -42,6 +43,11 @@ def quantize_int8(kernel: np.ndarray, group_size: int | None = None
     """kernel [..., in, out] float -> (q int8 [..., in, out], scale f32 [..., in // g, out]).
     Symmetric: scale = max|group| / 127; an all-zero group gets scale 1 (q = 0).
     group_size=None picks from GROUP_SIZES; group_size=in gives per-column scales."""
+    if isinstance(kernel, jax.ShapeDtypeStruct):     # shapes only (ahead-of-time compiles)
+        *lead, n_in, n_out = kernel.shape
+        g = group_size_for(n_in, group_size)
+        return (jax.ShapeDtypeStruct(kernel.shape, np.int8),
+                jax.ShapeDtypeStruct((*lead, n_in // g, n_out), np.float32))
     w = np.asarray(kernel, np.float32)
     n_in, n_out = w.shape[-2:]
     g = group_size_for(n_in, group_size)
@@ -70,6 +76,6 @@ def quantize_params_int8(params: dict[str, Any], group_size: int | None = None
     if isinstance(tree.get("lm_head"), dict):
         modules.append(tree["lm_head"])
     for module in modules:
-        if "kernel" in module and np.asarray(module["kernel"]).dtype != np.int8:
+        if "kernel" in module and np.dtype(module["kernel"].dtype) != np.int8:
             module["kernel"], module["scale"] = quantize_int8(module["kernel"], group_size)
     return params

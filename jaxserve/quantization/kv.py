@@ -59,10 +59,6 @@ SCALE_CODE_MIN, SCALE_CODE_MAX = -128, 127
 FP8_SCALE_SEARCH = 8                # fp8 rows: best of this many codes (one octave)
 
 
-def is_quantized_kv(name: str) -> bool:
-    return name.startswith("fp8") or name == "int8"
-
-
 def is_quantized_dtype(dtype: Any) -> bool:
     """int8 and e4m3 caches carry scales; wider float caches are stored as they are."""
     return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))

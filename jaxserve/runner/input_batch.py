@@ -18,9 +18,9 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
-from jaxserve.runner.step_inputs import FLOAT_FIELDS, FLOAT_NEUTRAL, StepLayout
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_contract import NewSeqData, SchedulerOutput
+from jaxserve.step_inputs import FLOAT_FIELDS, FLOAT_NEUTRAL, StepLayout
 
 
 def seed_to_u32(seed: int) -> int:

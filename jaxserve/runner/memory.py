@@ -76,18 +76,30 @@ def available_host_memory() -> int:
     return 8 << 30
 
 
+class KVCacheDoesNotFit(ValueError):
+    """Not even one sequence of max_model_len fits the memory left for the KV cache."""
+
+    def __init__(self, message: str, shortfall_bytes: int) -> None:
+        super().__init__(message)
+        self.shortfall_bytes = shortfall_bytes
+
+
 def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
                   activation_bytes: int, max_model_len: int, tp_size: int = 1,
-                  device: jax.Device | None = None) -> KVCachePlan:
+                  device: jax.Device | None = None,
+                  device_memory_bytes: int | None = None) -> KVCachePlan:
     """Size the cache from --kv-cache-memory-bytes, or a utilization fraction of memory.
 
     Planned per memory pool: weight_bytes and activation_bytes are per device, and where
     the engine's devices share one pool (simulated CPU devices: host RAM) the pool's budget
     (kv_cache_memory_bytes, or the RAM fraction with its cap) is split among them, so
-    tp=3 holds the tokens tp=1 holds, in the same RAM, not 3x."""
+    tp=3 holds the tokens tp=1 holds, in the same RAM, not 3x.
+
+    device_memory_bytes: plan for a GPU that is not here (`jaxserve compile --target`): the
+    device rule below with that much memory, of which only the weights are in use."""
     device = device or jax.devices()[0]
     per_block = bytes_per_block(arch, cache.block_size, dtype, tp_size)
-    pool_devices = devices_per_pool(device, tp_size)
+    pool_devices = 1 if device_memory_bytes else devices_per_pool(device, tp_size)
     split = f", split over {pool_devices} devices sharing host RAM" if pool_devices > 1 else ""
     pool_bytes = 0
     if cache.num_gpu_blocks_override:
@@ -95,7 +107,7 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
     elif cache.kv_cache_memory_bytes:
         budget = int(cache.kv_cache_memory_bytes) // pool_devices
         source = "kv_cache_memory_bytes" + split
-    elif device.platform == "cpu":
+    elif device.platform == "cpu" and not device_memory_bytes:
         avail = pool_bytes = available_host_memory()
         budget = int(cache.gpu_memory_utilization * avail) - \
             (weight_bytes + activation_bytes) * pool_devices
@@ -103,20 +115,29 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
         source = (f"{cache.gpu_memory_utilization:.0%} of available RAM "
                   f"({avail / 2**30:.1f} GiB), capped at {CPU_DEFAULT_KV_CAP >> 30} GiB" + split)
     else:
-        stats = device.memory_stats() or {}
-        total = pool_bytes = int(stats.get("bytes_limit", 0))
-        in_use = int(stats.get("bytes_in_use", 0))
+        if device_memory_bytes:
+            total = pool_bytes = int(device_memory_bytes)
+            in_use = int(weight_bytes)
+        else:
+            stats = device.memory_stats() or {}
+            total = pool_bytes = int(stats.get("bytes_limit", 0))
+            in_use = int(stats.get("bytes_in_use", 0))
         budget = int(cache.gpu_memory_utilization * total) - in_use - activation_bytes
         source = (f"{cache.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB device memory, "
                   f"{in_use / 2**30:.2f} GiB in use")
     num_blocks = cache.num_gpu_blocks_override or budget // per_block
     min_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < min_blocks:
-        raise ValueError(
-            f"KV cache budget {budget / 2**20:.1f} MiB ({source}) holds {num_blocks} blocks of "
-            f"{cache.block_size} tokens, fewer than one sequence of max_model_len={max_model_len} "
-            f"needs ({min_blocks}); raise --kv-cache-memory-bytes / --gpu-memory-utilization or "
-            "lower --max-model-len")
+        shortfall = min_blocks * per_block - budget
+        raise KVCacheDoesNotFit(
+            f"does not fit: KV cache budget {budget / 2**20:.1f} MiB ({source}; weights "
+            f"{weight_bytes / 2**30:.2f} GiB and activations {activation_bytes / 2**30:.2f} GiB "
+            f"per device) holds {max(num_blocks, 0)} blocks of {cache.block_size} tokens, "
+            f"fewer than one sequence of max_model_len={max_model_len} needs ({min_blocks}): "
+            f"{shortfall / 2**30:.2f} GiB short per device; raise --kv-cache-memory-bytes / "
+            "--gpu-memory-utilization or lower --max-model-len, or use more "
+            "--tensor-parallel-size, a quantized KV cache (--kv-cache-dtype fp8) or int8 "
+            "weights (--quantization int8)", int(shortfall))
     return KVCachePlan(int(num_blocks), cache.block_size, per_block, int(budget), source,
                        weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes),
                        pool_devices=pool_devices, pool_bytes=int(pool_bytes))

@@ -29,24 +29,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.engine.step_contract import (
-    PromptLogprobsChunk,
-    RunnerOutput,
-    SampledLogprobs,
-    SchedulerOutput,
-)
+from jaxserve.kernels.cpu.matmul import available as cpu_matmul_available
 from jaxserve.lora.stacks import LoRAStacks, with_lora
+from jaxserve.mesh import put_replicated
 from jaxserve.models.arch import ModelArch
+from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
 from jaxserve.models.registry import family_for
-from jaxserve.parallel.mesh import put_replicated
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, StepInputs
 from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
-from jaxserve.runner.step_inputs import StepLayout, resolve_token_ids
-from jaxserve.spec_decode.verify import last_emitted, sample_with_drafts
+from jaxserve.runner.spec_verify import last_emitted, sample_with_drafts
+from jaxserve.step_contract import (
+    PromptLogprobsChunk,
+    RunnerOutput,
+    SampledLogprobs,
+    SchedulerOutput,
+)
+from jaxserve.step_inputs import StepLayout, resolve_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +201,14 @@ class ModelRunner:
                  eos_token_ids: Seq[int], prompt_logprobs_cap: int = 0,
                  num_spec_tokens: int = 0, max_spec_rows: int = 0, kv_sharding: Any = None,
                  input_sharding: Any = None, logits_shardings: tuple = (),
-                 kv_cache_dtype: Any = None, lora: LoRAStacks | None = None) -> None:
+                 kv_cache_dtype: Any = None, lora: LoRAStacks | None = None,
+                 abstract: bool = False) -> None:
+        """abstract: build the step only to compile it ahead of time
+        (engine/aot_compile.py) for devices that may not be here (a deviceless GPU topology): params, the KV cache and
+        the step's inputs are ShapeDtypeStructs with their shardings; nothing is allocated
+        and the runner cannot execute."""
         self.arch = arch
+        self.abstract = abstract
         # params: device arrays, or a RestoringParams (engine/model_source.py) whose arrays
         # are still being read: the step is built and compiled on their shapes meanwhile.
         self._params_pending = params if hasattr(params, "result") else None
@@ -226,36 +234,48 @@ class ModelRunner:
         self.model = family.build(arch, backend, num_blocks, block_size, dtype)
         mesh = getattr(input_sharding, "mesh", None)
         if backend.name == "cpu" and (mesh is None or mesh.size == 1) \
-                and jnp.dtype(dtype) == jnp.float32 and hasattr(self.model, "small_batch_layer_matmul"):
-            # Small steps read each layer's weights in place (models/layer_matmul.py): the
-            # C++ library of the CPU attention backend is loaded already.
+                and jnp.dtype(dtype) in IN_PLACE_DTYPES \
+                and hasattr(self.model, "small_batch_layer_matmul") and cpu_matmul_available():
+            # Steps read each layer's weights in place through the oneDNN library
+            # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
             self.model = self.model.clone(small_batch_layer_matmul=True)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
         # device). step_channel: set on a multi-host leader (jaxserve/parallel/distributed.py).
         self.input_sharding = input_sharding
         self.logits_shardings = tuple(logits_shardings)
         self.step_channel: Any = None
-        self.model_constants = self._put(family.constants(arch))   # rope tables, windows
+        # rope tables, windows: closed over by the step (numpy when abstract: embedded as
+        # constants either way)
+        constants = family.constants(arch)
+        self.model_constants = constants if abstract else self._put(constants)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
                                 eos_token_ids=list(eos_token_ids),
                                 prompt_logprobs_cap=prompt_logprobs_cap,
                                 vocab_size=arch.vocab_size, lora=lora is not None)
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         kv_dtype = kv_cache_dtype or dtype
-        # int8 / fp8: a QuantizedKV (values + per-slot-head scales), jaxserve/quantization/kv.py
-        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
-                        out_shardings=kv_sharding).lower().compile()
-        # Zero-filling the cache (4 GiB by default on CPU: page faults and a memset, ~2 s
-        # here) runs in a thread while warm-up compiles or loads the steps, which need only
-        # its shapes and shardings; warmup() (or the first use of k_cache) waits for it.
-        cache_spec = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
         self._kv_fill: dict[str, Any] = {}
+        self._zeros: Any = None   # reset() refills the cache with it after a failed step
         # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
         self.startup_timings: dict[str, float] = {}
-        self._kv_thread: threading.Thread | None = threading.Thread(
-            target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros", daemon=True)
-        self._kv_thread.start()
+        self._kv_thread: threading.Thread | None = None
+        if abstract:
+            cache_spec = self._spec(jax.eval_shape(lambda: empty_cache(cache_shape, kv_dtype)),
+                                    kv_sharding)
+        else:
+            # int8 / fp8: a QuantizedKV (values + per-slot-head scales), quantization/kv.py
+            zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
+                            out_shardings=kv_sharding).lower().compile()
+            self._zeros = zeros
+            # Zero-filling the cache (4 GiB by default on CPU: page faults and a memset, ~2 s
+            # here) runs in a thread while warm-up compiles or loads the steps, which need
+            # only its shapes and shardings; warmup() (or the first use of k_cache) waits.
+            cache_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
+            self._kv_thread = threading.Thread(
+                target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros",
+                daemon=True)
+            self._kv_thread.start()
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
         self._steps = {}   # (T, S) -> compiled executable
         # Set once every bucket is compiled (warmup); until then a step may run padded in the
@@ -305,6 +325,18 @@ class ModelRunner:
             raise self._kv_fill["error"]
         self._k_cache, self._v_cache = self._kv_fill.pop("k"), self._kv_fill.pop("v")
         self._kv_thread = None
+
+    def reset(self) -> None:
+        """Forget every row and refill the KV cache and the device-side last tokens with
+        zeros: after a failed step the donated buffers may be consumed or hold an error, so
+        nothing of the old device state is trusted (the engine discards the KV contents)."""
+        self._wait_kv_cache()
+        for seq_id in list(self.batch.row_of):
+            self.batch.remove(seq_id)
+        self._k_cache = self._v_cache = None       # free the old cache before the new one
+        self._k_cache = self._zeros()
+        self._v_cache = jax.block_until_ready(self._zeros())
+        self.last_tokens = self._put(np.zeros(self.batch.max_num_seqs + 1, np.int32))
 
     def _wait_params(self) -> None:
         if self._params_pending is not None:
@@ -374,17 +406,23 @@ class ModelRunner:
             executable = cache.load((num_tokens, num_seqs))
             if executable is not None:
                 return executable
-        layout = self._layout(num_tokens, num_seqs)
-        consts = self._constants(num_seqs)
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
-            executable = self._jitted(layout).lower(
-                self._param_specs, *self._state_specs,
-                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-                consts["bias_token_ids"], consts["bias_values"],
-                consts["grammar_bitmask"], self._lora_stacks()).compile()
+            executable = self.lower_step(num_tokens, num_seqs).compile()
             if cache is not None and not hit():
                 cache.store((num_tokens, num_seqs), executable)
         return executable
+
+    def lower_step(self, num_tokens: int, num_seqs: int) -> Any:
+        """Bucket (T, S)'s step lowered against the shapes and shardings of its arguments
+        (`jax.stages.Lowered`); ahead-of-time compiles (engine/aot_compile.py) compile it with
+        their own options."""
+        layout = self._layout(num_tokens, num_seqs)
+        consts = self._constants(num_seqs)
+        return self._jitted(layout).lower(
+            self._param_specs, *self._state_specs,
+            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+            consts["bias_token_ids"], consts["bias_values"],
+            consts["grammar_bitmask"], self._lora_stacks())
 
     def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
         return StepLayout(num_tokens, num_seqs, self.width, self.prompt_logprobs_cap,
@@ -567,8 +605,19 @@ class ModelRunner:
         return consts
 
     def _put(self, tree: Any) -> Any:
-        """Host → device, replicated on the mesh (multi-host safe: no cross-process check)."""
+        """Host → device, replicated on the mesh (multi-host safe: no cross-process check);
+        an abstract runner gets the ShapeDtypeStructs such arrays would have."""
+        if self.abstract:
+            return self._spec(tree, self.input_sharding)
         return put_replicated(tree, self.input_sharding)
+
+    @staticmethod
+    def _spec(tree: Any, sharding: Any) -> Any:
+        """ShapeDtypeStructs of ``tree``'s leaves placed with ``sharding`` (None: the default
+        device, as an unsharded jax.device_put places them)."""
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                           sharding=sharding), tree)
 
     # -- inspection (tests, notebooks): not on the serving path ---------------------------------
     def prompt_logits(self, token_ids: list[int], block_ids: list[int],

@@ -9,6 +9,6 @@
 The bitmask is applied inside the jitted sampler (jaxserve/runner/grammar_mask.py).
 """
 
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams"]

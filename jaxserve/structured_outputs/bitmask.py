@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.engine.step_contract import SchedulerOutput
+from jaxserve.step_contract import SchedulerOutput
 
 
 def bitmask_words(vocab_size: int) -> int:

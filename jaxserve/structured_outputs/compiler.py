@@ -1,11 +1,15 @@
-"""Spec → xgrammar grammar: parsed at once (errors are the caller's ValueError), compiled
-against the tokenizer on a thread pool, cached per (kind, spec).
+"""Spec → xgrammar grammar: checked against size/depth limits, parsed (errors are the
+caller's ValueError), compiled against the tokenizer on a thread pool, cached per (kind, spec).
 
-Parsing (``xgr.Grammar.from_*``) is tokenizer-independent and takes milliseconds, so
-`grammar_for` runs it synchronously and an invalid schema, regex or grammar fails the
-request before admission (a 400 from the server). The expensive part, computing token
-masks for every grammar state against the vocabulary, runs on the pool; a sequence whose
-grammar is still compiling is not scheduled (jaxserve/engine/scheduler.py).
+Parsing (``xgr.Grammar.from_*``) is tokenizer-independent but not always cheap (a JSON
+schema's cost grows about cubically with depth; limits.py bounds it). The server parses
+off its event loop and the engine thread, in `parse_grammar_cached` on a worker thread,
+before it submits the request: an invalid spec is a 400 then, and the engine finds the
+parsed grammar in the cache. `grammar_for` parses synchronously only on a cache miss
+(offline `LLM` calls, where the caller's thread is the engine's). Computing token masks
+for every grammar state against the vocabulary runs on the pool; a sequence whose grammar
+is still compiling is not scheduled (jaxserve/engine/scheduler.py), and one that takes
+longer than ``COMPILE_TIMEOUT_S`` ends its request with "error".
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs.limits import check_spec_limits
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 512                    # compiled grammars kept (LRU)
+_PARSED_CACHE_SIZE = 128             # parsed grammars kept (LRU), shared by every engine
+# A grammar still compiling after this fails its request. The margin is for a 2-core box running
+# many compiles at once; the spec's depth/size limits keep real compiles far shorter.
+COMPILE_TIMEOUT_S = 120.0
 _XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")   # "[22:14:11] /project/cpp/x.cc:94: "
 
 
@@ -66,6 +75,28 @@ def parse_grammar(params: StructuredOutputsParams) -> Any:
         raise ValueError(f"invalid structured outputs {kind}: {message}") from None
 
 
+_parsed: OrderedDict[tuple, Any] = OrderedDict()
+_parsed_lock = threading.Lock()
+
+
+def parse_grammar_cached(params: StructuredOutputsParams) -> Any:
+    """`parse_grammar` after the size/depth limits, remembered per spec (thread-safe).
+    ValueError for a spec over the limits or invalid. Call it off hot threads."""
+    check_spec_limits(params)
+    key = params.key()
+    with _parsed_lock:
+        grammar = _parsed.get(key)
+        if grammar is not None:
+            _parsed.move_to_end(key)
+            return grammar
+    grammar = parse_grammar(params)
+    with _parsed_lock:
+        _parsed[key] = grammar
+        while len(_parsed) > _PARSED_CACHE_SIZE:
+            _parsed.popitem(last=False)
+    return grammar
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF for "exactly one of these strings" (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -94,7 +125,7 @@ class GrammarService:
             if future is not None and not (future.done() and future.exception()):
                 self._cache.move_to_end(key)
                 return future
-        grammar = parse_grammar(params)      # raises ValueError: the request fails now
+        grammar = parse_grammar_cached(params)   # ValueError: the request fails now
         future = self._pool.submit(self._compiler.compile_grammar, grammar)
         with self._lock:
             self._cache[key] = future

@@ -1,5 +1,5 @@
-// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI. (The same
-// library holds the layer matmul, layer_matmul.cc; parallel_for.h is their shared loop.)
+// Ragged paged attention for the XLA CPU backend, exposed through the XLA FFI
+// (parallel_for.h, the loop on XLA's pool, is shared with jaxserve/kernels/cpu/matmul.cc).
 //
 // Same contract as pallas_kernels/reference.py::ragged_paged_attention_reference:
 //   q               [T, Hq, D]                       f32 | bf16 | f16
@@ -218,14 +218,17 @@ constexpr int combine_lane(int G, bool hi, int l) {
   const int q = l / (2 * G), w = l % (2 * G);
   return (w < G ? 0 : W) + 2 * G * q + (w % G) + (hi ? G : 0);
 }
+// __builtin_shufflevector (GCC >= 12 and clang alike) takes its lanes as constant
+// arguments: the pack expansions below spell them out.
 template <int G, bool Hi, int... I>
-constexpr vi combine_mask(std::integer_sequence<int, I...>) { return vi{combine_lane(G, Hi, I)...}; }
+inline vf combine_half(vf x, vf y, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(x, y, combine_lane(G, Hi, I)...);
+}
 
 template <int G>
 inline vf combine(vf x, vf y) {
-  constexpr vi lo = combine_mask<G, false>(std::make_integer_sequence<int, W>{});
-  constexpr vi hi = combine_mask<G, true>(std::make_integer_sequence<int, W>{});
-  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+  constexpr auto lanes = std::make_integer_sequence<int, W>{};
+  return combine_half<G, false>(x, y, lanes) + combine_half<G, true>(x, y, lanes);
 }
 
 // v[0..W): lane i of the result = sum of the lanes of v[i]. Overwrites v.
@@ -240,15 +243,16 @@ inline vf transpose_sum(vf* v) {
 }
 
 template <int S, int... I>
-constexpr vi rotate_mask(std::integer_sequence<int, I...>) { return vi{((I + S) % W)...}; }
+inline vf rotate(vf v, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(v, v, ((I + S) % W)...);
+}
 
 template <int S = W / 2>
 inline float hmax(vf v) {
   if constexpr (S == 0) {
     return v[0];
   } else {
-    constexpr vi m = rotate_mask<S>(std::make_integer_sequence<int, W>{});
-    return hmax<S / 2>(vmax(v, __builtin_shuffle(v, m)));
+    return hmax<S / 2>(vmax(v, rotate<S>(v, std::make_integer_sequence<int, W>{})));
   }
 }
 
@@ -257,8 +261,7 @@ inline float hsum(vf v) {
   if constexpr (S == 0) {
     return v[0];
   } else {
-    constexpr vi m = rotate_mask<S>(std::make_integer_sequence<int, W>{});
-    return hsum<S / 2>(v + __builtin_shuffle(v, m));
+    return hsum<S / 2>(v + rotate<S>(v, std::make_integer_sequence<int, W>{}));
   }
 }
 
@@ -739,93 +742,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-constexpr int64_t kMaxGemvRows = 8;      // rows of x the small-logits kernel takes
-
-// ---------------------------------------------------------------------------
-// Small-batch logits against a tied embedding table: y[T, V] = x[T, H] @ table[V, H]^T, T <=
-// kMaxGemvRows. XLA:CPU sends this dot to XNNPACK, which at 2..8 rows costs 5x its one-row
-// GEMV (measured on SmolLM2's [49152, 576] table: ~26 ms at 2-8 rows vs ~5.5 ms at 1) --
-// a speculative verify step's logits are k + 1 rows.
-// ---------------------------------------------------------------------------
-
-// Rows [v0, v1) of y (v0 a multiple of W): W table rows at a time, one contiguous block
-// of W * H floats read from memory once. The block is walked kRowsDotChunk columns at a
-// time (W x kRowsDotChunk floats stay in L1) with every x row in turn, each x row with its
-// W accumulators (kept in `acc` between chunks); one transpose_sum per x row then packs
-// the W dot products into a vector of W logits.
-constexpr int64_t kRowsDotChunk = 8 * W;
-
-void rows_dot(const float* X, const float* E, float* Y, int64_t T, int64_t H, int64_t V,
-              int64_t v0, int64_t v1) {
-  const int64_t hv = H / W * W;
-  vf acc[kMaxGemvRows][W];
-  int64_t v = v0;
-  for (; v + W <= v1; v += W) {
-    const float* e = E + v * H;
-    for (int64_t t = 0; t < T; ++t)
-      for (int r = 0; r < W; ++r) acc[t][r] = vf{};
-    for (int64_t h0 = 0; h0 < hv; h0 += kRowsDotChunk) {
-      const int64_t h1 = std::min(hv, h0 + kRowsDotChunk);
-      for (int64_t t = 0; t < T; ++t) {
-        const float* x = X + t * H;
-        vf a[W];
-        for (int r = 0; r < W; ++r) a[r] = acc[t][r];
-        for (int64_t h = h0; h < h1; h += W) {
-          const vf xv = loadu(x + h);
-          for (int r = 0; r < W; ++r) a[r] += xv * loadu(e + r * H + h);
-        }
-        for (int r = 0; r < W; ++r) acc[t][r] = a[r];
-      }
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      const float* x = X + t * H;
-      vf sums = transpose_sum(acc[t]);
-      for (int r = 0; r < W && hv < H; ++r)           // H % W leftover columns
-        for (int64_t h = hv; h < H; ++h) sums[r] += x[h] * e[r * H + h];
-      storeu(Y + t * V + v, sums);
-    }
-  }
-  for (; v < v1; ++v)                                  // V % W leftover rows
-    for (int64_t t = 0; t < T; ++t) {
-      float sum = 0.f;
-      for (int64_t h = 0; h < H; ++h) sum += X[t * H + h] * E[v * H + h];
-      Y[t * V + v] = sum;
-    }
-}
-
-ffi::Error SmallLogitsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::F32> table, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  const auto xd = x.dimensions(), ed = table.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || ed.size() != 2 || yd.size() != 2 || xd[1] != ed[1] ||
-      yd[0] != xd[0] || yd[1] != ed[0])
-    return ffi::Error::InvalidArgument("small_logits: want x [T, H], table [V, H], y [T, V]; "
-                                       "got x " + dims_str(xd) + ", table " + dims_str(ed) +
-                                       ", y " + dims_str(yd));
-  const int64_t T = xd[0], H = xd[1], V = ed[0];
-  if (T > kMaxGemvRows)
-    return ffi::Error::InvalidArgument("small_logits: at most 8 rows, got " + std::to_string(T));
-  if (T == 0 || V == 0) return ffi::Error::Success();
-  const float* X = x.typed_data();
-  const float* E = table.typed_data();
-  float* Y = y->typed_data();
-  // Workers take contiguous ranges of whole W-row blocks.
-  const int64_t blocks = (V + W - 1) / W;
-  const int64_t workers = streaming_workers(pool, H * V, blocks);
-  parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
-    rows_dot(X, E, Y, T, H, V, std::min(V, blocks * part / workers * W),
-             std::min(V, blocks * (part + 1) / workers * W));
-  });
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallLogits, SmallLogitsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // table [V, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [T, V]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()

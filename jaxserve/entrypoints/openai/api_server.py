@@ -17,7 +17,6 @@ request (never FastAPI's 422), 401 for a missing or wrong API key,
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
@@ -41,6 +40,13 @@ from starlette.responses import JSONResponse, Response
 import jaxserve
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.errors import EngineUnavailableError
+from jaxserve.entrypoints.openai.errors import (
+    APIError,
+    ClientGone,
+    engine_error,
+    validation_error,
+)
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,20 +54,17 @@ from jaxserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     error_body,
 )
+from jaxserve.entrypoints.openai.request_body import parse_body
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.serving_engine import (
-    APIError,
-    ClientGone,
-    parse_body,
-    validation_error,
-)
+from jaxserve.entrypoints.openai.serving_engine import INLINE_TOKEN_IDS, off_loop_if
 from jaxserve.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     OpenAIServingLoRA,
     UnloadLoRAAdapterRequest,
 )
 from jaxserve.entrypoints.openai.tokenizer_info import tokenizer_info
+from jaxserve.loader.tokenizer import decode_releasing_gil
 from jaxserve.metrics import CONTENT_TYPE, attach_metrics
 
 logger = logging.getLogger(__name__)
@@ -78,7 +81,7 @@ def served_model_names(config: ServeConfig, engine: AsyncLLMEngine) -> list[str]
         return list(names)
     if config.engine.model_config.model:
         return [config.engine.model_config.model]
-    path = engine.engine.model_path
+    path = engine.model_path
     return [os.path.basename(str(path)).removesuffix(".gguf") if path else "default"]
 
 
@@ -133,6 +136,17 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+def admission_limit(config: ServeConfig) -> int | None:
+    """Unfinished sequences the server admits: every replica's running batch
+    (--max-num-seqs each) plus --max-queued-requests waiting; None: no limit."""
+    queued = config.server.max_queued_requests
+    if queued is None or queued < 0:
+        return None
+    engine = config.engine
+    replicas = engine.parallel_config.data_parallel_size
+    return engine.scheduler_config.max_num_seqs * replicas + queued
+
+
 def _cors_list(values: list[str]) -> list[str]:
     """vLLM takes these flags as one JSON list ('["https://a"]'); we also take plain words."""
     if len(values) == 1 and values[0].lstrip().startswith("["):
@@ -152,8 +166,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     chat = OpenAIServingChat(engine, names, config.server)
     for serving in (completions, chat):
         serving.log_requests = not config.server.disable_log_requests
-    lora = OpenAIServingLoRA(getattr(engine.engine, "lora_registry", None), names[0])
+    lora = OpenAIServingLoRA(engine.lora_registry, names[0])
     lora.load_startup_modules(config.server.lora_modules)
+    config.server.check()
+    engine.max_unfinished_seqs = admission_limit(config)
+    engine.max_queue_time = config.server.max_queue_time
+    engine.max_restarts = config.server.max_engine_restarts
     metrics = attach_metrics(engine, names[0])
     engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
     created = int(time.time())
@@ -178,7 +196,11 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
             try:
                 return await fn(raw_request)
             except APIError as exc:
-                return JSONResponse(exc.body(), status_code=exc.status)
+                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            except EngineUnavailableError as exc:     # e.g. a failed step: 503, not 500
+                error = engine_error(exc)
+                return JSONResponse(error.body(), status_code=error.status,
+                                    headers=error.headers)
             except ClientGone:
                 return Response(status_code=499)
         endpoint.__name__ = fn.__name__
@@ -189,6 +211,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     @handle
     async def create_completion(raw_request: Request) -> Response:
         """OpenAI completions (text or token-id prompts), streamed or not."""
+        completions.check_capacity()         # a full queue refuses before reading the body
         request = await parse_body(raw_request, CompletionRequest)
         return await completions.create_completion(request, raw_request)
 
@@ -196,10 +219,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     @handle
     async def create_chat_completion(raw_request: Request) -> Response:
         """OpenAI chat completions, streamed or not."""
+        chat.check_capacity()
         request = await parse_body(raw_request, ChatCompletionRequest)
         return await chat.create_chat_completion(request, raw_request)
 
     root = config.engine.model_config.model or names[0]
+    step_stall_timeout = config.server.step_stall_timeout
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
@@ -240,13 +265,20 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine thread is alive and stepping; 503 otherwise."""
-        stalled = (engine.snapshot.num_running > 0 and
-                   time.monotonic() - engine.last_step_time > _HEALTH_STALL_SECONDS)
-        if engine.is_healthy and not stalled:
+        """200 while the engine serves; 503 with the reason while it restarts after a failed
+        step, while the server shuts down, once the engine is dead or stalled, and while one
+        engine iteration has run longer than --step-stall-timeout (the watchdog)."""
+        problem = engine.health_problem
+        if problem is None and engine.snapshot.num_running > 0 and \
+                time.monotonic() - engine.last_step_time > _HEALTH_STALL_SECONDS:
+            problem = "engine stalled"
+        busy_for = engine.watchdog.busy_for()
+        if problem is None and busy_for > step_stall_timeout:
+            problem = (f"the engine step has been running for {busy_for:.1f} s "
+                       f"(--step-stall-timeout {step_stall_timeout:g} s)")
+        if problem is None:
             return Response(status_code=200)
-        reason = repr(engine.dead_error) if engine.dead_error else "engine stopped"
-        return JSONResponse(error_body(f"unhealthy: {reason}", "service_unavailable"),
+        return JSONResponse(error_body(f"unhealthy: {problem}", "service_unavailable"),
                             status_code=503)
 
     @app.get("/version")
@@ -268,7 +300,9 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         body: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len,
                                 "tokens": tokens}
         if request.return_token_strs:
-            body["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+            body["token_strs"] = await off_loop_if(len(tokens) > INLINE_TOKEN_IDS,
+                                                   engine.tokenizer.convert_ids_to_tokens,
+                                                   tokens)
         return JSONResponse(body)
 
     @app.post("/detokenize")
@@ -277,8 +311,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         """Token ids → text (vLLM's /detokenize)."""
         request = await parse_body(raw_request, DetokenizeRequest)
         completions.model_name(request.model)
-        completions.check_token_ids(request.tokens, param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+        tokens = request.tokens
+
+        def run() -> str:
+            completions.check_token_ids(tokens, param="tokens")
+            return decode_releasing_gil(engine.tokenizer, tokens)
+        return JSONResponse({"prompt": await off_loop_if(len(tokens) > INLINE_TOKEN_IDS, run)})
 
     if config.server.enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")
@@ -320,56 +358,92 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
 
 # -- running it -----------------------------------------------------------------------------------
-def run_server(config: ServeConfig, drain_timeout: float = 5.0) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut down cleanly; returns 0.
+def run_server(config: ServeConfig) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, shut down cleanly; returns the exit status:
+    0 after a signal, 1 when the engine died (--max-engine-restarts failed steps in a row),
+    so a supervisor restarts the process.
 
-    On a signal: stop accepting, give in-flight requests `drain_timeout` s to finish,
-    abort the rest (their streams end with finish_reason "abort"), stop the engine thread.
+    On SIGTERM or SIGINT: new requests get 503 and /health 503, in-flight requests get
+    --shutdown-timeout s to finish, the rest are aborted (their streams end with
+    finish_reason "abort"), then the process exits. A second SIGINT exits at once.
     """
+    from jaxserve.engine.fault_injection import StepFaultInjector
     from jaxserve.parallel.launch import create_engine
 
     # tp / dp / multi-host (jaxserve/parallel); on a multi-host follower this never returns.
-    engine = AsyncLLMEngine(create_engine(config.engine))
+    server_config = config.server
+    core = create_engine(config.engine)
+    if server_config.fault_injection_every_steps:
+        core.fault_hook = StepFaultInjector(server_config.fault_injection_every_steps)
+        logger.warning("TESTING ONLY: a step fault is injected every %d steps "
+                       "(--fault-injection-every-steps)",
+                       server_config.fault_injection_every_steps)
+    engine = AsyncLLMEngine(core)
     try:
         app = build_app(engine, config)
-        server_config = config.server
         uv_config = uvicorn.Config(
             app, host=server_config.host or "0.0.0.0", port=server_config.port,
             log_level=server_config.uvicorn_log_level,
-            timeout_graceful_shutdown=drain_timeout + 10.0,
+            # After the drain every request has ended: connections close at once.
+            timeout_graceful_shutdown=10.0,
             access_log=not server_config.disable_uvicorn_access_log)
-        server = _Server(uv_config, names=served_model_names(config, engine),
-                         drain_timeout=drain_timeout, abort_in_flight=engine.abort_all)
+        server = _Server(uv_config, names=served_model_names(config, engine), engine=engine,
+                         shutdown_timeout=server_config.shutdown_timeout)
+        engine.on_fatal = server.engine_died
         server.run()
     finally:
         logger.info("shutting down the engine")
         engine.shutdown(drain_timeout=0.0)
     logger.info("bye")
-    return 0
+    return server.exit_code
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server, plus our 'serving on' line and an exit 0 after SIGINT/SIGTERM.
+    """uvicorn's Server, plus our 'serving on' line, a draining shutdown, and the exit status.
 
-    uvicorn re-raises a caught SIGTERM after its graceful shutdown (so the process
-    dies by the signal); a server that shut down cleanly should exit 0 instead.
+    The first SIGINT/SIGTERM starts a drain (a thread: the engine refuses new requests with
+    503 while uvicorn keeps answering; in-flight requests get `shutdown_timeout` s, then are
+    aborted); uvicorn's own shutdown starts once no request is left. A second SIGINT exits
+    at once. uvicorn re-raises a caught SIGTERM after its shutdown (so the process dies by the
+    signal); a server that shut down cleanly exits 0 instead.
     """
 
-    def __init__(self, config: Any, names: list[str], drain_timeout: float,
-                 abort_in_flight: Callable[[], None]) -> None:
+    def __init__(self, config: Any, names: list[str], engine: AsyncLLMEngine,
+                 shutdown_timeout: float) -> None:
         super().__init__(config)
         self.names = names
-        self.drain_timeout = drain_timeout
-        self.abort_in_flight = abort_in_flight
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._drain: threading.Thread | None = None
 
-    async def shutdown(self, sockets: Any = None) -> None:
-        """In-flight requests get `drain_timeout` s to finish; then they are aborted, so each
-        stream still ends properly (finish_reason "abort", then [DONE])."""
-        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.abort_in_flight)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain is None and not self.should_exit:
+            logger.info("signal %d: draining (new requests get 503; in-flight ones get %g s "
+                        "to finish; Ctrl-C again to quit now)", sig, self.shutdown_timeout)
+            self.engine.stop_accepting()
+            self._drain = threading.Thread(target=self._drain_then_exit, daemon=True,
+                                           name="jaxserve-drain")
+            self._drain.start()
+        elif sig == signal.SIGINT:
+            logger.info("second SIGINT: exiting now")
+            self.engine.abort_all()
+            self.should_exit = self.force_exit = True
+
+    def _drain_then_exit(self) -> None:
+        if not self.engine.wait_until_idle(self.shutdown_timeout):
+            logger.info("shutdown timeout (%g s) passed: aborting the requests still running",
+                        self.shutdown_timeout)
+            self.engine.abort_all()
+            self.engine.wait_until_idle(10.0)
+        self.should_exit = True
+
+    def engine_died(self, exc: BaseException) -> None:
+        """Called on the engine thread when the engine is dead for good: exit non-zero."""
+        logger.error("the engine is dead (%r): exiting with status 1 for a supervisor to "
+                     "restart the server", exc)
+        self.exit_code = 1
+        self.should_exit = True
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages → chat template → one engine request with n choices.
 
 Streaming: a first chunk per choice carrying `role`, then content deltas
-(computed from the engine's cumulative outputs), then a chunk per choice with
+(the engine's RequestOutputKind.DELTA outputs), then a chunk per choice with
 `finish_reason` and an empty delta, then (if asked) a usage chunk, then
 `data: [DONE]`. With tools (tool_calls.py), tool-call deltas come between: a call's
 first delta carries its index, id, type and name, later ones argument fragments; the
@@ -20,20 +20,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect
+from jaxserve.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
-from jaxserve.entrypoints.openai.serving_engine import (
-    SSE_DONE,
-    APIError,
-    OpenAIServing,
-    chat_logprobs,
+from jaxserve.entrypoints.openai.request_streams import (
     collect_finals,
     new_request_id,
-    prompt_logprobs_json,
-    reraise_disconnect,
-    sse,
-    sse_error,
     until_disconnect,
 )
+from jaxserve.entrypoints.openai.serving_engine import INLINE_TEXT_CHARS, OpenAIServing
+from jaxserve.entrypoints.openai.sse import SSE_DONE, sse, sse_error
 from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
 from jaxserve.entrypoints.openai.tool_calls import (
     ToolCallStream,
@@ -42,8 +38,10 @@ from jaxserve.entrypoints.openai.tool_calls import (
     tool_calls_message,
 )
 from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
 from jaxserve.outputs import RequestOutput
-from jaxserve.tokenizer import apply_chat_template, read_chat_template
+
+INLINE_MESSAGES = 256       # longer conversations are rendered off the event loop
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -69,15 +67,22 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["tools"] = tools
         if getattr(request, "continue_final_message", False):
             kwargs["continue_final_message"] = True
-        template = getattr(request, "chat_template", None) or self.chat_template
+        request_template = getattr(request, "chat_template", None)
+        if request_template is not None and not self.server_config.trust_request_chat_template:
+            raise APIError("a chat_template in the request is not allowed: this server does "
+                           "not run templates from requests (start it with "
+                           "--trust-request-chat-template to allow them)",
+                           param="chat_template")
+        template = request_template or self.chat_template
 
         def run() -> list[int]:
             return apply_chat_template(self.tokenizer, messages, chat_template=template,
                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        # A request's own template may loop for as long as it likes: never on the event loop.
+        inline = request_template is None and len(messages) <= INLINE_MESSAGES and sum(
+            len(str(m.get("content") or "")) for m in messages) <= INLINE_TEXT_CHARS
         try:
-            if sum(len(str(m.get("content") or "")) for m in messages) > 8192:
-                return await asyncio.get_running_loop().run_in_executor(None, run)
-            return run()
+            return run() if inline else await asyncio.to_thread(run)
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - Jinja and template errors vary
@@ -95,7 +100,10 @@ class OpenAIServingChat(OpenAIServing):
                                "the output; it cannot be combined with response_format or "
                                "structured outputs", param="tool_choice")
             constraint = plan.constraint
-        prompt_ids = await self.render(request, request.messages_as_dicts(),
+        constraint = await self.parse_constraint(constraint)
+        messages = (request.messages_as_dicts() if len(request.messages) <= INLINE_MESSAGES
+                    else await asyncio.to_thread(request.messages_as_dicts))
+        prompt_ids = await self.render(request, messages,
                                        request.add_generation_prompt,
                                        plan.tools if plan.uses_tools else None)
         if not prompt_ids:
@@ -106,11 +114,11 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested)
         num_top = request.top_logprobs or 0
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
-                                      request.prompt_logprobs, constraint)
+                                      request.prompt_logprobs, constraint, request.stream)
 
-        request_id = new_request_id("chatcmpl")
+        request_id, engine_id = new_request_id("chatcmpl", raw_request)
         created = int(time.time())
-        [stream] = await self.start_requests(request_id, [prompt_ids], [params],
+        [stream] = await self.start_requests(engine_id, [prompt_ids], [params],
                                              self.lora_for(model))
         if request.stream:
             return StreamingResponse(
@@ -129,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
                                "service_unavailable")
             logprobs = None
             if request.logprobs:
-                logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids),
+                logprobs = {"content": chat_logprobs(c.token_ids, c.logprobs or [],
                                                      request.top_logprobs or 0, self.tokenizer)}
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             finish_reason = c.finish_reason
@@ -151,60 +159,28 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       created: int, stream: AsyncIterator[RequestOutput],
                       num_prompt_tokens: int, plan: ToolPlan) -> AsyncIterator[str]:
-        n = request.n
-        tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan.uses_tools else None
-        sent_chars, sent_tokens = [0] * n, [0] * n
-        finished = [False] * n
-        num_top = request.top_logprobs or 0
-        last: RequestOutput | None = None
+        """SSE chunks of the choices' deltas (each RequestOutput carries only what is new)."""
+        choices = [_ChatChoiceStream(self, request, j, plan) for j in range(request.n)]
+        num_cached = 0
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        def chunk(choice_dicts: list[dict], usage: dict | None = None) -> str:
             if usage is None and request.continuous_usage_in_stream:
-                usage = usage_dict(num_prompt_tokens,
-                                   sum(len(c.token_ids) for c in last.outputs) if last else 0,
-                                   last.num_cached_tokens if last else 0)
-            return sse(chat_response(request_id, model, choices, usage, created, chunk=True))
-
-        def logprobs_since(c: Any) -> dict | None:
-            if not request.logprobs or sent_tokens[c.index] >= len(c.token_ids):
-                return None
-            content = chat_logprobs(c, sent_tokens[c.index], len(c.token_ids), num_top,
-                                    self.tokenizer)
-            sent_tokens[c.index] = len(c.token_ids)
-            return {"content": content}
+                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                                   num_cached)
+            return sse(chat_response(request_id, model, choice_dicts, usage, created,
+                                     chunk=True))
         try:
-            for j in range(n):
+            for j in range(request.n):
                 yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
             async for out in stream:
-                last = out
+                num_cached = out.num_cached_tokens
                 for c in out.outputs:
-                    if finished[c.index]:
-                        continue
-                    finish_reason = c.finish_reason
-                    if tool_streams is None:
-                        text, calls = c.text[sent_chars[c.index]:], []
-                        sent_chars[c.index] = len(c.text)
-                    else:
-                        tools = tool_streams[c.index]
-                        text, calls = tools.deltas(c.text, final=finish_reason is not None)
-                        if tools.ids and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                    if text:
-                        yield chunk([{"index": c.index, "delta": {"content": text},
-                                      "logprobs": logprobs_since(c), "finish_reason": None}])
-                    if calls:
-                        yield chunk([{"index": c.index, "delta": {"tool_calls": calls},
-                                      "logprobs": logprobs_since(c), "finish_reason": None}])
-                    if finish_reason is not None:
-                        finished[c.index] = True
-                        yield chunk([{"index": c.index, "delta": {},
-                                      "logprobs": logprobs_since(c),
-                                      "finish_reason": finish_reason,
-                                      "stop_reason": c.stop_reason}])
-            if request.include_usage_in_stream and last is not None:
-                usage = usage_dict(num_prompt_tokens, sum(len(c.token_ids) for c in last.outputs),
-                                   last.num_cached_tokens)
+                    for body in choices[c.index].chunks(c):
+                        yield chunk([body])
+            if request.include_usage_in_stream:
+                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                                   num_cached)
                 yield chunk([], usage)
         except BaseException as exc:
             if reraise_disconnect(exc):
@@ -213,3 +189,57 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
+class _ChatChoiceStream:
+    """One streamed choice: tokens whose logprobs are not sent yet and, with tools, the
+    text so far (tool-call parsing reads the whole text)."""
+
+    def __init__(self, serving: OpenAIServing, request: ChatCompletionRequest, index: int,
+                 plan: ToolPlan) -> None:
+        self.tokenizer = serving.tokenizer
+        self.request = request
+        self.index = index
+        self.tools = ToolCallStream(plan) if plan.uses_tools else None
+        self.text_pieces: list[str] = []
+        self.finished = False
+        self.num_tokens = 0
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list = []
+
+    def chunks(self, c: Any) -> list[dict[str, Any]]:
+        """The chunk bodies of one delta of this choice."""
+        if self.finished:
+            return []
+        self.num_tokens += len(c.token_ids)
+        if self.request.logprobs:
+            self.pending_ids += c.token_ids
+            self.pending_logprobs += c.logprobs or []
+        finish_reason = c.finish_reason
+        if self.tools is None:
+            text, calls = c.text, []
+        else:
+            self.text_pieces.append(c.text)
+            text, calls = self.tools.deltas("".join(self.text_pieces),
+                                            final=finish_reason is not None)
+            if self.tools.ids and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        bodies = []
+        if text:
+            bodies.append({"index": self.index, "delta": {"content": text},
+                           "logprobs": self._take_logprobs(), "finish_reason": None})
+        if calls:
+            bodies.append({"index": self.index, "delta": {"tool_calls": calls},
+                           "logprobs": self._take_logprobs(), "finish_reason": None})
+        if finish_reason is not None:
+            self.finished = True
+            bodies.append({"index": self.index, "delta": {},
+                           "logprobs": self._take_logprobs(), "finish_reason": finish_reason,
+                           "stop_reason": c.stop_reason})
+        return bodies
+
+    def _take_logprobs(self) -> dict | None:
+        if not self.pending_ids:
+            return None
+        content = chat_logprobs(self.pending_ids, self.pending_logprobs,
+                                self.request.top_logprobs or 0, self.tokenizer)
+        self.pending_ids, self.pending_logprobs = [], []
+        return {"content": content}

@@ -1,107 +1,44 @@
-"""What the completion and chat endpoints share: request parsing, validation, errors,
-prompt limits, sampling params, logprob formats, disconnect handling, SSE framing."""
+"""What every OpenAI endpoint shares: model names, limits, sampling params, submitting requests."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
-import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect, Request
-
-from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jaxserve.entrypoints.openai.protocol import SamplingFields, error_body
-from jaxserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.errors import EngineUnavailableError
+from jaxserve.entrypoints.openai.errors import APIError, engine_error
+from jaxserve.entrypoints.openai.protocol import SamplingFields
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.structured_outputs.compiler import parse_grammar_cached
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("jaxserve.requests")
 
-ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
+# Field names a SamplingParams error message may name: the first is the 400's `param`.
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
-MAX_BODY_BYTES = 32 << 20          # a request body larger than this is refused (400)
-_TOKENIZE_INLINE_CHARS = 8192      # longer texts are tokenized off the event loop
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-class APIError(Exception):
-    """An error to send in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = (
-            message, status, type, param, code)
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+# Work on the event loop stalls every HTTP request and stream, so anything whose cost grows
+# with the request's size runs on a worker thread once the request's *total* size passes:
+INLINE_TEXT_CHARS = 8192           # characters to tokenize (all of a request's prompts)
+INLINE_TOKEN_IDS = 16384           # token ids to check or detokenize
+GRAMMAR_PARSE_TIMEOUT_S = 10.0     # a structured-outputs spec still parsing after this: 400
+_LOGGED_PARAMS_CHARS = 2048        # DEBUG logs a request's params up to this many characters
 
 
-class ClientGone(Exception):
-    """The client disconnected before the response was ready."""
-
-
-def engine_error(exc: BaseException) -> APIError:
-    """Map an exception from the engine side to an API error."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ValueError):
-        return APIError(str(exc))
-    if isinstance(exc, EngineDeadError):
-        return APIError(str(exc), 503, "service_unavailable", code="engine_dead")
-    return APIError(f"internal error: {exc!r}", 500, "internal_server_error")
-
-
-async def parse_body(raw_request: Request, model_type: type[ModelT]) -> ModelT:
-    """Read and validate a JSON body ourselves, so every failure is a 400 in OpenAI's shape."""
-    length = raw_request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise APIError(f"request body too large ({length} bytes; the limit is "
-                       f"{MAX_BODY_BYTES})")
-    chunks, size = [], 0
-    async for chunk in raw_request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(f"request body too large (more than {MAX_BODY_BYTES} bytes)")
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(f"request body is not valid UTF-8: {exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise APIError(f"request body is not valid JSON: {exc}") from None
-    if _SURROGATE_ESCAPE.search(text):      # "\ud800" decodes to a string no tokenizer takes
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise APIError(f"request body contains an unpaired UTF-16 surrogate: {exc}") \
-                from None
-    if not isinstance(data, dict):
-        raise APIError("request body must be a JSON object")
-    try:
-        return model_type.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
-def validation_error(exc: ValidationError | Any) -> APIError:
-    errors = exc.errors() if hasattr(exc, "errors") else []
-    parts, param = [], None
-    for err in errors[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        param = param or loc or None
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return APIError("; ".join(parts) or str(exc), param=param)
+async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: inline when small, on a worker thread when ``large`` (so the event
+    loop, which serves every other request and stream, never waits on it)."""
+    if not large:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 class OpenAIServing:
@@ -138,16 +75,68 @@ class OpenAIServing:
         return self.lora_registry.lookup(model)
 
     def check_engine(self) -> None:
-        if not self.engine.is_healthy:
-            raise APIError("the engine is not running", 503, "service_unavailable",
-                           code="engine_dead")
+        """503 now if the engine is dead or the server is shutting down."""
+        error = self.engine.admission_error()
+        if error is not None:
+            raise engine_error(error)
+
+    def check_capacity(self) -> None:
+        """503 at once (before the body is read and tokenized) when the engine is not
+        taking requests or admission control has no room for even one sequence."""
+        self.check_engine()
+        try:
+            self.engine.reserve(1)
+        except EngineUnavailableError as exc:
+            raise engine_error(exc) from None
+        self.engine.release(1)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) <= _TOKENIZE_INLINE_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: list(
-            self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+        [ids] = await self.encode_all([text], add_special_tokens)
+        return ids
+
+    async def encode_all(self, texts: list[str], add_special_tokens: bool = True,
+                         stop_at_tokens: int | None = None) -> list[list[int]]:
+        """Token ids of each text; off the event loop when the texts are long in total.
+        With ``stop_at_tokens``, the first text of at least that many tokens ends the list
+        (the caller refuses the request on it without tokenizing the rest)."""
+        def run() -> list[list[int]]:
+            out = []
+            for text in texts:
+                out.append(list(self.tokenizer.encode(text,
+                                                      add_special_tokens=add_special_tokens)))
+                if stop_at_tokens is not None and len(out[-1]) >= stop_at_tokens:
+                    break
+            return out
+        return await off_loop_if(sum(map(len, texts)) > INLINE_TEXT_CHARS, run)
+
+    async def check_token_ids_off_loop(self, token_id_lists: list[list[int]],
+                                       param: str = "prompt") -> None:
+        """check_token_ids of every list; off the event loop when they are long in total."""
+        def run() -> None:
+            for ids in token_id_lists:
+                self.check_token_ids(ids, param)
+        await off_loop_if(sum(map(len, token_id_lists)) > INLINE_TOKEN_IDS, run)
+
+    async def parse_constraint(self, constraint: StructuredOutputsParams | None
+                               ) -> StructuredOutputsParams | None:
+        """Check and parse a structured-outputs spec on a worker thread (limits, syntax: 400s),
+        so the engine finds it parsed; the spec as the engine will key it."""
+        if constraint is None:
+            return None
+        if self.engine.config.structured_outputs_config \
+                .structured_outputs_disable_any_whitespace:
+            constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(parse_grammar_cached, constraint),
+                                   GRAMMAR_PARSE_TIMEOUT_S)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(str(exc) or "the structured outputs spec is nested too deeply",
+                           param="structured_outputs") from None
+        except TimeoutError:
+            raise APIError(f"the structured outputs spec is too complex (not parsed within "
+                           f"{GRAMMAR_PARSE_TIMEOUT_S:.0f} s)", param="structured_outputs") \
+                from None
+        return constraint
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -182,27 +171,38 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, max_tokens: int,
                         logprobs: int | None, prompt_logprobs: int | None = None,
-                        structured_outputs: StructuredOutputsParams | None = None
-                        ) -> SamplingParams:
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        stream: bool = False) -> SamplingParams:
+        """The request's SamplingParams: outputs as deltas when streaming, else only the
+        final one (vLLM's RequestOutputKind). The engine's limits are checked once, when
+        the request is submitted (`start_requests`)."""
         kwargs = request.sampling_kwargs()
         try:
-            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                                    prompt_logprobs=prompt_logprobs,
-                                    structured_outputs=structured_outputs, **kwargs)
-            params.verify(self.max_logprobs, self.max_model_len, self.vocab_size)
+            return SamplingParams(
+                max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs, **kwargs,
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         except (ValueError, TypeError) as exc:
-            raise APIError(str(exc)) from None
-        return params
+            message = str(exc)
+            named = [w for w in re.findall(r"[a-z_]+", message) if w in _PARAM_NAMES]
+            raise APIError(message, param=named[0] if named else None) from None
 
     # -- running ---------------------------------------------------------------------------------
     async def start_requests(self, prefix: str, prompts: list[list[int]],
                              params: list[SamplingParams], lora_request: Any = None
                              ) -> list[AsyncIterator]:
         """Submit one engine request per prompt; all accepted, or none (then raise).
-        A LoRA adapter's weights are loaded here, off the engine thread, when the host LRU
-        no longer holds them."""
+
+        Every prompt is validated and queued before waiting once for the engine to accept
+        them all, so all start in the same engine step. A LoRA adapter's weights are loaded
+        here, off the engine thread, when the host LRU no longer holds them."""
         self.check_engine()
-        streams, ids = [], []
+        num_seqs = [p.n for p in params]
+        cap = self.engine.max_unfinished_seqs
+        if cap is not None and sum(num_seqs) > cap:
+            raise APIError(f"the request asks for {sum(num_seqs)} sequences (prompts x n); "
+                           f"this server admits at most {cap} at once (--max-num-seqs + "
+                           "--max-queued-requests)", param="n")
         extra = {}
         if lora_request is not None:
             try:
@@ -211,182 +211,65 @@ class OpenAIServing:
             except ValueError as exc:
                 raise APIError(str(exc), param="model") from None
         try:
+            self.engine.reserve(sum(num_seqs))     # QueueFullError: 503 + Retry-After
+        except EngineUnavailableError as exc:
+            raise engine_error(exc) from None
+        streams = []
+        handed_over = 0     # reservations passed to submit(), which owns them from then on
+        try:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts, params)):
                 request_id = f"{prefix}-{i}"
                 if self.log_requests:
-                    request_logger.info("Received request %s: %d prompt tokens, %r",
-                                        request_id, len(token_ids), sampling_params)
-                stream = await self.engine.add_request(request_id, None, sampling_params,
-                                                       prompt_token_ids=token_ids, **extra)
-                ids.append(request_id)
-                streams.append(self.engine.stream_outputs(stream))
+                    request_logger.info("Received request %s: %d prompt tokens, %s",
+                                        request_id, len(token_ids),
+                                        summarize_params(sampling_params))
+                    if request_logger.isEnabledFor(logging.DEBUG):
+                        request_logger.debug("Request %s params: %s", request_id,
+                                             _capped(repr(sampling_params)))
+                handed_over = i + 1
+                streams.append(self.engine.submit(request_id, None, sampling_params,
+                                                  prompt_token_ids=token_ids,
+                                                  reserved_seqs=num_seqs[i], **extra))
+            await self.engine.wait_accepted(streams)
         except BaseException as exc:
-            for request_id in ids:
-                self.engine.abort(request_id)
-            if isinstance(exc, (ValueError, EngineDeadError)):
+            # Submitted requests give their sequences back as they end; the rest now.
+            self.engine.release(sum(num_seqs[handed_over:]))
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            if isinstance(exc, (ValueError, EngineUnavailableError)):
                 raise engine_error(exc) from None
             raise
-        return streams
+        return [self.engine.stream_outputs(stream) for stream in streams]
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def summarize_params(params: SamplingParams) -> str:
+    """One line of a request's sampling params for INFO logs: numbers, and the sizes (never
+    the contents) of its strings, lists and schemas, so a large request logs a short line."""
+    parts = [f"n={params.n}", f"max_tokens={params.max_tokens}",
+             f"temperature={params.temperature:g}", f"top_p={params.top_p:g}",
+             f"top_k={params.top_k}"]
+    if params.seed is not None:
+        parts.append("seed=set")
+    if params.stop:
+        parts.append(f"stop={len(params.stop)} strings/{sum(map(len, params.stop))} chars")
+    if params.stop_token_ids:
+        parts.append(f"stop_token_ids={len(params.stop_token_ids)}")
+    if params.logit_bias:
+        parts.append(f"logit_bias={len(params.logit_bias)} entries")
+    if params.logprobs is not None:
+        parts.append(f"logprobs={params.logprobs}")
+    if params.prompt_logprobs is not None:
+        parts.append(f"prompt_logprobs={params.prompt_logprobs}")
+    if params.structured_outputs is not None:
+        kind = params.structured_outputs.kind
+        spec = getattr(params.structured_outputs, kind)
+        size = len(spec) if isinstance(spec, (str, list)) else len(json.dumps(spec)) \
+            if isinstance(spec, dict) else 0
+        parts.append(f"structured_outputs={kind}/{size} chars")
+    return " ".join(parts)
 
 
-async def until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:
-    """Await `awaitable`, cancelling it (which aborts its requests) if the client goes away."""
-    task = asyncio.ensure_future(awaitable)
-
-    async def wait_for_disconnect() -> None:
-        while True:
-            message = await raw_request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(wait_for_disconnect())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-    if task.cancelled() or not task.done():
-        raise ClientGone()
-    return task.result()
-
-
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Interleave several async iterators, yielding (index of the iterator, item)."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-
-    async def next_item(stream: AsyncIterator[T]) -> T:
-        return await stream.__anext__()
-
-    pending = {asyncio.ensure_future(next_item(s)): i for i, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                i = pending.pop(future)
-                try:
-                    item = future.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(next_item(streams[i]))] = i
-                yield i, item
-    finally:
-        for future in pending:
-            future.cancel()
-        if pending:     # let cancelled streams finish (and abort) before closing them
-            await asyncio.gather(*pending, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
-
-
-async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Drain request streams concurrently; the final RequestOutput of each, in order."""
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merge_streams(streams):
-        if out.finished:
-            finals[i] = out
-    assert all(f is not None for f in finals)
-    return finals  # type: ignore[return-value]
-
-
-# -- server-sent events ------------------------------------------------------------------------
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_error(exc: BaseException) -> str:
-    return sse(engine_error(exc).body())
-
-
-# -- logprobs in OpenAI's two formats ---------------------------------------------------------
-def _token_text(entry: Logprob, token_id: int, tokenizer: Any) -> str:
-    if entry.decoded_token is not None:
-        return entry.decoded_token
-    return tokenizer.decode([token_id])
-
-
-def completion_logprobs(output: CompletionOutput, start: int, end: int, text_offset: int,
-                        tokenizer: Any) -> dict[str, Any]:
-    """Completions format for output tokens [start, end): tokens, token_logprobs,
-    top_logprobs (the sampled token plus the top N, token text -> logprob), text_offset."""
-    return legacy_logprobs(output.token_ids[start:end], (output.logprobs or [])[start:end],
-                           text_offset, tokenizer)
-
-
-def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None],
-                    text_offset: int, tokenizer: Any) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs of ``token_ids``; a None entry (the first prompt
-    token) gives null token_logprobs and top_logprobs."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids, entries):
-        actual = entry.get(token_id) if entry is not None else None
-        text = _token_text(actual, token_id, tokenizer) if actual else \
-            tokenizer.decode([token_id])
-        tokens.append(text)
-        token_logprobs.append(_finite(actual.logprob) if actual else None)
-        top_logprobs.append(None if entry is None else {
-            _token_text(lp, tid, tokenizer): _finite(lp.logprob) for tid, lp in entry.items()})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
-
-
-def echo_logprobs(prompt_token_ids: list[int], prompt_logprobs: PromptLogprobs | None,
-                  tokenizer: Any) -> dict[str, Any]:
-    """Echoed prompt tokens in the completions logprobs format: the first token's logprob is
-    null (nothing predicts it), the rest come from the engine's prompt logprobs."""
-    entries = prompt_logprobs or [None] * len(prompt_token_ids)
-    return legacy_logprobs(prompt_token_ids, entries, 0, tokenizer)
-
-
-def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list | None:
-    """vLLM's `prompt_logprobs` response field: [null, {token id: {logprob, rank,
-    decoded_token}}, ...]."""
-    if prompt_logprobs is None:
-        return None
-    return [None if entry is None else {
-        str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank,
-                   "decoded_token": lp.decoded_token} for tid, lp in entry.items()}
-        for entry in prompt_logprobs]
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -inf; vLLM reports -9999.0 for it."""
-    return max(logprob, -9999.0)
-
-
-def chat_logprobs(output: CompletionOutput, start: int, end: int, num_top: int,
-                  tokenizer: Any) -> list[dict[str, Any]]:
-    """Chat format: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
-    content = []
-    for token_id, entry in zip(output.token_ids[start:end], (output.logprobs or [])[start:end]):
-        sampled = entry.get(token_id)
-        text = _token_text(sampled, token_id, tokenizer) if sampled else \
-            tokenizer.decode([token_id])
-        ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items()
-                         if lp.rank is not None and lp.rank <= num_top), key=lambda x: x[0])
-        top = []
-        for _, tid, lp in ranked[:num_top]:
-            token_text = _token_text(lp, tid, tokenizer)
-            top.append({"token": token_text, "logprob": lp.logprob,
-                        "bytes": list(token_text.encode("utf-8"))})
-        content.append({"token": text, "logprob": sampled.logprob if sampled else None,
-                        "bytes": list(text.encode("utf-8")), "top_logprobs": top})
-    return content
-
-
-def reraise_disconnect(exc: BaseException) -> bool:
-    """True for exceptions that mean the client went away (nothing left to send)."""
-    return isinstance(exc, (ClientGone, ClientDisconnect, asyncio.CancelledError,
-                            GeneratorExit))
+def _capped(text: str) -> str:
+    if len(text) <= _LOGGED_PARAMS_CHARS:
+        return text
+    return f"{text[:_LOGGED_PARAMS_CHARS]}... ({len(text)} characters in all)"

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jaxserve.entrypoints.openai.serving_engine import APIError
+from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)

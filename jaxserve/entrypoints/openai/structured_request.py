@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import SamplingFields
-from jaxserve.entrypoints.openai.serving_engine import APIError
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

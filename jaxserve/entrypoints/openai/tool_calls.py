@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.config import ServerConfig
+from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
-from jaxserve.entrypoints.openai.serving_engine import APIError
 from jaxserve.entrypoints.openai.tool_parsers import (
     ParsedToolCall,
     ToolParser,
     get_tool_parser,
 )
-from jaxserve.structured_outputs.params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import StructuredOutputsParams
 
 _AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
                      '--tool-call-parser to be set')

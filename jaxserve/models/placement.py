@@ -25,10 +25,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.config import ParallelConfig
+from jaxserve.mesh import MODEL_AXIS, describe, make_mesh, replicated
+from jaxserve.models import partition
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
-from jaxserve.parallel import partition
-from jaxserve.parallel.mesh import MODEL_AXIS, describe, make_mesh, replicated
 
 logger = logging.getLogger(__name__)
 

@@ -119,13 +119,3 @@ def resolve_token_ids(token_ids: jax.Array, last_tokens: jax.Array) -> jax.Array
     from_device = token_ids < 0
     rows = jnp.where(from_device, -1 - token_ids, 0)
     return jnp.where(from_device, last_tokens[rows], token_ids)
-
-
-def dummy_metadata(num_tokens: int, num_seqs: int, max_blocks: int) -> AttentionMetadata:
-    """All-padding metadata (for init and shape tracing)."""
-    return AttentionMetadata(
-        slot_mapping=jnp.full((num_tokens,), -1, jnp.int32),
-        kv_lens=jnp.zeros((num_seqs,), jnp.int32),
-        block_tables=jnp.zeros((num_seqs, max_blocks), jnp.int32),
-        query_start_loc=jnp.zeros((num_seqs + 1,), jnp.int32),
-        num_seqs=jnp.zeros((), jnp.int32))

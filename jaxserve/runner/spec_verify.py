@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.runner.rejection_sampler import num_emitted_tokens
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
-from jaxserve.spec_decode.rejection_sampler import num_emitted_tokens
 
 
 def widen(out: SamplerOutput, width: int) -> SamplerOutput:

@@ -42,8 +42,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.backend import AttentionBackend
+from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.arch import ModelArch
-from jaxserve.parallel.mesh import MODEL_AXIS
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,9 @@ def replicate_kv_heads(weights: dict[str, np.ndarray], arch: ModelArch, tp: int,
     for name in kv_head_weights:
         if name in weights:
             w = weights[name]
+            if isinstance(w, jax.ShapeDtypeStruct):    # shapes only (ahead-of-time compiles)
+                weights[name] = jax.ShapeDtypeStruct((*w.shape[:-1], hkv * copies * d), w.dtype)
+                continue
             heads = w.reshape(*w.shape[:-1], hkv, d)
             weights[name] = np.repeat(heads, copies, axis=-2).reshape(*w.shape[:-1],
                                                                       hkv * copies * d)

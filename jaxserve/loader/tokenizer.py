@@ -1,14 +1,13 @@
-"""Tokenizer loading, chat templates, and the token ids that end a sequence.
+"""Tokenizer loading and chat templates (the ids that end a sequence: engine/model_setup.eos_ids).
 
     tokenizer = load_tokenizer("/models/Qwen3-0.6B")          # or a .gguf, a repo id, a LoadedModel
     prompt_ids = apply_chat_template(tokenizer, [{"role": "user", "content": "Hi"}])
-    stop_ids = eos_token_ids(tokenizer, loaded.generation_config)
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,18 +104,15 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def eos_token_ids(tokenizer: Any, generation_config: Mapping[str, Any] | None = None) -> list[int]:
-    """Every token id that ends generation: the tokenizer's eos plus generation_config's
-    ``eos_token_id`` (an int or a list), in that order, without duplicates."""
-    ids: list[int] = []
+def decode_releasing_gil(tokenizer: Any, token_ids: list[int]) -> str:
+    """``tokenizer.decode(token_ids)``, through the Rust tokenizer's batch call where there is
+    one: that call releases the GIL (a single decode holds it for as long as it runs, about a
+    second per million ids, stalling every other thread of the process)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.decode(token_ids)
+    [text] = backend.decode_batch([token_ids], skip_special_tokens=False)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        text = tokenizer.clean_up_tokenization(text)
+    return text
 
-    def add(values: int | Iterable[int] | None) -> None:
-        if values is None:
-            return
-        for value in ([values] if isinstance(values, int) else values):
-            if value is not None and int(value) not in ids:
-                ids.append(int(value))
-
-    add(getattr(tokenizer, "eos_token_id", None))
-    add((generation_config or {}).get("eos_token_id"))
-    return ids

@@ -11,7 +11,7 @@ the mirrors are freed at once, so their blocks stay cached for the next round. S
 costs one prefill step of about a block per row plus k - 1 single-token steps.
 
 The drafts are the draft model's argmax, a point-mass proposal: the verification's
-acceptance rule (jaxserve/spec_decode/rejection_sampler.py) keeps the target's output
+acceptance rule (jaxserve/runner/rejection_sampler.py) keeps the target's output
 distribution exact for sampled requests too; their acceptance is p(draft), which for a
 draft that agrees with the target's mode is what min(1, p/q) gives a greedy draft.
 """
@@ -22,9 +22,9 @@ from collections.abc import Sequence as Seq
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.step_contract import NewSeqData, SchedulerOutput
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_contract import NewSeqData, SchedulerOutput
 
 
 class DraftModelProposer:
@@ -36,6 +36,14 @@ class DraftModelProposer:
         self.budget = max_num_batched_tokens
         self._greedy = SamplingParams(temperature=0.0, max_tokens=num_speculative_tokens)
         self._finished: list[int] = []          # last round's mirrors: rows to drop
+
+    def reset(self) -> None:
+        """Forget every mirror and the draft cache (the engine recovers from a failed step)."""
+        blocks = self.block_manager
+        self.block_manager = BlockManager(blocks.num_blocks, blocks.block_size,
+                                          blocks.enable_prefix_caching)
+        self.runner.reset()
+        self._finished = []
 
     def propose(self, histories: Seq[Seq[int]], max_drafts: Seq[int]) -> list[list[int]]:
         """Per sequence, up to min(k, max_drafts[i]) greedy draft tokens."""

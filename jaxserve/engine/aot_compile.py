@@ -1,0 +1,289 @@
+"""`jaxserve compile`: the engine's step for a target, compiled and memory-planned before a
+device is touched, and shipped as serialized executables (runner/aot_executables.py).
+
+    result = compile_for_target(config, "h200", "out/")      # or target=None: this CPU
+
+No weight is read or allocated: the params are ShapeDtypeStructs from the model's
+config.json (the family's weight shapes, int8 applied as shapes), placed by the same
+`ModelPlacement` rules as at startup, on a mesh of compile-only devices of the target
+(runner/gpu_targets.py). The KV cache is planned by the startup rule (runner/memory.py:
+device memory x --gpu-memory-utilization - weights per device - the largest bucket's
+activation peak), with the peak taken from the compiled program's `memory_analysis()`
+rather than an estimate: the largest bucket is compiled once with the smallest cache
+(its temporaries do not depend on the cache, which is donated and updated in place),
+the cache is planned, and every bucket is compiled against the planned cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.attention.backend import get_attention_backend
+from jaxserve.config import EngineConfig
+from jaxserve.dtypes import resolve_dtype
+from jaxserve.engine.aot_manifest import engine_fingerprint, expected_manifest, target_device_kind
+from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
+from jaxserve.models import partition
+from jaxserve.models.registry import family_for, read_arch
+from jaxserve.quantization import check_mode
+from jaxserve.quantization.int8 import quantize_params_int8
+from jaxserve.quantization.kv import resolve_kv_cache_dtype
+from jaxserve.runner import aot_executables as aot
+from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS, load_target, topology_mesh
+from jaxserve.runner.memory import KVCacheDoesNotFit, KVCachePlan, plan_kv_cache
+from jaxserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AbstractEngine:
+    """What the step is compiled from: the runner (abstract) and the figures the plan and
+    the manifest need."""
+    runner: ModelRunner
+    arch: Any                       # the sharded model's ModelArch
+    weight_bytes_per_device: int
+    kv_dtype: Any
+    max_model_len: int
+    fingerprint: str                # engine_fingerprint(...)
+    devices: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def abstract_params(family: Any, placement: Any, dtype: Any, quantization: str | None) -> Any:
+    """The params tree as ShapeDtypeStructs with their shardings: what loading the
+    checkpoint and placing it would produce, without a byte of it."""
+    weights = {name: jax.ShapeDtypeStruct(shape, dtype)
+               for name, shape in family.weight_shapes(placement.source_arch).items()}
+    params = family.params_from_weights(placement.prepare(weights), placement.arch)
+    if quantization == "int8":
+        params = quantize_params_int8(params)
+    if placement.mesh is None:
+        shardings = jax.tree.map(
+            lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), params)
+    else:
+        specs = partition.param_specs(params, placement.tp, family.param_spec_for(placement.arch))
+        shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(placement.mesh, s), specs,
+                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        params, shardings)
+
+
+def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: int | None
+                          ) -> AbstractEngine:
+    """The engine's runner for `target` (None: this machine's CPU), abstract. num_blocks:
+    the KV cache's blocks per layer (None: the fewest one max_model_len sequence needs)."""
+    from jaxserve.loader import read_model_config
+    from jaxserve.models.placement import ModelPlacement
+
+    platform = "cuda" if target else "cpu"
+    config.finalize(platform)
+    mc, cc, sc, pc = (config.model_config, config.cache_config, config.scheduler_config,
+                      config.parallel_config)
+    if config.spec_decode is not None and config.spec_decode.method == "draft_model":
+        raise ValueError("jaxserve compile: speculative_config method 'draft_model' is not "
+                         "supported yet (ngram is)")
+    quantization = check_mode(mc.quantization)
+    if quantization == "gguf":
+        raise ValueError("jaxserve compile: quantization='gguf' keeps packed GGUF tensors read "
+                         "from the file; use int8 or none")
+    hf_config, model_path = read_model_config(mc.model)
+    source_arch = read_arch(hf_config)
+    family = family_for(source_arch.architecture)
+    dtype = resolve_dtype(mc.dtype, platform)
+    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
+    max_model_len = resolve_max_model_len(mc.max_model_len, source_arch)
+    settle_batch_limits(config, max_model_len)
+    tp = pc.tensor_parallel_size
+    mesh = topology_mesh(load_target(target), tp) if target else None
+    placement = ModelPlacement.create(pc, source_arch, mesh)
+    params = abstract_params(family, placement, dtype, quantization)
+    weight_bytes = partition.per_device_bytes(params) if placement.mesh is not None else sum(
+        int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    spec = config.spec_decode
+    num_spec_tokens = spec.num_speculative_tokens if spec else 0
+    lora = None
+    if config.lora_config.enable_lora:
+        lora = _abstract_lora(config, family, placement, dtype)
+        weight_bytes += lora.nbytes      # as at startup (model_setup): the slots, whole
+    backend = placement.shard_backend(get_attention_backend(
+        config.runner_config.attention_backend, platform))
+    blocks = num_blocks or -(-max_model_len // cc.block_size)
+    runner = ModelRunner(
+        placement.arch, params, backend, dtype=dtype, num_blocks=blocks,
+        block_size=cc.block_size, max_model_len=max_model_len, kv_cache_dtype=kv_dtype,
+        max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_logprobs=mc.max_logprobs, eos_token_ids=[0],
+        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
+        max_spec_rows=min(spec.disable_by_batch_size, sc.max_num_seqs) if spec else 0,
+        kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
+        logits_shardings=placement.logits_shardings, lora=lora, abstract=True)
+    return AbstractEngine(
+        runner=runner, arch=placement.arch, weight_bytes_per_device=int(weight_bytes),
+        kv_dtype=kv_dtype, max_model_len=max_model_len,
+        fingerprint=engine_fingerprint(config, source_arch, dtype, kv_dtype, max_model_len),
+        devices=tp, info={"model": model_path, "architecture": source_arch.architecture,
+                          "dtype": np.dtype(dtype).name, "kv_cache_dtype": np.dtype(kv_dtype).name,
+                          "quantization": quantization})
+
+
+def _abstract_lora(config: EngineConfig, family: Any, placement: Any, dtype: Any) -> Any:
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.lora.peft_loader import supported_targets
+    from jaxserve.lora.stacks import LoRAStacks
+
+    lc = config.lora_config
+    targets = supported_targets(family, placement.arch)
+    specs = None
+    if placement.mesh is not None:
+        spec_fn = family.param_spec_for(placement.arch)
+        shapes = family.weight_shapes(placement.arch)
+        # tp = 1 on a one-device topology mesh: unsplit [L, in, out] (param_spec says P())
+        specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
+                            placement.tp) or P(None, None, None) for t in targets}
+    return LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
+                      dtype, placement.mesh, specs, abstract=True)
+
+
+@dataclass
+class CompiledBucket:
+    shape: tuple[int, int]
+    executable: Any
+    compile_seconds: float
+    temp_bytes: int
+
+    def describe(self, serialized_bytes: int) -> dict[str, Any]:
+        return {"num_tokens": self.shape[0], "num_seqs": self.shape[1],
+                "compile_seconds": round(self.compile_seconds, 2),
+                "serialized_bytes": serialized_bytes, "temp_bytes": self.temp_bytes,
+                "file": aot.bucket_file(self.shape)}
+
+
+def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | None
+                   ) -> CompiledBucket:
+    start = time.perf_counter()
+    lowered = runner.lower_step(*shape)
+    executable = lowered.compile(dict(GPU_COMPILER_OPTIONS) if target else None)
+    seconds = time.perf_counter() - start
+    stats = executable.memory_analysis()
+    temp = int(stats.temp_size_in_bytes) if stats is not None else 0
+    logger.info("compiled step %dx%d for %s in %.1f s (temporaries %.1f MiB)", *shape,
+                target or "cpu", seconds, temp / 2**20)
+    return CompiledBucket(shape, executable, seconds, temp)
+
+
+def plan_from_compiled(engine: AbstractEngine, config: EngineConfig, target: str | None,
+                       activation_bytes: int) -> KVCachePlan:
+    """The startup rule (runner/memory.py), for the target's memory when there is one."""
+    memory = load_target(target).device_memory_bytes if target else None
+    return plan_kv_cache(config.cache_config, engine.arch, engine.kv_dtype,
+                         engine.weight_bytes_per_device, activation_bytes,
+                         engine.max_model_len, tp_size=engine.devices,
+                         device_memory_bytes=memory)
+
+
+def check_weights_fit(engine: AbstractEngine, config: EngineConfig, target: str) -> None:
+    """Refuse before compiling anything when the weights alone exceed the memory share."""
+    usable = int(config.cache_config.gpu_memory_utilization
+                 * load_target(target).device_memory_bytes)
+    excess = engine.weight_bytes_per_device - usable
+    if excess > 0:
+        raise KVCacheDoesNotFit(
+            f"does not fit: the weights alone take {engine.weight_bytes_per_device / 2**30:.2f}"
+            f" GiB per device, {excess / 2**30:.2f} GiB more than the "
+            f"{config.cache_config.gpu_memory_utilization:.0%} of {target}'s "
+            f"{load_target(target).device_memory_bytes / 2**30:.1f} GiB the engine may use "
+            f"(--gpu-memory-utilization), before any KV cache or activations; use more "
+            f"--tensor-parallel-size (now {engine.devices}) or int8 weights "
+            "(--quantization int8)", excess)
+
+
+def compile_for_target(config: EngineConfig, target: str | None, output: str | Path, *,
+                       shapes: list[tuple[int, int]] | None = None,
+                       plan_only: bool = False) -> dict[str, Any]:
+    """Compile every bucket (or `shapes`) for `target` (None: this CPU), plan the KV cache
+    from the compiled programs, write executables and manifest to `output`; returns the
+    summary `jaxserve compile --json` prints. Raises KVCacheDoesNotFit when it cannot fit.
+    plan_only: compile just the probes (the smallest and largest buckets) and plan; nothing
+    is written."""
+    jax.config.update("jax_enable_compilation_cache", False)   # compile-only executables
+    output = Path(output)                                       # never enter JAX's cache
+    defaults = EngineConfig().to_flat_dict()
+    # The options given (before defaults are resolved), for a person or a script to start
+    # the matching engine (benchmarks/bench_aot_gpu.py).
+    flags = {k: v for k, v in config.to_flat_dict().items()
+             if v != defaults[k] and k not in ("model", "aot_dir", "load_format")}
+    probe = build_abstract_engine(config, target, None)
+    if target:
+        check_weights_fit(probe, config, target)
+    wanted = sorted(shapes or probe.runner.buckets.all_shapes())
+    # The largest bucket holds the most activations, but a one-sequence decode can need
+    # more temporaries than a wide step (its attention splits the context differently):
+    # probe both ends.
+    probes = [compile_bucket(probe.runner, shape, target)
+              for shape in sorted({wanted[0], wanted[-1]})]
+    # The probes ran with the smallest cache; with the planned one the same programs measure
+    # a few KB more (bookkeeping), so the plan keeps 1/64 + 1 MiB of room for that.
+    peak = max(p.temp_bytes for p in probes)
+    plan = plan_from_compiled(probe, config, target, peak + peak // 64 + (1 << 20))
+    if plan_only:
+        return _summary(probe, plan, target, [
+            {**p.describe(0), "file": None} for p in probes], peak, output)
+    for _ in range(2):
+        logger.info("%s", plan.describe())
+        buckets = _compile_and_write(config, target, plan, wanted, output)
+        activation = max(b["temp_bytes"] for b in buckets)
+        # The probes ran with the smallest cache; the planned one may need a little more.
+        # The plan stands if the true peak leaves room for its blocks, else plan again.
+        replanned = plan_from_compiled(probe, config, target, activation)
+        if replanned.num_blocks >= plan.num_blocks:
+            break
+        logger.warning("activation peak %.1f MiB (probed %.1f MiB) leaves %d KV blocks, not %d:"
+                       " compiling again for that", activation / 2**20, peak / 2**20,
+                       replanned.num_blocks, plan.num_blocks)
+        plan = replanned
+    else:
+        raise RuntimeError("the activation peak kept growing with the planned cache")
+    plan = dataclasses.replace(plan, activation_bytes=activation)
+    engine = probe      # the same fingerprint, weights and devices as the compiled engine
+    summary = _summary(engine, plan, target, buckets, activation, output)
+    aot.write_manifest(output, {**summary, "engine_flags": flags, **expected_manifest(
+        target_device_kind(target), engine.fingerprint, engine.devices, target)})
+    return summary
+
+
+def _compile_and_write(config: EngineConfig, target: str | None, plan: KVCachePlan,
+                       shapes: list[tuple[int, int]], output: Path) -> list[dict[str, Any]]:
+    engine = build_abstract_engine(config, target, plan.num_blocks)
+    output.mkdir(parents=True, exist_ok=True)
+    buckets = []
+    for shape in shapes:
+        compiled = compile_bucket(engine.runner, shape, target)
+        data = aot.serialize_step(compiled.executable)
+        aot.write_atomically(output / aot.bucket_file(shape), data)
+        buckets.append(compiled.describe(len(data)))
+    return buckets
+
+
+def _summary(engine: AbstractEngine, plan: KVCachePlan, target: str | None,
+             buckets: list[dict[str, Any]], activation: int, output: Path) -> dict[str, Any]:
+    return {"target": target or "cpu", "platform": "cuda" if target else "cpu",
+            "topology": f"1x1x{engine.devices}", "devices": engine.devices,
+            **engine.info, "max_model_len": engine.max_model_len,
+            "weights_bytes_per_device": engine.weight_bytes_per_device,
+            "activation_peak_bytes": activation,
+            "device_memory_bytes": load_target(target).device_memory_bytes if target else None,
+            "kv_cache_bytes_per_device": plan.total_bytes,
+            "kv_cache_blocks": plan.num_blocks, "block_size": plan.block_size,
+            "kv_cache_tokens": plan.capacity_tokens, "plan_source": plan.source,
+            "compile_seconds": round(sum(b["compile_seconds"] for b in buckets), 2),
+            "buckets": buckets, "output": str(output)}

@@ -1,0 +1,88 @@
+"""What a directory of ahead-of-time executables must agree on with the engine loading it
+(engine/aot_compile.py writes it, `--aot-dir` reads it): the device kind and count, the
+jax / jaxlib / CUDA plugin versions, and a hash of the engine config and jaxserve source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.runner import aot_executables as aot
+from jaxserve.runner.executable_cache import source_fingerprint
+from jaxserve.runner.gpu_targets import load_target, plugin_version
+
+logger = logging.getLogger(__name__)
+
+
+def engine_fingerprint(config: EngineConfig, source_arch: Any, dtype: Any, kv_dtype: Any,
+                       max_model_len: int) -> str:
+    """A hash of everything in a finalized config that shapes the compiled step (and the
+    jaxserve source), the same at `jaxserve compile` and at a start with --aot-dir. The KV
+    block count is not in it: a start with --aot-dir takes the manifest's."""
+    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+    pc, lc, spec = config.parallel_config, config.lora_config, config.spec_decode
+    parts = {
+        "arch": repr(source_arch), "dtype": np.dtype(dtype).name,
+        "kv_dtype": np.dtype(kv_dtype).name, "quantization": mc.quantization,
+        "max_model_len": max_model_len, "max_logprobs": mc.max_logprobs,
+        "block_size": cc.block_size, "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "max_prompt_logprobs_per_step": sc.max_prompt_logprobs_per_step,
+        "tensor_parallel_size": pc.tensor_parallel_size,
+        "enable_expert_parallel": pc.enable_expert_parallel,
+        "attention_backend": config.runner_config.attention_backend,
+        "spec": None if spec is None else (spec.method, spec.num_speculative_tokens,
+                                           min(spec.disable_by_batch_size, sc.max_num_seqs)),
+        "lora": (lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None,
+        "source": source_fingerprint()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def target_device_kind(target: str | None) -> str:
+    return load_target(target).device_kind if target else jax.devices()[0].device_kind
+
+
+def expected_manifest(device_kind: str, fingerprint: str, devices: int, target: str | None
+                      ) -> dict[str, Any]:
+    """The manifest fields a start with --aot-dir must match (aot.mismatch)."""
+    import jaxlib
+
+    return {"format": aot.FORMAT, "device_kind": device_kind, "devices": devices,
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "plugin": plugin_version() if target else None,
+            "engine_config_hash": fingerprint}
+
+
+def aot_dir_for_engine(config: EngineConfig, placed: Any, dtype: Any, kv_dtype: Any,
+                       max_model_len: int) -> tuple[str | None, Any]:
+    """At startup with --aot-dir: (the directory, the cache config with the manifest's KV
+    block count) when its manifest matches this engine; else (None, the cache config as
+    given), after one warning saying why the executables are not used."""
+    directory = config.runner_config.aot_dir
+    cc = config.cache_config
+    try:
+        manifest = aot.read_manifest(directory)
+    except ValueError as e:
+        logger.warning("--aot-dir not used, compiling instead: %s", e)
+        return None, cc
+    target = manifest.get("target")
+    expected = expected_manifest(
+        jax.devices()[0].device_kind,
+        engine_fingerprint(config, placed.source_arch, dtype, kv_dtype, max_model_len),
+        placed.placement.tp, None if target in (None, "cpu") else target)
+    reason = aot.mismatch(manifest, expected)
+    if reason is not None:
+        logger.warning("--aot-dir %s not used, compiling instead: %s", directory, reason)
+        return None, cc
+    logger.info("--aot-dir %s: %d step executables compiled for %s; KV cache %d blocks as "
+                "planned there", directory, len(manifest["buckets"]), target,
+                manifest["kv_cache_blocks"])
+    return directory, dataclasses.replace(cc, num_gpu_blocks_override=manifest["kv_cache_blocks"])

@@ -1,0 +1,1 @@
+"""Platform kernels (the lowest layer: imports nothing else of jaxserve)."""

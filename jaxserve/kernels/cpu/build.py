@@ -1,0 +1,183 @@
+"""Compile a C++ FFI library once, cache it, and load it: what every CPU kernel library of
+jaxserve (the paged attention, the oneDNN matmul) shares.
+
+A library is cached under ``$JAXSERVE_FFI_CACHE`` (default ``~/.cache/jaxserve/ffi/``; a
+temp directory if that is not writable) as ``<name>-<hash>.so``, the hash keyed by its
+sources (every .cc compiled and .h included), the compiler and its version, the flags, the
+jax version and the host CPU (the build is ``-march=native``, hence the CPU in the key; if
+that does not compile, a portable build is tried). A file lock keeps two processes from
+building the same key at once. The cache location is a build-environment setting, like
+``CXX``: it changes where the file lives, never what the engine does.
+
+The code builds with g++ and clang++ alike (tests/test_kernel_build.py compiles every
+library with both where both are installed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
+              "-ffp-contract=fast")
+NATIVE_FLAGS = ("-march=native",)
+
+
+class CpuKernelBuildError(RuntimeError):
+    """A C++ kernel library could not be compiled or loaded."""
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """One shared library: its name (the cache file's prefix), what it is built from, the
+    extra flags (include dirs, libraries to link) and what to tell a user when it fails."""
+    name: str
+    sources: tuple[Path, ...]              # .cc compiled, .h hashed into the key
+    include_dirs: tuple[Path, ...] = (HERE,)
+    link_flags: tuple[str, ...] = ()
+    fallback_hint: str = ""
+    error: type[CpuKernelBuildError] = CpuKernelBuildError
+    extra_key: tuple[str, ...] = field(default=())
+
+
+def find_compiler() -> str | None:
+    """$CXX if set, else the first of g++, c++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"]) or os.environ["CXX"]
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def cache_dir(lib: KernelLibrary) -> Path:
+    """Where built libraries live: $JAXSERVE_FFI_CACHE, ~/.cache/jaxserve/ffi, or a temp dir."""
+    candidates = []
+    if os.environ.get("JAXSERVE_FFI_CACHE"):
+        candidates.append(Path(os.environ["JAXSERVE_FFI_CACHE"]).expanduser())
+    candidates.append(Path.home() / ".cache" / "jaxserve" / "ffi")
+    candidates.append(Path(tempfile.gettempdir()) / f"jaxserve-ffi-{os.getuid()}")
+    for directory in candidates:
+        with contextlib.suppress(OSError):
+            directory.mkdir(parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK):
+                return directory
+    raise lib.error(f"no writable cache directory for the CPU kernels (tried "
+                    f"{', '.join(map(str, candidates))}); set JAXSERVE_FFI_CACHE. "
+                    f"{lib.fallback_hint}")
+
+
+def cpu_identity() -> str:
+    """The host CPU's model and feature flags: -march=native output is only valid there."""
+    parts = [platform.machine()]
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "flags", "Features", "CPU part") and line not in parts:
+                parts.append(line)
+            if len(parts) >= 3 and key in ("flags", "Features"):
+                break
+    return "\n".join(parts)
+
+
+def compiler_version(compiler: str, lib: KernelLibrary) -> str:
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise lib.error(f"C++ compiler {compiler!r} does not run ({e}); the CPU kernels need "
+                        f"g++ or clang++ (set CXX). {lib.fallback_hint}") from e
+    return result.stdout.strip()
+
+
+def flag_sets() -> list[tuple[str, ...]]:
+    """Flags to try in order: tuned for this CPU, then portable."""
+    return [BASE_FLAGS + NATIVE_FLAGS, BASE_FLAGS]
+
+
+def library_path(lib: KernelLibrary, compiler: str) -> Path:
+    import jax
+
+    digest = hashlib.sha256()
+    for part in (*(path.read_bytes() for path in lib.sources), compiler.encode(),
+                 compiler_version(compiler, lib).encode(), " ".join(flag_sets()[0]).encode(),
+                 " ".join(lib.link_flags).encode(), *(k.encode() for k in lib.extra_key),
+                 jax.__version__.encode(), cpu_identity().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir(lib) / f"{lib.name}-{digest.hexdigest()[:20]}.so"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def compile_command(lib: KernelLibrary, compiler: str, flags: tuple[str, ...],
+                    output: Path) -> list[str]:
+    import jax
+
+    compiled = [str(path) for path in lib.sources if path.suffix == ".cc"]
+    includes = [f"-I{d}" for d in (*lib.include_dirs, jax.ffi.include_dir())]
+    return [compiler, *flags, *includes, *compiled, "-o", str(output), *lib.link_flags]
+
+
+def build(lib: KernelLibrary, force: bool = False, compiler: str | None = None) -> Path:
+    """Path of the compiled library, compiling it first if this key has none yet."""
+    missing = [path for path in lib.sources if not path.exists()]
+    if missing:
+        raise lib.error(f"kernel source {missing[0]} is missing (a broken install?). "
+                        f"{lib.fallback_hint}")
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise lib.error("no C++ compiler found (looked for $CXX, g++, c++, clang++): the CPU "
+                        f"kernels are compiled on first use. Install g++; {lib.fallback_hint}")
+    path = library_path(lib, compiler)
+    if path.exists() and not force:
+        return path
+    with _file_lock(path.with_suffix(".lock")):
+        if path.exists() and not force:
+            return path  # another process built it while we waited
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
+        errors = []
+        try:
+            for flags in flag_sets():
+                cmd = compile_command(lib, compiler, flags, tmp)
+                logger.debug("compiling: %s", " ".join(cmd))
+                try:
+                    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                except (OSError, subprocess.SubprocessError) as e:
+                    errors.append(f"{' '.join(flags)}: {e}")
+                    continue
+                if result.returncode == 0:
+                    if flags != flag_sets()[0]:
+                        logger.warning("%s: -march=native failed; built a portable (slower) "
+                                       "library", lib.name)
+                    os.replace(tmp, path)
+                    logger.info("built CPU kernel library %s", path)
+                    return path
+                errors.append(f"{' '.join(flags)}:\n{result.stderr.strip()[-2000:]}")
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    raise lib.error(f"compiling {lib.name} with {compiler} failed. {lib.fallback_hint}\n"
+                    + "\n".join(errors))

@@ -1,0 +1,194 @@
+"""Projections on the CPU's matrix units through oneDNN's matmul primitive (matmul.cc), read
+in place from stacked ``[L, in, out]`` weights, and the CPU features that decide the dtype.
+
+oneDNN comes from PyPI's ``onednn-cpu-gomp`` (the CPU-only build, 39 MB wheel, 55 MB
+library) and ``onednn-devel-cpu-gomp`` (its headers, 0.2 MB); MKL's wheel is 229 MB and
+dispatches by vendor, oneDNN by CPU feature flags (AMX, AVX512-BF16, AVX-512, AVX2), the
+same code on Intel and AMD. Without oneDNN (or a compiler) `available()` is False and the
+model keeps XLA's dot.
+
+GEMV_MARGIN: rows <= 8 take matmul.cc's own streaming GEMV (f32 accumulate over f32 or bf16
+weights read in place) rather than oneDNN; measured by benchmarks/bench_layer_matmul.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.kernels.cpu.build import HERE, CpuKernelBuildError, KernelLibrary, build
+
+logger = logging.getLogger(__name__)
+
+TARGET = "jaxserve_matmul"
+SYMBOL = "JaxserveMatmul"
+MAX_GEMV_ROWS = 8
+GEMV_MARGIN = "see benchmarks/results/layer_matmul.json"
+
+_lock = threading.Lock()
+_registered: Path | None = None
+_failure: CpuKernelBuildError | None = None
+
+
+class CpuMatmulBuildError(CpuKernelBuildError):
+    """The oneDNN matmul library could not be built or loaded."""
+
+
+def onednn_prefix() -> Path | None:
+    """The prefix holding oneDNN's header and library (this Python's, where pip puts the
+    onednn-cpu-gomp and onednn-devel-cpu-gomp wheels), or None."""
+    for prefix in (Path(sys.prefix), Path(sys.base_prefix)):
+        if (prefix / "include" / "dnnl.hpp").exists() and (prefix / "lib" / "libdnnl.so.3").exists():
+            return prefix
+    return None
+
+
+def library() -> KernelLibrary:
+    prefix = onednn_prefix()
+    hint = ("pip install onednn-cpu-gomp onednn-devel-cpu-gomp for the matrix units; "
+            "without it projections use XLA's dot")
+    if prefix is None:
+        raise CpuMatmulBuildError(f"oneDNN not found under {sys.prefix}: {hint}")
+    lib_dir = prefix / "lib"
+    return KernelLibrary(
+        name="matmul", sources=(HERE / "matmul.cc", HERE / "parallel_for.h"),
+        include_dirs=(HERE, prefix / "include"),
+        link_flags=(f"-L{lib_dir}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib_dir}"),
+        fallback_hint=hint, error=CpuMatmulBuildError)
+
+
+def register() -> Path:
+    """Build (if needed), load and register the FFI target with XLA; idempotent."""
+    global _registered, _failure
+    with _lock:
+        if _registered is not None:
+            return _registered
+        if _failure is not None:
+            raise _failure
+        try:
+            lib = library()
+            path = build(lib)
+            try:
+                handle = ctypes.CDLL(str(path))
+                symbol = getattr(handle, SYMBOL)
+            except (OSError, AttributeError) as e:
+                raise CpuMatmulBuildError(f"loading {path} failed ({e}); delete it to "
+                                          f"rebuild. {lib.fallback_hint}") from e
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(symbol), platform="cpu")
+        except CpuMatmulBuildError as e:
+            _failure = e
+            raise
+        _registered = path
+        return path
+
+
+def available() -> bool:
+    """True when the library builds and loads here (else logs why, once)."""
+    try:
+        register()
+        return True
+    except CpuMatmulBuildError as e:
+        _warn_once(str(e))
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_once(message: str) -> None:
+    logger.warning("oneDNN matmul unavailable: %s", message)
+
+
+# ---------------------------------------------------------------------------
+# CPU features
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatrixUnits:
+    """What the CPU computes bf16 / int8 products on (from /proc/cpuinfo's flags)."""
+    amx_bf16: bool = False
+    avx512_bf16: bool = False
+    amx_int8: bool = False
+    avx512_vnni: bool = False
+    avx_vnni: bool = False
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 dot products in hardware (else oneDNN converts to f32: slower than f32)."""
+        return self.amx_bf16 or self.avx512_bf16
+
+    @property
+    def int8(self) -> bool:
+        return self.amx_int8 or self.avx512_vnni or self.avx_vnni
+
+    def describe(self) -> str:
+        names = [n for n in ("amx_bf16", "avx512_bf16", "amx_int8", "avx512_vnni", "avx_vnni")
+                 if getattr(self, n)]
+        return ", ".join(names) if names else "none"
+
+
+def detect_matrix_units(cpuinfo: str | None = None) -> MatrixUnits:
+    """The host's matrix units, from the first `flags` line of /proc/cpuinfo (or `cpuinfo`)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return MatrixUnits()
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return MatrixUnits(amx_bf16="amx_bf16" in flags, avx512_bf16="avx512_bf16" in flags,
+                       amx_int8="amx_int8" in flags, avx512_vnni="avx512_vnni" in flags,
+                       avx_vnni="avx_vnni" in flags)
+
+
+# ---------------------------------------------------------------------------
+# The call
+# ---------------------------------------------------------------------------
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
+                 gemv_rows: int = -1, transposed: bool = False) -> jax.Array:
+    """x [T, in] @ stacked[layer] -> [T, out] in ``out_dtype`` (default x's), any T.
+
+    stacked: [L, in, out] (``transposed``: [L, out, in], a tied embedding table [1, V, H]);
+    x, stacked and the result float32 or bfloat16, accumulation float32. ``gemv_rows``:
+    the largest T that takes the streaming GEMV (-1: its limit, 8; 0: always oneDNN);
+    tests force one or the other, the engine leaves it."""
+    register()
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    in_axis, out_axis = (2, 1) if transposed else (1, 2)
+    if x.ndim != 2 or stacked.ndim != 3 or x.shape[1] != stacked.shape[in_axis]:
+        raise ValueError(f"layer_matmul wants x [T, in] and weights [L, in, out] "
+                         f"({'[L, out, in] ' if transposed else ''}); got {x.shape} and "
+                         f"{stacked.shape}")
+    if x.dtype not in _DTYPES or stacked.dtype not in _DTYPES or out_dtype not in _DTYPES:
+        raise ValueError(f"layer_matmul takes float32 / bfloat16; got x {x.dtype}, weights "
+                         f"{stacked.dtype}, out {out_dtype}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], stacked.shape[out_axis]),
+                                                         out_dtype))
+    return call(x, stacked, jnp.asarray(layer, jnp.int32).reshape(()),
+                gemv_rows=np.int64(gemv_rows), transposed_w=bool(transposed))
+
+
+def onednn_isa() -> int:
+    """oneDNN's effective ISA enum for this CPU (for the startup log)."""
+    handle = ctypes.CDLL(str(register()))
+    return int(handle.jaxserve_onednn_isa())
+
+
+def onednn_native_bf16() -> bool:
+    """Whether oneDNN has a bf16 matmul kernel on this CPU (AVX-512 and up)."""
+    handle = ctypes.CDLL(str(register()))
+    return bool(handle.jaxserve_onednn_bf16())

@@ -1,0 +1,101 @@
+"""Named GPUs to compile for without one: `jaxserve compile --target h200`.
+
+A target is a `stream_executor.GpuTargetConfigProto` in text form, one file per GPU in
+jaxserve/targets/ (what XLA knows of the device: compute capability, SMs, shared memory,
+memory size). With the compile-only extras installed (`pip install 'jaxserve[gpu-compile]'`:
+jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12) and JAX_PLATFORMS=cpu, the CUDA
+plugin turns a target into a *topology* of compile-only devices: `jax.jit(...).lower(...)`
+against shardings on their mesh compiles real sm_90a executables (XLA fusions through
+ptxas, the Pallas attention kernel through Triton, NCCL collectives for tp > 1) that
+serialize and load on the real GPU.
+
+Without a device there is no autotuning: XLA's Triton GEMM emitter would get an untuned
+tile, so steps compile with ``xla_gpu_enable_triton_gemm=false`` (cuBLASLt picks its
+algorithm at run time on the device). The Pallas->Triton lowering assumes compute
+capability 9.0 when no GPU is present, so only sm_90 targets (h100, h200) produce kernels
+tuned for their GPU; a100 compiles, with sm_90 assumptions in the kernel's lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TARGETS_DIR = Path(__file__).resolve().parents[1] / "targets"
+# What ahead-of-time GPU compiles pass to XLA (see the module docstring).
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    name: str                       # the file's stem: h100, h200, a100
+    text: str                       # the GpuTargetConfigProto text, as the plugin reads it
+    device_kind: str                # what jax.Device.device_kind says on that GPU
+    device_memory_bytes: int
+    shared_memory_per_block_optin: int
+    compute_capability: tuple[int, int]
+    memory_bandwidth: int           # bytes / s
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+def target_names() -> list[str]:
+    return sorted(p.stem for p in TARGETS_DIR.glob("*.txtpb"))
+
+
+def _field(text: str, name: str) -> str:
+    match = re.search(rf"^\s*{name}:\s*(\S+)", text, re.MULTILINE)
+    if match is None:
+        raise ValueError(f"target config has no {name} field")
+    return match.group(1).strip('"')
+
+
+@functools.cache
+def load_target(name: str) -> GpuTarget:
+    path = TARGETS_DIR / f"{name}.txtpb"
+    if not path.is_file():
+        raise ValueError(f"unknown target {name!r}; choose one of {', '.join(target_names())}")
+    text = path.read_text()
+    kind = re.search(r'^device_description_str:\s*"([^"]+)"', text, re.MULTILINE)
+    cc = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)\s*minor:\s*(\d+)", text)
+    if kind is None or cc is None:
+        raise ValueError(f"{path}: needs device_description_str and cuda_compute_capability")
+    return GpuTarget(name=name, text=text, device_kind=kind.group(1),
+                     device_memory_bytes=int(_field(text, "device_memory_size")),
+                     shared_memory_per_block_optin=int(
+                         _field(text, "shared_memory_per_block_optin")),
+                     compute_capability=(int(cc.group(1)), int(cc.group(2))),
+                     memory_bandwidth=int(_field(text, "memory_bandwidth")))
+
+
+def topology_mesh(target: GpuTarget, num_devices: int) -> Any:
+    """A (1, num_devices) ('data', 'model') mesh of compile-only devices of `target` (one
+    host). Needs the CUDA plugin and JAX_PLATFORMS=cpu (else the plugin looks for a GPU)."""
+    from jax.experimental import topologies
+
+    from jaxserve.mesh import AXES
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=target.text, topology=f"1x1x{num_devices}")
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot build a compile-only {target.name} topology ({type(e).__name__}: {e}); "
+            "install the compile-only GPU extras (pip install 'jaxserve[gpu-compile]') and "
+            "run with JAX_PLATFORMS=cpu") from e
+    return topologies.make_mesh(topology, (1, num_devices), AXES)
+
+
+def plugin_version() -> str | None:
+    """The installed jax CUDA plugin's version (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jax-cuda12-plugin")
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,105 @@
+"""The oneDNN matmul library (jaxserve/kernels/cpu/matmul.cc) against float64 numpy on random
+ragged shapes, float32 and bfloat16; the CPU-feature dispatch; the build with clang."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels.cpu import matmul
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not matmul.available(),
+                                reason="needs the CPU backend and oneDNN (onednn-cpu-gomp)")
+
+# Relative to the output's scale: f32 accumulates in f32; bf16 rounds each operand (2^-8)
+# and, for a bf16 result, the output.
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def _check(got, x, w, dtype):
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    scale = np.sqrt(np.mean(want ** 2)) + 1e-9
+    err = np.max(np.abs(np.asarray(got, np.float64) - want)) / scale
+    assert err < TOLERANCE[dtype] * (4 if dtype == jnp.bfloat16 else 1), err
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fan_in,fan_out", [(576, 1536), (257, 47), (5, 129)])
+@pytest.mark.parametrize("gemv_rows", [0, -1])   # 0: oneDNN at every row count
+def test_layer_matmul_reads_the_named_layer_in_place(dtype, fan_in, fan_out, gemv_rows):
+    rng = np.random.default_rng(fan_in * 1000 + fan_out)
+    stacked = jnp.asarray(rng.standard_normal((3, fan_in, fan_out), np.float32), dtype)
+    fn = jax.jit(matmul.layer_matmul, static_argnums=3, static_argnames="gemv_rows")
+    for rows in (1, 3, 9, 130):
+        x = jnp.asarray(rng.standard_normal((rows, fan_in), np.float32), dtype)
+        for layer in (2, 0):
+            for out_dtype in (jnp.float32, dtype):
+                got = fn(x, stacked, jnp.int32(layer), out_dtype, gemv_rows=gemv_rows)
+                assert got.dtype == out_dtype and got.shape == (rows, fan_out)
+                _check(got.astype(jnp.float32), x.astype(jnp.float32),
+                       stacked[layer].astype(jnp.float32), out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows,hidden,vocab", [(1, 576, 4099), (8, 70, 777), (40, 15, 64)])
+def test_transposed_weights_give_logits_against_a_tied_table(dtype, rows, hidden, vocab):
+    from jaxserve.models.layer_matmul import small_logits
+
+    rng = np.random.default_rng(rows * hidden + vocab)
+    table = jnp.asarray(rng.standard_normal((vocab, hidden), np.float32), dtype)
+    x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32), dtype)
+    got = jax.jit(small_logits)(x, table)
+    assert got.dtype == jnp.float32
+    _check(got, x.astype(jnp.float32), table.astype(jnp.float32).T, dtype)
+
+
+def test_bad_shapes_and_dtypes_raise():
+    w = jnp.ones((2, 8, 4))
+    with pytest.raises(ValueError, match="wants"):
+        matmul.layer_matmul(jnp.ones((3, 9)), w, 0)
+    with pytest.raises(ValueError, match="float32 / bfloat16"):
+        matmul.layer_matmul(jnp.ones((3, 8), jnp.float16), w.astype(jnp.float16), 0)
+
+
+def test_matrix_units_come_from_the_cpu_flags():
+    intel = "processor: 0\nflags\t: fpu avx512f avx512_bf16 amx_bf16 amx_int8 avx512_vnni\n"
+    amd = "flags : fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    old = "flags : fpu sse4_2 avx2 fma\n"
+    assert matmul.detect_matrix_units(intel).bf16 and matmul.detect_matrix_units(intel).amx_bf16
+    assert matmul.detect_matrix_units(amd).bf16 and not matmul.detect_matrix_units(amd).amx_bf16
+    assert matmul.detect_matrix_units(amd).int8
+    assert not matmul.detect_matrix_units(old).bf16
+    assert matmul.detect_matrix_units(old).describe() == "none"
+
+
+def test_dtype_auto_follows_the_matrix_units_and_the_config_forces_float32(monkeypatch):
+    from jaxserve.engine import compute_dtype as model_setup
+
+    monkeypatch.setattr(matmul, "detect_matrix_units",
+                        lambda: matmul.MatrixUnits(amx_bf16=True, avx512_bf16=True))
+    dtype, why = model_setup.auto_compute_dtype("cpu")
+    assert dtype == jnp.bfloat16 and "amx_bf16" in why
+    dtype, why = model_setup.auto_compute_dtype("cpu", "none")
+    assert dtype == jnp.float32 and "matrix_units=none" in why
+    monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
+    dtype, why = model_setup.auto_compute_dtype("cpu")
+    assert dtype == jnp.float32 and "no bf16 matrix units" in why
+    assert model_setup.resolve_dtype("bfloat16", "cpu", "none") == jnp.bfloat16   # asked for
+
+
+@pytest.mark.parametrize("compiler", ["g++", "clang++"])
+def test_every_cpu_kernel_library_builds_with_gcc_and_clang(compiler, tmp_path, monkeypatch):
+    from jaxserve.attention.cpu import loader
+    from jaxserve.kernels.cpu import build
+
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} is not installed (.ci/run installs clang)")
+    monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "flag_sets", lambda: [build.BASE_FLAGS + build.NATIVE_FLAGS])
+    for lib in (loader.LIBRARY, matmul.library()):
+        path = build.build(lib, compiler=shutil.which(compiler))
+        assert path.exists() and path.stat().st_size > 0

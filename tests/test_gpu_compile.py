@@ -1,0 +1,175 @@
+"""The engine's step compiled for an H200 on this CPU-only machine (tier `gpu_compile`).
+
+Needs the compile-only extras (`make test-gpu-compile`: .venv-gpu with jax-cuda12-plugin,
+JAX_PLATFORMS=cpu); skipped without them. Each case compiles one or two representative
+buckets (the CLI compiles all) of a tiny model -- dense, int8 weights + fp8 KV, tp = 8, a MoE
+with expert parallelism, LoRA slots, a speculative-decoding verify shape, the default model
+-- into real sm_90a executables, and checks the Pallas attention kernel (a Triton custom
+call) is inside. The kernel's tiles are checked against the targets' shared memory: an
+oversized tile is refused by the compile, the chooser's tiles fit the smallest target.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu_compile
+
+
+def _plugin_ready() -> bool:
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        return False
+    return os.environ.get("JAX_PLATFORMS") == "cpu"
+
+
+if not _plugin_ready():
+    pytest.skip("needs the gpu-compile extras and JAX_PLATFORMS=cpu (make test-gpu-compile)",
+                allow_module_level=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.engine.aot_compile import build_abstract_engine, compile_bucket  # noqa: E402
+from jaxserve.runner.gpu_targets import load_target, target_names, topology_mesh  # noqa: E402
+
+TRITON = "__gpu$xla.gpu.triton"
+SHAPES = Path(__file__).resolve().parents[1] / "configs" / "models"
+SMALL = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+         "load_format": "dummy"}
+
+
+def _engine(model, target="h200", **overrides):
+    config = EngineConfig.from_kwargs(model=str(model), **{**SMALL, **overrides})
+    return build_abstract_engine(config, target, None)
+
+
+def _compile(engine, shape, target="h200"):
+    compiled = compile_bucket(engine.runner, shape, target)
+    text = compiled.executable.as_text()
+    assert compiled.temp_bytes > 0
+    return compiled, text
+
+
+def test_every_target_file_is_accepted_by_the_plugin():
+    assert {"a100", "h100", "h200"} <= set(target_names())
+    for name in target_names():
+        target = load_target(name)
+        mesh = topology_mesh(target, 2)
+        device = mesh.devices.flat[0]
+        assert mesh.devices.size == 2 and device.device_kind == target.device_kind
+        assert device.platform in ("gpu", "cuda")
+    h200 = load_target("h200")
+    assert h200.compute_capability == (9, 0) and h200.device_memory_bytes >= 140 * 2**30
+
+
+def test_dense_step_compiles_for_h200_with_the_pallas_kernel(make_tiny_model):
+    engine = _engine(make_tiny_model("qwen3"))
+    assert engine.runner.model.backend.name == "pallas"
+    shapes = engine.runner.buckets.all_shapes()
+    for shape in (shapes[0], shapes[-1]):          # a decode and the widest prefill bucket
+        _, text = _compile(engine, shape)
+        assert TRITON in text
+
+
+def test_int8_weights_and_fp8_kv_compile_for_h200(make_tiny_model):
+    engine = _engine(make_tiny_model("llama"), quantization="int8", kv_cache_dtype="fp8")
+    params = engine.runner._param_specs["params"]["layers"]
+    assert params["q_proj"]["kernel"].dtype == jnp.int8
+    _, text = _compile(engine, engine.runner.buckets.all_shapes()[0])
+    assert TRITON in text and "f8e4m3fn" in text.lower()
+
+
+def test_tp8_compiles_with_collectives(make_tiny_model):
+    engine = _engine(make_tiny_model("llama", num_attention_heads=8, num_key_value_heads=8),
+                     tensor_parallel_size=8)
+    assert engine.devices == 8
+    _, text = _compile(engine, engine.runner.buckets.all_shapes()[-1])
+    assert TRITON in text
+    assert re.search(r"all-reduce|all-gather|reduce-scatter", text)
+
+
+def test_moe_with_expert_parallelism_compiles(make_tiny_model):
+    model = make_tiny_model("Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=64, head_dim=16, norm_topk_prob=True,
+                            num_attention_heads=4, num_key_value_heads=2)
+    engine = _engine(model, tensor_parallel_size=2, enable_expert_parallel=True)
+    _, text = _compile(engine, engine.runner.buckets.all_shapes()[-1])
+    assert TRITON in text
+
+
+def test_lora_slots_compile(make_tiny_model):
+    engine = _engine(make_tiny_model("llama"), enable_lora=True, max_loras=2, max_lora_rank=8)
+    stacks = engine.runner._lora_stacks()
+    assert stacks["q_proj"]["lora_a"].shape[1:2] == (3,)      # max_loras + the base slot
+    _, text = _compile(engine, engine.runner.buckets.all_shapes()[0])
+    assert TRITON in text
+
+
+def test_spec_decode_verify_shape_compiles(make_tiny_model):
+    engine = _engine(make_tiny_model("llama"),
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    verify = sorted(engine.runner.buckets.spec_shapes)[0]        # (tokens, seqs < tokens)
+    assert verify[1] < verify[0]
+    _, text = _compile(engine, verify)
+    assert TRITON in text
+
+
+def test_default_model_compiles_for_h200(default_gguf_path):
+    engine = _engine(default_gguf_path, max_model_len=512)
+    _, text = _compile(engine, engine.runner.buckets.all_shapes()[0])
+    assert TRITON in text
+
+
+# -- the kernel's tiles against the target's shared memory ---------------------------------------
+def _kernel_compile(target: str, head_dim: int, group: int, **tiles):
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    mesh = topology_mesh(load_target(target), 1)
+    placed = NamedSharding(mesh, P())
+    tokens, seqs, blocks, block_size, kv_heads = 256, 4, 64, 16, 2
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+
+    args = (spec((tokens, kv_heads * group, head_dim), jnp.bfloat16),
+            spec((blocks, block_size, kv_heads, head_dim), jnp.bfloat16),
+            spec((blocks, block_size, kv_heads, head_dim), jnp.bfloat16),
+            spec((seqs,), jnp.int32), spec((seqs, blocks // seqs), jnp.int32),
+            spec((seqs + 1,), jnp.int32))
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, num_seqs=seqs, **tiles))
+    return fn.lower(*args).compile()
+
+
+def test_a_tile_beyond_the_targets_shared_memory_is_refused():
+    """K and V tiles of 1024 keys x 128 dims, 3 pipeline stages: ~270 KB of shared memory,
+    over the H200's 227 KiB opt-in limit -- the compile fails (it would fail at launch on
+    the device); the limit it names is the target file's."""
+    limit = load_target("h200").shared_memory_per_block_optin
+    with pytest.raises(Exception, match=f"Shared memory size limit exceeded.*available: {limit}"):
+        _kernel_compile("h200", head_dim=128, group=2, block_kv=1024, num_stages=3)
+
+
+def test_a_shape_too_big_for_one_gpu_is_refused_before_compiling():
+    from jaxserve.engine.aot_compile import compile_for_target
+    from jaxserve.runner.memory import KVCacheDoesNotFit
+
+    config = EngineConfig.from_kwargs(model=str(SHAPES / "llama-3-70b"))
+    with pytest.raises(KVCacheDoesNotFit, match=r"does not fit.*GiB more.*tensor-parallel-size"):
+        compile_for_target(config, "h200", "/nonexistent/never-written")
+
+
+@pytest.mark.parametrize("target", ["a100", "h200"])
+def test_the_kernels_default_tiles_fit_the_target(target):
+    """The widest real shapes (head_dim 256, 8 query heads per KV head, a prefill step):
+    the chooser's tiles compile within the target's opt-in shared memory."""
+    compiled = _kernel_compile(target, head_dim=256, group=8)
+    assert TRITON in compiled.as_text()
