@@ -314,7 +314,7 @@ def _tp2_worker(path: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.models.llama import FAMILY
-    from jaxserve.parallel.mesh import MODEL_AXIS, make_mesh
+    from jaxserve.mesh import MODEL_AXIS, make_mesh
 
     cases = dict(np.load(path))
     mesh = make_mesh(2, 1)
