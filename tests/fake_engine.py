@@ -63,6 +63,7 @@ class FakeEngine:
         self.first_token_step: dict[str, int] = {}     # request id -> step of its first token
         self.frontend = Frontend(self, self.tokenizer, max_model_len,
                                  self.config.model_config.max_logprobs)
+        self.last_prompt_ids: list[int] = []       # what the latest request was given
 
     def add_request(self, request_id, prompt, params: SamplingParams | None = None,
                     **kwargs) -> None:
@@ -75,6 +76,7 @@ class FakeEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         ids, n = request.prompt_token_ids, request.params.n
+        self.last_prompt_ids = list(ids)
         self.requests[request.request_id] = {
             "ids": ids, "params": request.params, "outs": [[] for _ in range(n)],
             "sent": [0] * n, "finish": [None] * n, "finish_sent": [False] * n,
