@@ -64,8 +64,8 @@ def current_layer(layer: Any):
         _STATE.reset(token)
 
 
-def stacked_kernel(path: tuple[str, ...]) -> tuple[jax.Array, Any] | None:
-    """(stacked kernel [L, in, out], layer index) for the `Linear` at module ``path``, when the
+def stacked_params(path: tuple[str, ...]) -> tuple[Any, Any] | None:
+    """(the stacked [L, ...] leaves of the `Linear` at module ``path``, layer index), when the
     layer scan is being traced with stacked weights on; else None."""
     state = _STATE.get()
     if state is None or state.layer is None or "layers" not in path:
@@ -75,10 +75,17 @@ def stacked_kernel(path: tuple[str, ...]) -> tuple[jax.Array, Any] | None:
         if not hasattr(node, "get") or node.get(name) is None:
             return None
         node = node[name]
-    kernel = node.get("kernel") if hasattr(node, "get") else None
+    return (node, state.layer) if hasattr(node, "get") else None
+
+
+def stacked_kernel(path: tuple[str, ...]) -> tuple[jax.Array, Any] | None:
+    """(stacked float kernel [L, in, out], layer index) for the `Linear` at ``path`` (see
+    `stacked_params`); else None."""
+    found = stacked_params(path)
+    kernel = found[0].get("kernel") if found is not None else None
     if kernel is None or kernel.ndim != 3 or kernel.dtype not in IN_PLACE_DTYPES:
         return None
-    return kernel, state.layer
+    return kernel, found[1]
 
 
 def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -> jax.Array:
@@ -86,6 +93,29 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -
     from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
 
     return library_matmul(x.astype(stacked.dtype), stacked, layer, out_dtype)
+
+
+def int8_layer_matmul(x: jax.Array, stacked: jax.Array, scale: jax.Array, layer: Any,
+                      out_dtype: Any, int8_units: bool) -> jax.Array | None:
+    """x [T, in] @ (stacked[layer] [in, out] int8 * scale[layer] [out]), in place, or None
+    where the library has no fast path (the caller keeps XLA's dot):
+      T <= 8            W8A16: f32 GEMV over the int8 weights (a quarter of f32's bytes);
+      T > 8, int8 units W8A8: x quantized per token (absmax / 127), int8 x int8 on VNNI /
+                        AMX-INT8 (without them oneDNN's int8 path saturates 16-bit pairs)."""
+    from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS
+    from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
+
+    w_scale = jax.lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False).astype(jnp.float32)
+    if x.shape[0] <= MAX_GEMV_ROWS:
+        y = library_matmul(x.astype(jnp.float32), stacked, layer, jnp.float32)
+        return (y * w_scale).astype(out_dtype)
+    if not int8_units:
+        return None
+    xf = x.astype(jnp.float32)
+    x_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-12) / 127.0
+    xq = jnp.clip(jnp.round(xf / x_scale), -127, 127).astype(jnp.int8)
+    y = library_matmul(xq, stacked, layer, jnp.float32, gemv_rows=0)
+    return (y * x_scale * w_scale).astype(out_dtype)
 
 
 SMALL_LOGITS_MAX_ROWS = 512    # logits rows that take the library (a step's sampled rows)

@@ -17,17 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.models.layer_matmul import (
-    IN_PLACE_DTYPES,
-    MAX_ROWS,
-    SMALL_LOGITS_MAX_ROWS,
-    layer_matmul,
-    small_logits,
-    stacked_kernel,
-)
+from jaxserve.models.layer_matmul import IN_PLACE_DTYPES, SMALL_LOGITS_MAX_ROWS, small_logits
+from jaxserve.models.linear_method import linear_method_for
 from jaxserve.models.lora import lora_delta
-from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
-from jaxserve.quantization.awq_gptq import packed_int_matmul
 from jaxserve.quantization.gguf_packed import (
     dequantize,
     packed_columns,
@@ -78,17 +70,13 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
 
 
 class Linear(nn.Module):
-    """y = x @ W (+ b): nn.Dense's parameters and numerics, plus the quantized layouts
-    (jaxserve/quantization), chosen by which leaves the params tree holds:
-      kernel [in, out] float                     plain (nn.Dense, bit for bit)
-      kernel [in, out] int8 + scale [out]        w8a16: (x @ kernel) * scale
-      kernel [in, out] int8 + scale [in/g, out]  w8a16 group-wise: x @ (kernel * scale)
-      q8_0 / q4_0 / q4_1 uint8 [out, packed]     GGUF blocks, dequantized in the jit
-      qweight int32 [in/p, out] + scales, zeros  AWQ / GPTQ (+ g_idx), dequantized in the jit
-    so one module serves every family in every mode, and init makes the plain one.
-    With LoRA on, the tree also holds the adapter slots ``lora_a`` [S, in, r] and ``lora_b``
-    [S, r, out] (jaxserve/lora/stacks.py), and each token's delta from its slot
-    (``lora_slots`` i32[T]) is added to whatever the base layer computed."""
+    """y = x @ W (+ b) (+ LoRA): one layer class for every numeric format. The format -- a
+    float kernel (nn.Dense's parameters and numerics, bit for bit), int8 w8a16 per column or
+    per group, packed GGUF blocks, whatever `register_linear_method` adds -- is a method
+    object (models/linear_method.py) chosen by the parameter leaves the tree holds; init
+    makes the float one. With LoRA on, the tree also holds the adapter slots ``lora_a``
+    [S, in, r] and ``lora_b`` [S, r, out] (jaxserve/lora/stacks.py), and each token's delta
+    from its slot (``lora_slots`` i32[T]) is added to whatever the format computed."""
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
@@ -96,38 +84,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         names = self.variables.get("params", {})
-        fmt = packed_format_of(names)
-        if fmt is not None:
-            y = packed_matmul(x, self.get_variable("params", fmt), fmt, self.dtype)
-        elif "qweight" in names:    # AWQ / GPTQ (quantization/awq_gptq.py)
-            y = packed_int_matmul(x, {leaf: self.get_variable("params", leaf)
-                                      for leaf in AWQ_GPTQ_LEAVES if leaf in names}, self.dtype)
-        elif "scale" in names:
-            kernel = self.get_variable("params", "kernel")
-            scale = self.get_variable("params", "scale").astype(self.dtype)
-            if scale.ndim == kernel.ndim:
-                # group-wise [in // g, out] (quantization/int8.py): dequantize in the jit,
-                # one fused convert-and-scale pass feeding the dot (on CPU as fast as the
-                # per-column path, which converts the int8 kernel all the same).
-                n_in, n_out = kernel.shape
-                w = kernel.astype(self.dtype).reshape(scale.shape[0], -1, n_out)
-                w = (w * scale[:, None, :]).reshape(n_in, n_out)
-                y = jax.lax.dot_general(x.astype(self.dtype), w,
-                                        (((x.ndim - 1,), (0,)), ((), ())))
-            else:   # per output column [out]: the scale multiplies the output
-                y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
-                                        (((x.ndim - 1,), (0,)), ((), ())))
-                y = y * scale
-        else:
-            kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                                (x.shape[-1], self.features), self.dtype)
-            stacked = stacked_kernel(self.scope.path) if x.ndim == 2 \
-                and x.shape[0] <= MAX_ROWS and kernel.dtype in IN_PLACE_DTYPES else None
-            if stacked is not None:   # CPU, <= MAX_ROWS rows: read this layer's weights in place
-                y = layer_matmul(x, *stacked, self.dtype)
-            else:
-                y = jax.lax.dot_general(x.astype(self.dtype), kernel,
-                                        (((x.ndim - 1,), (0,)), ((), ())))
+        y = linear_method_for(names).apply(self, x)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         if lora_slots is not None and "lora_a" in names:

@@ -94,6 +94,16 @@ inline v16u load16(const uint16_t* p) {
   std::memcpy(&v, &wide, sizeof(v));
   return v;
 }
+typedef int8_t b16u __attribute__((vector_size(16), aligned(1)));
+typedef float f16x32 __attribute__((vector_size(64)));
+inline v16u load16(const int8_t* p) {   // int8 weights (W8A16: the caller applies the scale)
+  b16u b;
+  std::memcpy(&b, p, sizeof(b));
+  const f16x32 f = __builtin_convertvector(b, f16x32);
+  v16u v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+}
 inline void store16(float* p, v16u v) { std::memcpy(p, &v, sizeof(v)); }
 
 template <int T, int NV, typename W>
@@ -118,6 +128,7 @@ void gemv_tile(const float* X, const W* Wt, float* Y, int64_t in, int64_t out, i
 
 inline float weight_at(const float* w, int64_t i) { return w[i]; }
 inline float weight_at(const uint16_t* w, int64_t i) { return bf16_to_f32(w[i]); }
+inline float weight_at(const int8_t* w, int64_t i) { return float(w[i]); }
 
 template <int T>
 constexpr int gemv_vectors() { return std::max(1, std::min(8, kGemvAccRegs / T)); }
@@ -231,7 +242,7 @@ void run_onednn(const Key& k, const void* X, const void* Wt, void* Y) {
   s.wait();
 }
 
-int64_t elem_size(dt t) { return t == dt::f32 ? 4 : 2; }
+int64_t elem_size(dt t) { return t == dt::f32 ? 4 : t == dt::s8 ? 1 : 2; }
 
 // Whether oneDNN has a bf16 matmul on this CPU (AVX-512 and up; none on AVX2-only CPUs).
 bool onednn_has_bf16() {
@@ -288,7 +299,7 @@ std::string onednn_gemm(ffi::ThreadPool& pool, const char* X, const char* W, cha
   if (T * in * out < (int64_t(1) << 20)) workers = 1;   // waking a thread costs about this
   workers = std::min(workers, blocks);
   const int64_t ldw = transposed ? in : out;
-  const bool emulate = (xt != dt::f32 || wt != dt::f32 || yt != dt::f32) && !onednn_has_bf16();
+  const bool emulate = (xt == dt::bf16 || wt == dt::bf16 || yt == dt::bf16) && !onednn_has_bf16();
   std::mutex mu;
   std::string error;
   parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
@@ -317,6 +328,7 @@ std::string onednn_gemm(ffi::ThreadPool& pool, const char* X, const char* W, cha
 bool to_dt(ffi::DataType t, dt* out) {
   if (t == ffi::DataType::F32) { *out = dt::f32; return true; }
   if (t == ffi::DataType::BF16) { *out = dt::bf16; return true; }
+  if (t == ffi::DataType::S8) { *out = dt::s8; return true; }
   return false;
 }
 
@@ -334,6 +346,8 @@ ffi::Error run_gemv(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const char* 
   float* Yf = f32_out ? static_cast<float*>(y->untyped_data()) : yf.data();
   if (wt == dt::f32)
     gemv(pool, xf.data(), reinterpret_cast<const float*>(W), Yf, T, in, out);
+  else if (wt == dt::s8)
+    gemv(pool, xf.data(), reinterpret_cast<const int8_t*>(W), Yf, T, in, out);
   else
     gemv(pool, xf.data(), reinterpret_cast<const uint16_t*>(W), Yf, T, in, out);
   if (!f32_out) {
@@ -357,8 +371,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                        dims_str(yd));
   dt xt, wt, yt;
   if (!to_dt(x.element_type(), &xt) || !to_dt(w.element_type(), &wt) ||
-      !to_dt(y->element_type(), &yt))
-    return ffi::Error::InvalidArgument("matmul: x, w and y must be float32 or bfloat16");
+      !to_dt(y->element_type(), &yt) || yt == dt::s8 || (xt == dt::s8 && wt != dt::s8))
+    return ffi::Error::InvalidArgument("matmul: x, w, y float32 / bfloat16, or int8 w with "
+                                       "int8 x (W8A8) or float x (W8A16, rows <= 8)");
   const int64_t T = xd[0], in = w_in, out = w_out, L = wd[0];
   if (T == 0 || out == 0) return ffi::Error::Success();
   if (in == 0 || L == 0) {
@@ -368,7 +383,11 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const int64_t layer = std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0), L - 1);
   const char* W = static_cast<const char*>(w.untyped_data()) + layer * in * out * elem_size(wt);
   const int64_t limit = gemv_rows < 0 ? kMaxGemvRows : std::min(gemv_rows, kMaxGemvRows);
-  if (T <= limit && !transposed_w) return run_gemv(pool, x, W, wt, y, T, in, out);
+  if (wt == dt::s8 && xt != dt::s8 && T > kMaxGemvRows)
+    return ffi::Error::InvalidArgument("matmul: int8 weights with float x (W8A16) take at most "
+                                       "8 rows; quantize x to int8 (W8A8) for more");
+  if ((T <= limit || (wt == dt::s8 && xt != dt::s8)) && !transposed_w && xt != dt::s8)
+    return run_gemv(pool, x, W, wt, y, T, in, out);
   const std::string error =
       onednn_gemm(pool, static_cast<const char*>(x.untyped_data()), W,
                   static_cast<char*>(y->untyped_data()), T, in, out, transposed_w, xt, wt, yt);

@@ -156,6 +156,7 @@ def detect_matrix_units(cpuinfo: str | None = None) -> MatrixUnits:
 # ---------------------------------------------------------------------------
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_INT8 = jnp.dtype(jnp.int8)
 
 
 def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
@@ -163,7 +164,9 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
     """x [T, in] @ stacked[layer] -> [T, out] in ``out_dtype`` (default x's), any T.
 
     stacked: [L, in, out] (``transposed``: [L, out, in], a tied embedding table [1, V, H]);
-    x, stacked and the result float32 or bfloat16, accumulation float32. ``gemv_rows``:
+    x, stacked and the result float32 or bfloat16, accumulation float32. int8 stacked
+    weights take int8 x (W8A8 on the int8 units; exact int32 sums returned as float32) or,
+    for at most 8 rows, float x (W8A16: the GEMV); the caller applies the scales. ``gemv_rows``:
     the largest T that takes the streaming GEMV (-1: its limit, 8; 0: always oneDNN);
     tests force one or the other, the engine leaves it."""
     register()
@@ -173,8 +176,11 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
         raise ValueError(f"layer_matmul wants x [T, in] and weights [L, in, out] "
                          f"({'[L, out, in] ' if transposed else ''}); got {x.shape} and "
                          f"{stacked.shape}")
-    if x.dtype not in _DTYPES or stacked.dtype not in _DTYPES or out_dtype not in _DTYPES:
-        raise ValueError(f"layer_matmul takes float32 / bfloat16; got x {x.dtype}, weights "
+    int8_ok = stacked.dtype == _INT8 and (x.dtype == _INT8 or x.shape[0] <= MAX_GEMV_ROWS)
+    if (x.dtype not in _DTYPES and not (int8_ok and x.dtype == _INT8)) \
+            or (stacked.dtype not in _DTYPES and not int8_ok) or out_dtype not in _DTYPES:
+        raise ValueError(f"layer_matmul takes float32 / bfloat16 (or int8 weights with int8 x, "
+                         f"or float x of <= {MAX_GEMV_ROWS} rows); got x {x.dtype}, weights "
                          f"{stacked.dtype}, out {out_dtype}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], stacked.shape[out_axis]),
                                                          out_dtype))

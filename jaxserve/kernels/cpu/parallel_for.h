@@ -1,5 +1,5 @@
 // The parallel loop on XLA's intra-op thread pool that the kernels of this library
-// (paged_attention.cc, layer_matmul.cc) share. Header-only: each .cc gets its own copy in
+// (jaxserve/attention/cpu/paged_attention.cc, matmul.cc) share. Header-only: each .cc gets its own copy in
 // an anonymous namespace.
 #pragma once
 

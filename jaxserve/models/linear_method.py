@@ -1,0 +1,160 @@
+"""The numeric formats of a `Linear` layer (vLLM's LinearBase + quant_method): one layer
+class (layers.Linear: bias, LoRA), the format an object with ``apply(layer, x)``.
+
+A format is chosen by the parameter leaves the layer holds (what the loaders and
+jaxserve/quantization wrote): the first registered method whose ``matches(params)`` is true,
+else `DenseMethod` (a float kernel; also what init creates). A new format (AWQ / GPTQ int4,
+...) is a class with ``name``, ``matches`` and ``apply`` passed to `register_linear_method`;
+nothing else changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol
+
+import flax.linen as nn
+import jax
+
+from jaxserve.models.layer_matmul import (
+    IN_PLACE_DTYPES,
+    MAX_ROWS,
+    int8_layer_matmul,
+    layer_matmul,
+    stacked_kernel,
+    stacked_params,
+)
+from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
+from jaxserve.quantization.awq_gptq import packed_int_matmul
+from jaxserve.quantization.gguf_packed import packed_format_of, packed_matmul
+
+
+class LinearMethod(Protocol):
+    name: str
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        """Whether a layer holding these parameter leaves (name -> array) is in this format."""
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        """x [..., in] -> [..., layer.features] in layer.dtype, without bias or LoRA (the layer
+        adds those); reads its leaves with ``layer.get_variable("params", name)``."""
+
+
+def _int8_units() -> bool:
+    """Whether this CPU multiplies int8 in hardware (VNNI / AMX-INT8): W8A8 above 8 rows."""
+    from jaxserve.kernels.cpu.matmul import detect_matrix_units
+
+    return detect_matrix_units().int8
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+class DenseMethod:
+    """kernel [in, out] float: nn.Dense bit for bit; on CPU under the layer scan, the stacked
+    weights read in place by the oneDNN library (models/layer_matmul.py)."""
+    name = "dense"
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return True
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        kernel = layer.param("kernel", nn.initializers.lecun_normal(),
+                             (x.shape[-1], layer.features), layer.dtype)
+        stacked = stacked_kernel(layer.scope.path) if x.ndim == 2 \
+            and x.shape[0] <= MAX_ROWS and kernel.dtype in IN_PLACE_DTYPES else None
+        if stacked is not None:   # CPU, <= MAX_ROWS rows: this layer's weights in place
+            return layer_matmul(x, *stacked, layer.dtype)
+        return _dot(x.astype(layer.dtype), kernel)
+
+
+class Int8PerChannelMethod:
+    """kernel [in, out] int8 + scale [out]: (x @ kernel) * scale. On CPU under the layer
+    scan, the int8 weights read in place by the library: W8A16 up to 8 rows, W8A8 with
+    per-token activation scales on the int8 units (models/layer_matmul.int8_layer_matmul)."""
+    name = "int8"
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return "scale" in params and "kernel" in params \
+            and params["scale"].ndim < params["kernel"].ndim
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        kernel = layer.get_variable("params", "kernel")
+        scale = layer.get_variable("params", "scale").astype(layer.dtype)
+        found = stacked_params(layer.scope.path) if x.ndim == 2 and x.shape[0] <= MAX_ROWS \
+            else None
+        if found is not None and found[0]["kernel"].ndim == 3:
+            y = int8_layer_matmul(x, found[0]["kernel"], found[0]["scale"], found[1],
+                                  layer.dtype, _int8_units())
+            if y is not None:
+                return y
+        return _dot(x.astype(layer.dtype), kernel.astype(layer.dtype)) * scale
+
+
+class Int8GroupedMethod:
+    """kernel [in, out] int8 + scale [in / g, out] (w8a16 group-wise): x @ (kernel * scale),
+    dequantized in the jit (one fused convert-and-scale pass feeding the dot)."""
+    name = "int8-grouped"
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return "scale" in params and "kernel" in params \
+            and params["scale"].ndim == params["kernel"].ndim
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        kernel = layer.get_variable("params", "kernel")
+        scale = layer.get_variable("params", "scale").astype(layer.dtype)
+        n_in, n_out = kernel.shape
+        w = kernel.astype(layer.dtype).reshape(scale.shape[0], -1, n_out)
+        w = (w * scale[:, None, :]).reshape(n_in, n_out)
+        return _dot(x.astype(layer.dtype), w)
+
+
+class GGUFPackedMethod:
+    """q8_0 / q4_0 / q4_1 uint8 [out, packed] GGUF blocks, dequantized in the jit."""
+    name = "gguf"
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return packed_format_of(params) is not None
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        fmt = packed_format_of(layer.variables.get("params", {}))
+        return packed_matmul(x, layer.get_variable("params", fmt), fmt, layer.dtype)
+
+
+class AwqGptqMethod:
+    """qweight int32 [in/p, out] + scales, zeros (+ g_idx): AWQ / GPTQ int4, dequantized in
+    the jit (jaxserve/quantization/awq_gptq.py)."""
+    name = "awq-gptq"
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return "qweight" in params
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        names = layer.variables.get("params", {})
+        return packed_int_matmul(x, {leaf: layer.get_variable("params", leaf)
+                                     for leaf in AWQ_GPTQ_LEAVES if leaf in names}, layer.dtype)
+
+
+_METHODS: list[Any] = [GGUFPackedMethod(), AwqGptqMethod(), Int8GroupedMethod(),
+                       Int8PerChannelMethod()]
+_DENSE = DenseMethod()
+
+
+def register_linear_method(method: Any) -> None:
+    """Add a format; it is tried before the built-in ones (so it may claim leaf names they
+    would also match)."""
+    if any(m.name == method.name for m in _METHODS):
+        raise ValueError(f"a linear method named {method.name!r} is registered already")
+    _METHODS.insert(0, method)
+
+
+def linear_method_for(params: Mapping[str, Any]) -> Any:
+    """The method of a layer holding these parameter leaves (DenseMethod when none claims)."""
+    for method in _METHODS:
+        if method.matches(params):
+            return method
+    return _DENSE
+
+
+__all__ = ["LinearMethod", "DenseMethod", "AwqGptqMethod", "Int8PerChannelMethod", "Int8GroupedMethod",
+           "GGUFPackedMethod", "register_linear_method", "linear_method_for"]
