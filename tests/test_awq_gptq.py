@@ -9,10 +9,14 @@ dequantized float weights: the same quantized model, unpacked by the packer's ow
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +30,7 @@ from jaxserve.quantization.awq_gptq import (
     repack,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Big enough that the packed projections dominate the float embedding (resident-bytes check).
@@ -135,6 +140,8 @@ def write_quantized(float_dir: Path, out: Path, variant: dict) -> Path:
         parts = (awq_tensors(q, scales, zeros) if variant["method"] == "awq"
                  else gptq_tensors(q, scales, zeros, g_idx, variant["bits"]))
         quantized |= {f"{module}.{k}": np.ascontiguousarray(v) for k, v in parts.items()}
+        if variant["method"] == "gptq":   # AutoGPTQ writes zero biases the model does not have
+            quantized[f"{module}.bias"] = np.zeros(w.shape[1], np.float16)
         dequantized[name] = np.ascontiguousarray(deq.T)
     for kind, arrays in (("quantized", quantized), ("dequantized", dequantized)):
         shutil.copytree(float_dir, out / kind)
@@ -191,8 +198,8 @@ def test_loaded_checkpoint_stays_packed_and_dequantizes_to_the_packers_weights(c
         assert ("g_idx" in leaves) == variant["act_order"]
         expected = twin[f"layers.{proj}.kernel"]
         for layer in range(expected.shape[0]):
-            w = dequantize({k: jnp.asarray(v[layer]) for k, v in leaves.items()},
-                           expected.shape[1], jnp.float32)
+            w = jax.jit(dequantize, static_argnums=(1, 2))(
+                {k: v[layer] for k, v in leaves.items()}, expected.shape[1], jnp.float32)
             np.testing.assert_array_equal(np.asarray(w), expected[layer])
     resident = sum(w.nbytes for w in loaded.weights.values())
     float32 = sum(w.nbytes for w in twin.values())
@@ -264,3 +271,72 @@ def test_unsupported_variants_are_errors_naming_the_field_and_value(config, fiel
 def test_an_unsupported_quant_method_in_config_json_is_an_error():
     with pytest.raises(ValueError, match="quant_method='bitsandbytes' is not supported"):
         checkpoint_method({"quant_method": "bitsandbytes"}, None, "model")
+
+
+# -- tensor parallelism (a subprocess with 2 simulated devices) --------------------------------
+def test_tp2_shards_packed_projections_and_matches_the_unsharded_matmul(tmp_path):
+    """Column- (q_proj) and row-parallel (down_proj) layers, contiguous groups and act-order,
+    sharded by the family's partition specs: the jitted matmul equals x @ W_dequantized."""
+    rng = np.random.default_rng(11)
+    cases = {}
+    for name in ("awq", "gptq-act-order"):
+        variant = VARIANTS[name]
+        w = rng.standard_normal((256, 128)).astype(np.float32)
+        g_idx = group_index(256, variant["group"], variant["act_order"], rng)
+        q, scales, zeros, deq = quantize_groups(w, variant["bits"], g_idx,
+                                                256 // variant["group"], variant["sym"])
+        parts = (awq_tensors(q, scales, zeros) if variant["method"] == "awq"
+                 else gptq_tensors(q, scales, zeros, g_idx, variant["bits"]))
+        internal = repack(parts, parse_quantization_config(variant["config"]), 256, 128, name)
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        cases |= {f"{name}/{k}": v for k, v in internal.items()}
+        cases |= {f"{name}/x": x, f"{name}/expected": x @ deq}
+    np.savez(tmp_path / "cases.npz", **cases)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path / "cases.npz")], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["specs"]["q_proj/qweight"] == [None, None, "model"]     # column: split out
+    assert result["specs"]["down_proj/qweight"] == [None, "model", None]  # row: split in words
+    assert result["specs"]["down_proj/g_idx"] == [None, "model"]
+    assert result["specs"]["down_proj/scales"] == []                      # row: tables whole
+    assert set(result["errors"]) == {f"{n}/{m}" for n in ("awq", "gptq-act-order")
+                                     for m in ("q_proj", "down_proj")}
+    assert max(result["errors"].values()) < 1e-4, result["errors"]
+
+
+def _tp2_worker(path: str) -> None:
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.models.llama import FAMILY
+    from jaxserve.mesh import MODEL_AXIS, make_mesh
+
+    cases = dict(np.load(path))
+    mesh = make_mesh(2, 1)
+    specs, errors = {}, {}
+    for name in ("awq", "gptq-act-order"):
+        leaves = {k.split("/")[1]: v[None] for k, v in cases.items()    # stacked: L = 1
+                  if k.startswith(name) and k.split("/")[1] in ("qweight", "scales", "zeros",
+                                                                "g_idx")}
+        for module in ("q_proj", "down_proj"):
+            params = {}
+            for leaf, value in leaves.items():
+                spec = FAMILY.param_spec(("layers", module, leaf), value.shape, 2)
+                specs[f"{module}/{leaf}"] = list(spec)
+                params[leaf] = jax.device_put(value, NamedSharding(mesh, spec))
+            x_spec = P(None, MODEL_AXIS) if module == "down_proj" else P()   # row: x split on in
+            x = jax.device_put(cases[f"{name}/x"], NamedSharding(mesh, x_spec))
+            y = jax.jit(lambda p, x: packed_int_matmul(x, {k: v[0] for k, v in p.items()},
+                                                       jnp.float32))(params, x)
+            errors[f"{name}/{module}"] = float(np.abs(np.asarray(y)
+                                                      - cases[f"{name}/expected"]).max())
+    print(json.dumps({"specs": specs, "errors": errors}))
+
+
+if __name__ == "__main__":
+    _tp2_worker(sys.argv[1])

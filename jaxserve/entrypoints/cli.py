@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("model", metavar="MODEL",
                          help="model directory, .gguf file, cached HF name, or 'default'")
     convert.add_argument("out", metavar="OUT", help="directory to write (must be new or empty)")
-    convert.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"])
+    convert.add_argument("--quantization", default=None,
+                         choices=["none", "int8", "gguf", "awq", "gptq"])
     convert.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     convert.add_argument("--dtype", default="auto",
                          help="auto (float32 on CPU, bfloat16 elsewhere), bfloat16, float32 ...")

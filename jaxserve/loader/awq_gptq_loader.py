@@ -52,17 +52,35 @@ class PackedProjections:
                  kernels: dict[str, str], source: str):
         self.cfg, self.family, self.source = cfg, family, source
         self.shapes = {k: shapes[k] for k in kernels}          # [L, in, out]
+        self.has_bias = {k for k in shapes if k.endswith(".bias")}
         self.parts: dict[tuple[str, int], dict[str, np.ndarray]] = {}
 
     def take(self, name: str, read: Any) -> bool:
         """Keep `name` if it is a part of a quantized projection; read() gives its array."""
         split = _split(name)
         if split is None:
-            return False
+            return self._zero_bias(name, read)
         parsed = parse_name(split[0] + ".weight", "hf", self.family)
         if parsed is None or parsed[0] not in self.shapes:
             return False
         self.parts.setdefault((parsed[0], parsed[1]), {})[split[1]] = read()
+        return True
+
+    def _zero_bias(self, name: str, read: Any) -> bool:
+        """AutoGPTQ / GPTQ-for-LLaMa write a `.bias` for every packed projection, zeros where
+        the model has none: skip those; a nonzero one the config has no place for is an
+        error (dropping it would change the model)."""
+        if not name.endswith(".bias"):
+            return False
+        parsed = parse_name(name.removesuffix(".bias") + ".weight", "hf", self.family)
+        if parsed is None or parsed[0] not in self.shapes:
+            return False
+        bias = parsed[0].removesuffix(".kernel") + ".bias"
+        if bias in self.has_bias:
+            return False                 # a real bias: the float path reads it
+        if np.any(read()):
+            raise ValueError(f"{self.source}: {name} is nonzero, but the model config has no "
+                             f"bias on {bias.removesuffix('.bias')}")
         return True
 
     def finish(self) -> dict[str, np.ndarray]:

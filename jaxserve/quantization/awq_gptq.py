@@ -25,7 +25,7 @@ Internal layout (what the params tree holds, per layer; stacked on L like every 
                                  (shift, mask, reshape: elementwise, fuses in XLA on CPU and
                                  GPU) serves both, and a row-parallel split of `in` is a split
                                  of whole words
-    scales  f16   [G, out]       as stored
+    scales  f16   [G, out]       as stored (a bfloat16 / float32 checkpoint's kept so)
     zeros   f16   [G, out]       z unpacked (integers <= 256: exact in float16)
     g_idx   int32 [in]           only where it is not i // group_size (act-order)
 4-bit resident bytes: 0.5 per weight + 4 per group and column (0.13x float32 at g = 128).
@@ -178,7 +178,10 @@ def repack(parts: dict[str, np.ndarray], cfg: PackedIntConfig, in_features: int,
     else:
         _check_shape(name, "qweight", parts["qweight"], (in_features // pack, out_features))
         qweight = np.ascontiguousarray(parts["qweight"]).view(np.int32)
-    out = {"qweight": qweight, "scales": np.asarray(parts["scales"], np.float16),
+    scales = np.asarray(parts["scales"])     # float16 (bfloat16 / float32 kept as stored)
+    if scales.dtype not in (np.float16, np.float32) and scales.dtype.name != "bfloat16":
+        scales = scales.astype(np.float16)
+    out = {"qweight": qweight, "scales": scales,
            "zeros": (zeros + cfg.zero_offset).astype(np.float16)}
     g_idx = parts.get("g_idx")
     if g_idx is not None:
