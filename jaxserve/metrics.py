@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.engine.engine_io import EngineCoreOutput
+from jaxserve.engine.snapshot import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest, SeqDelta
 from jaxserve.engine.frontend import Frontend
+from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

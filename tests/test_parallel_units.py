@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.engine.engine_core import EngineSnapshot
+from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.mesh import make_mesh
 from jaxserve.models import partition
 from jaxserve.models.arch import ModelArch
@@ -124,10 +124,16 @@ def test_requests_go_to_the_least_loaded_replica():
 def test_snapshot_sums_the_replicas():
     front = DataParallelEngine.__new__(DataParallelEngine)
     front.replicas = [
-        SimpleNamespace(snapshot=lambda: EngineSnapshot(num_running=1, kv_cache_usage=0.5,
-                                                        num_blocks=100, num_steps=3)),
-        SimpleNamespace(snapshot=lambda: EngineSnapshot(num_running=3, kv_cache_usage=0.0,
-                                                        num_blocks=300, num_steps=4))]
+        SimpleNamespace(snapshot=lambda: EngineSnapshot(
+            num_running=1, kv_cache_usage=0.5, num_blocks=100, num_steps=3,
+            spec_decode_accepted_per_pos=(2, 1), running_lora_adapters=("b", "c"))),
+        SimpleNamespace(snapshot=lambda: EngineSnapshot(
+            num_running=3, kv_cache_usage=0.0, num_blocks=300, num_steps=4,
+            spec_decode_accepted_per_pos=(5, 0), running_lora_adapters=("a", "b"))),
+        SimpleNamespace(snapshot=lambda: EngineSnapshot())]    # a replica that never ran
     snap = front.snapshot()
     assert snap.num_running == 4 and snap.num_blocks == 400 and snap.num_steps == 7
     assert snap.kv_cache_usage == pytest.approx(50 / 400)
+    assert snap.spec_decode_accepted_per_pos == (7, 1)        # position by position
+    assert snap.running_lora_adapters == ("a", "b", "c")      # a sorted union
+    assert snap.waiting_lora_adapters == ()

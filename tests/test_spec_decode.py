@@ -307,12 +307,12 @@ def test_speculation_compiles_nothing_after_warmup(engines):
 
 
 def test_prometheus_exports_vllm_spec_decode_counters():
-    from jaxserve.engine.engine_core import EngineSnapshot, PositionCounts
+    from jaxserve.engine.snapshot import EngineSnapshot, combine_snapshots
     from jaxserve.metrics import ServerMetrics
 
     snap = EngineSnapshot(spec_decode_num_drafts=7, spec_decode_num_draft_tokens=20,
                           spec_decode_num_accepted_tokens=9,
-                          spec_decode_accepted_per_pos=PositionCounts((5, 3, 1, 0)))
+                          spec_decode_accepted_per_pos=(5, 3, 1, 0))
     text = ServerMetrics("m", lambda: snap).render().decode()
     assert 'jaxserve:spec_decode_num_drafts_total{model_name="m"} 7.0' in text
     assert 'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 20.0' in text
@@ -320,7 +320,7 @@ def test_prometheus_exports_vllm_spec_decode_counters():
     assert ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
             'position="1"} 3.0') in text
     # Replicas' snapshots sum position by position (data parallelism sums every field).
-    assert sum([snap.spec_decode_accepted_per_pos] * 2) == (10, 6, 2, 0)
+    assert combine_snapshots([snap] * 2).spec_decode_accepted_per_pos == (10, 6, 2, 0)
     assert "spec_decode" not in ServerMetrics("m", EngineSnapshot).render().decode()
 
 

@@ -51,7 +51,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.engine_core import EngineCore, EngineSnapshot
 from jaxserve.engine.engine_io import EngineCoreOutput
 from jaxserve.engine.errors import (
     EngineDeadError,
@@ -61,7 +60,9 @@ from jaxserve.engine.errors import (
     StepFailedError,
 )
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.protocol import SteppedEngine
 from jaxserve.engine.request_text import RequestText, TokenTexts
+from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.engine.watchdog import StepWatchdog
 from jaxserve.outputs import RequestOutput
 
@@ -99,7 +100,7 @@ class _RequestStream:
 class AsyncLLMEngine:
     """Runs an `LLMEngine` on its own thread and serves many asyncio callers."""
 
-    def __init__(self, engine: EngineCore, *, start: bool = True) -> None:
+    def __init__(self, engine: SteppedEngine, *, start: bool = True) -> None:
         self.engine = engine
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()

@@ -39,12 +39,12 @@ if TYPE_CHECKING:
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.engine_core import EngineSnapshot, NameSet, PositionCounts
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
 from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
+from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.engine.stats import EngineStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -64,7 +64,7 @@ _STEPS_BETWEEN_IDLE_PROPOSALS = 4
 
 
 class LLMEngine:
-    """Offline/online engine core (an `EngineCore`). Not thread-safe: one thread calls it."""
+    """Offline/online engine core (a `SteppedEngine`). Not thread-safe: one thread calls it."""
 
     def __init__(self, config: EngineConfig, *, log_stats: bool | None = None,
                  mesh: Any = None) -> None:
@@ -366,7 +366,7 @@ class LLMEngine:
             spec_decode_num_drafts=stats.spec_num_drafts,
             spec_decode_num_draft_tokens=stats.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=stats.spec_num_accepted_tokens,
-            spec_decode_accepted_per_pos=PositionCounts(stats.spec_accepted_per_pos),
+            spec_decode_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
             **self._lora_snapshot())
 
     def _lora_snapshot(self) -> dict[str, Any]:
@@ -374,8 +374,8 @@ class LLMEngine:
             return {}
         running, waiting = self.scheduler.lora_adapters()
         return {"max_lora": self.config.lora_config.max_loras,
-                "running_lora_adapters": NameSet(running),
-                "waiting_lora_adapters": NameSet(waiting)}
+                "running_lora_adapters": tuple(running),
+                "waiting_lora_adapters": tuple(waiting)}
 
     def add_metrics(self, registry: Any, model_name: str) -> None:
         """One replica has no series beyond the snapshot's."""

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxserve.attention.backend import get_attention_backend
-from jaxserve.config import EngineConfig
+from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine.compute_dtype import auto_compute_dtype
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
@@ -117,38 +117,141 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     t0 = time.perf_counter()
     # Read + convert + place, or (a converted checkpoint) restore straight onto the devices.
     placed = place_model(config, mesh, platform)
-    dtype, quantization, placement = placed.dtype, placed.quantization, placed.placement
+    dtype, placement = placed.dtype, placed.placement
     kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     family = family_for(placed.source_arch.architecture)
     max_model_len = resolve_max_model_len(mc.max_model_len, placed.source_arch)
     settle_batch_limits(config, max_model_len)
     num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
-    arch, params, resident_bytes = placed.arch, placed.params, placed.resident_bytes
-    # A RestoringParams (model_source.py) is still being read: plan from its shapes.
-    weight_bytes = placement.weight_bytes_per_device(getattr(params, "spec", params),
-                                                     resident_bytes)
+    arch, params = placed.arch, placed.params
     load_seconds = time.perf_counter() - t0
     phases = {**placed.phases, "load": load_seconds}
+    _log_model(config, placed, num_params, platform, load_seconds)
 
+    aot_dir, cc = None, config.cache_config
+    if config.runner_config.aot_dir:     # shipped executables: take their KV block count
+        from jaxserve.engine.aot_manifest import aot_dir_for_engine
+
+        aot_dir, cc = aot_dir_for_engine(config, placed, dtype, kv_dtype, max_model_len)
+    spec_rows = _spec_rows(config)
+    memory = _plan_memory(config, cc, placed, family, kv_dtype, max_model_len, platform,
+                          spec_rows)
+    kv_plan = memory.kv_plan
+
+    t_runner = time.perf_counter()
+    eos = eos_ids(placed.tokenizer, placed.generation_config)
+    backend = placement.shard_backend(
+        get_attention_backend(config.runner_config.attention_backend, platform))
+    lora_stacks = lora_registry = None
+    if memory.lora_targets is not None:
+        lora_stacks, lora_registry = _setup_lora(config, family, placement, memory.lora_targets,
+                                                 dtype)
+    runner = ModelRunner(
+        arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
+        block_size=kv_plan.block_size, max_model_len=max_model_len,
+        kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_logprobs=mc.max_logprobs, eos_token_ids=eos,
+        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
+        num_spec_tokens=spec_rows.num_tokens, max_spec_rows=spec_rows.max_rows,
+        kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
+        logits_shardings=placement.logits_shardings, lora=lora_stacks)
+    if aot_dir is not None:
+        from jaxserve.runner.aot_executables import AotExecutables, execution_devices
+
+        runner.executable_cache = AotExecutables(aot_dir, execution_devices(placement.mesh))
+    elif cache_dir is not None and jax.process_count() == 1:
+        # Serialized step executables beside JAX's cache: a warm start skips tracing too.
+        runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
+    phases["runner"] = time.perf_counter() - t_runner
+    logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
+                backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
+                cache_dir or "off")
+    warmup_seconds = _warm_up(config, runner, placed, phases, warmup)
+    draft_proposer = None
+    if memory.draft is not None:
+        draft_proposer, draft_warmup = _draft_proposer(config, memory.draft, backend, dtype,
+                                                       kv_plan.block_size, eos, spec_rows,
+                                                       warmup)
+        warmup_seconds += draft_warmup
+    return ModelSetup(arch=arch, tokenizer=placed.tokenizer, runner=runner, kv_plan=kv_plan,
+                      max_model_len=max_model_len, dtype=dtype, eos_token_ids=eos,
+                      default_sampling_overrides=_sampling_overrides(config, placed),
+                      model_path=placed.model_path,
+                      num_params=num_params, weight_bytes=placed.resident_bytes,
+                      warmup_seconds=warmup_seconds,
+                      load_seconds=load_seconds, draft_proposer=draft_proposer,
+                      lora_registry=lora_registry, phases=phases)
+
+
+def _warm_up(config: EngineConfig, runner: ModelRunner, placed: Any,
+             phases: dict[str, float], warmup: bool) -> float:
+    """Compile the step buckets (the rest in the background if configured; none unless
+    `warmup`); record the startup phases. The KV cache zero-fills (and an orbax checkpoint
+    restores) in a thread during warm-up: "kv_fill" overlaps "warmup", which includes
+    "kv_wait" and "params_wait" (the parts warm-up waited for them)."""
+    seconds = runner.warmup(progress=True, background=config.runner_config.compile_in_background
+                            and jax.process_count() == 1) if warmup else 0.0
+    phases["warmup"] = seconds
+    phases.update(runner.startup_timings)
+    phases.update(placed.phases)     # restore_weights and tokenizer: their threads are done
+    return seconds
+
+
+def _log_model(config: EngineConfig, placed: Any, num_params: int, platform: str,
+               load_seconds: float) -> None:
+    mc = config.model_config
+    dtype, resident_bytes = placed.dtype, placed.resident_bytes
     devices = jax.devices()
     if mc.dtype == "auto":
         logger.info("compute dtype (dtype=auto): %s", auto_compute_dtype(platform,
                                                                          mc.matrix_units)[1])
     logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
                 "weights, %.2fx %s), on %d %s device(s) (%s) [%.1f s]",
-                placed.model_path, arch.architecture, num_params / 1e6, np.dtype(dtype).name,
-                quantization, resident_bytes / 2**20,
+                placed.model_path, placed.arch.architecture, num_params / 1e6,
+                np.dtype(dtype).name, placed.quantization, resident_bytes / 2**20,
                 resident_bytes / (num_params * np.dtype(dtype).itemsize), np.dtype(dtype).name,
                 len(devices), platform, devices[0].device_kind, load_seconds)
 
+
+@dataclass(frozen=True)
+class _SpecRows:
+    """Speculative decoding's shape of a step (zeros when it is off)."""
+    num_tokens: int      # draft tokens per sequence
+    max_rows: int        # sequences that carry drafts
+
+
+def _spec_rows(config: EngineConfig) -> _SpecRows:
+    spec, sc = config.spec_decode, config.scheduler_config
+    if spec is None:
+        return _SpecRows(0, 0)
+    return _SpecRows(spec.num_speculative_tokens, min(spec.disable_by_batch_size,
+                                                      sc.max_num_seqs))
+
+
+@dataclass(frozen=True)
+class _MemoryPlan:
+    kv_plan: KVCachePlan
+    lora_targets: dict | None        # None: LoRA off
+    draft: dict[str, Any] | None     # _load_draft's (None: no draft model)
+
+
+def _plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
+                 kv_dtype: Any, max_model_len: int, platform: str,
+                 spec_rows: _SpecRows) -> _MemoryPlan:
+    """Size the KV cache from what the weights, LoRA slots, a draft model and the widest
+    step's activations leave of the budget (`cc`: the cache config, an --aot-dir's block
+    count applied)."""
+    sc = config.scheduler_config
+    arch, dtype, placement = placed.arch, placed.dtype, placed.placement
+    # A RestoringParams (model_source.py) is still being read: plan from its shapes.
+    weight_bytes = placement.weight_bytes_per_device(
+        getattr(placed.params, "spec", placed.params), placed.resident_bytes)
     # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
     # logits of S rows and of the prompt-logprobs positions; leave generous room for them.
     t_max = sc.max_num_batched_tokens
-    spec = config.spec_decode
-    num_spec_tokens = spec.num_speculative_tokens if spec else 0
-    max_spec_rows = min(spec.disable_by_batch_size, sc.max_num_seqs) if spec else 0
     logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step + \
-        max_spec_rows * (num_spec_tokens + 1)
+        spec_rows.max_rows * (spec_rows.num_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
     lora_targets = None
@@ -162,14 +265,10 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                          ) * np.dtype(dtype).itemsize
         weight_bytes += lora_bytes
     draft = None
+    spec = config.spec_decode
     if spec is not None and spec.method == "draft_model":
-        draft = _load_draft(config, arch, dtype, platform, max_model_len, max_spec_rows)
+        draft = _load_draft(config, arch, dtype, platform, max_model_len, spec_rows.max_rows)
         weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
-    aot_dir = None
-    if config.runner_config.aot_dir:     # shipped executables: take their KV block count
-        from jaxserve.engine.aot_manifest import aot_dir_for_engine
-
-        aot_dir, cc = aot_dir_for_engine(config, placed, dtype, kv_dtype, max_model_len)
     kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation_bytes,
                                             max_model_len, tp_size=placement.tp,
                                             device=placement.device))
@@ -184,76 +283,42 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                 kv_plan.total_bytes / 2**30,
                 kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
     logger.info(kv_plan.describe())
-    cost = measured_cost(quantization, cc.kv_cache_dtype)
+    cost = measured_cost(placed.quantization, cc.kv_cache_dtype)
     if cost:
         logger.warning(cost)
+    return _MemoryPlan(kv_plan, lora_targets, draft)
 
-    t_runner = time.perf_counter()
-    eos = eos_ids(placed.tokenizer, placed.generation_config)
-    backend = placement.shard_backend(
-        get_attention_backend(config.runner_config.attention_backend, platform))
-    lora_stacks = lora_registry = None
-    if lora_targets is not None:
-        lora_stacks, lora_registry = _setup_lora(config, family, placement, lora_targets, dtype)
-    runner = ModelRunner(
-        arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
-        block_size=kv_plan.block_size, max_model_len=max_model_len,
-        kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
-        max_num_batched_tokens=sc.max_num_batched_tokens,
-        max_logprobs=mc.max_logprobs, eos_token_ids=eos,
-        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
-        max_spec_rows=max_spec_rows, kv_sharding=placement.kv_sharding,
-        input_sharding=placement.input_sharding, logits_shardings=placement.logits_shardings,
-        lora=lora_stacks)
-    if aot_dir is not None:
-        from jaxserve.runner.aot_executables import AotExecutables, execution_devices
 
-        runner.executable_cache = AotExecutables(aot_dir, execution_devices(placement.mesh))
-    elif cache_dir is not None and jax.process_count() == 1:
-        # Serialized step executables beside JAX's cache: a warm start skips tracing too.
-        runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
-    phases["runner"] = time.perf_counter() - t_runner
-    logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
-                backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
-                cache_dir or "off")
-    warmup_seconds = runner.warmup(
-        progress=True, background=config.runner_config.compile_in_background
-        and jax.process_count() == 1) if warmup else 0.0
-    phases["warmup"] = warmup_seconds
-    # The KV cache zero-fills (and an orbax checkpoint restores) in a thread during warm-up:
-    # "kv_fill" overlaps "warmup", which includes "kv_wait" and "params_wait" (the parts
-    # warm-up waited for them).
-    phases.update(runner.startup_timings)
-    phases.update(placed.phases)     # restore_weights and tokenizer: their threads are done
-    draft_proposer = None
-    if draft is not None:
-        from jaxserve.engine.block_manager import BlockManager
-        from jaxserve.engine.draft_model import DraftModelProposer
+def _draft_proposer(config: EngineConfig, draft: dict[str, Any], backend: Any, dtype: Any,
+                    block_size: int, eos: list[int], spec_rows: _SpecRows,
+                    warmup: bool) -> tuple[Any, float]:
+    """Speculative decoding's draft model runner and proposer; (proposer, warm-up seconds)."""
+    from jaxserve.engine.block_manager import BlockManager
+    from jaxserve.engine.draft_model import DraftModelProposer
 
-        draft_runner = ModelRunner(
-            draft["arch"], draft["params"], backend, dtype=dtype,
-            num_blocks=draft["num_blocks"], block_size=kv_plan.block_size,
-            max_model_len=draft["max_model_len"], max_num_seqs=max_spec_rows,
-            max_num_batched_tokens=sc.max_num_batched_tokens, max_logprobs=0,
-            eos_token_ids=eos)
-        if warmup:
-            warmup_seconds += draft_runner.warmup(progress=True)
-        draft_proposer = DraftModelProposer(
-            draft_runner, BlockManager(draft["num_blocks"], kv_plan.block_size),
-            num_spec_tokens, sc.max_num_batched_tokens)
+    sc = config.scheduler_config
+    draft_runner = ModelRunner(
+        draft["arch"], draft["params"], backend, dtype=dtype,
+        num_blocks=draft["num_blocks"], block_size=block_size,
+        max_model_len=draft["max_model_len"], max_num_seqs=spec_rows.max_rows,
+        max_num_batched_tokens=sc.max_num_batched_tokens, max_logprobs=0,
+        eos_token_ids=eos)
+    seconds = draft_runner.warmup(progress=True) if warmup else 0.0
+    proposer = DraftModelProposer(
+        draft_runner, BlockManager(draft["num_blocks"], block_size),
+        spec_rows.num_tokens, sc.max_num_batched_tokens)
+    return proposer, seconds
 
-    overrides = {}
-    if mc.generation_config != "vllm":
-        overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
-        if overrides:
-            logger.info("default sampling params from generation_config.json: %s", overrides)
-    return ModelSetup(arch=arch, tokenizer=placed.tokenizer, runner=runner, kv_plan=kv_plan,
-                      max_model_len=max_model_len, dtype=dtype, eos_token_ids=eos,
-                      default_sampling_overrides=overrides, model_path=placed.model_path,
-                      num_params=num_params, weight_bytes=resident_bytes,
-                      warmup_seconds=warmup_seconds,
-                      load_seconds=load_seconds, draft_proposer=draft_proposer,
-                      lora_registry=lora_registry, phases=phases)
+
+def _sampling_overrides(config: EngineConfig, placed: Any) -> dict[str, Any]:
+    """Default sampling parameters from generation_config.json (vLLM's --generation-config
+    auto); none with "vllm"."""
+    if config.model_config.generation_config == "vllm":
+        return {}
+    overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
+    if overrides:
+        logger.info("default sampling params from generation_config.json: %s", overrides)
+    return overrides
 
 
 def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict,

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,16 +46,23 @@ prefix caching) with an OpenAI-compatible API.
 
 
 # -- flags from the config tree ----------------------------------------------------------------
-def _field_kind(field: dataclasses.Field) -> tuple[type, bool]:
-    """(scalar type, is_list) of a config field (annotations are strings here)."""
-    text = str(field.type).replace(" ", "")
-    is_list = text.startswith("list[")
-    if text.startswith("dict"):
+@functools.cache
+def _type_hints(section_type: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_type)
+
+
+def _field_kind(section: Any, field: dataclasses.Field) -> tuple[type, bool]:
+    """(scalar type, is_list) of a config field, from its resolved annotation: ``X | None``
+    is X, ``list[X]`` is (X, True), a dict is dict, anything else is read as a string."""
+    hint = _type_hints(type(section))[field.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    origin = typing.get_origin(hint) or hint
+    if origin is list:
+        return typing.get_args(hint)[0], True
+    if origin is dict:
         return dict, False
-    for name, kind in (("bool", bool), ("int", int), ("float", float)):
-        if text.split("|")[0].removeprefix("list[").rstrip("]") == name:
-            return kind, is_list
-    return str, is_list
+    return (hint if hint in (bool, int, float) else str), False
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config: Any,
@@ -70,7 +80,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
         meta = dict(field.metadata)
         help_text = meta.pop("help", "")
         default = getattr(section, name)
-        kind, is_list = _field_kind(field)
+        kind, is_list = _field_kind(section, field)
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -118,18 +128,18 @@ def config_from_args(config: Any, args: argparse.Namespace) -> Any:
 
 def _check_types(config: Any, values: dict[str, Any], source: str) -> None:
     """YAML values must have their field's type (an int may stand for a float)."""
-    fields = {name: field for _, name, field in iter_leaf_fields(config)}
+    fields = {name: (section, field) for section, name, field in iter_leaf_fields(config)}
     for name, value in values.items():
         if value is None:
             continue
-        kind, is_list = _field_kind(fields[name])
+        kind, is_list = _field_kind(*fields[name])
         items = value if is_list and isinstance(value, list) else [value]
         allowed = (int, float) if kind is float else (kind,)
         if any(not isinstance(v, allowed) or (kind is not bool and isinstance(v, bool))
                for v in items):
             raise ValueError(f"{source}: {name.replace('_', '-')} must be "
                              f"{'a list of ' if is_list else ''}{kind.__name__}, got {value!r}")
-        choices = fields[name].metadata.get("choices")
+        choices = fields[name][1].metadata.get("choices")
         if choices and value not in choices:
             raise ValueError(f"{source}: {name.replace('_', '-')} must be one of {choices}, "
                              f"got {value!r}")

@@ -1,8 +1,8 @@
 """Read Hugging Face safetensors checkpoints (single file or sharded) into our layout.
 
 We parse the safetensors header ourselves and view each tensor straight from a
-memory map: safetensors' numpy API cannot return bfloat16 (numpy has no such
-dtype), and most real checkpoints are bfloat16. The format is an 8-byte
+memory map (no copy), checking every header entry against the file so a malformed
+checkpoint fails naming the file and tensor. The format is an 8-byte
 little-endian header length, a JSON header ``{name: {dtype, shape,
 data_offsets}}``, then the raw little-endian data.
 """

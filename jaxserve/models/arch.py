@@ -2,14 +2,23 @@
 
 The runner, the memory plan and `parallel/` read only these fields; everything a
 family needs beyond them (norm flavour, biases, rope, soft caps) lives in `options`,
-a frozen dataclass owned by the model module that read the config (models/registry.py
+a `DecoderOptions` subclass owned by the model module that read the config (models/registry.py
 says which module that is).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderOptions:
+    """What models/decoder.py's CausalLM reads from every family's options; a family's
+    own options subclass this (keyword-only, so subclasses may add required fields)."""
+    rms_norm_eps: float
+    norm_offset: float = 0.0                # RMSNorm scales by (norm_offset + w)
+    embed_scale: float | None = None        # embeddings times this (None: 1)
+    final_logit_soft_cap: float = 0.0       # cap * tanh(logits / cap); 0: off
 
 
 @dataclass(frozen=True)
@@ -27,7 +36,7 @@ class ModelArch:
     # Per layer: its sliding window in tokens, 0 for full attention. Every layer keeps
     # its KV in the one shared cache; a window only bounds what attention reads.
     layer_windows: tuple[int, ...] = ()
-    options: Any = None       # the model module's own frozen dataclass
+    options: DecoderOptions | None = None   # the family's own subclass
 
     @property
     def q_size(self) -> int:

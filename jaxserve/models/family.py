@@ -1,7 +1,8 @@
 """What a model module provides, and the parts most families share.
 
 A family (one module under jaxserve/models/) owns, in one place:
-  * config reading: `read_config(hf_config, architecture) -> ModelArch` (family facts in `arch.options`);
+  * config reading: `read_config(hf_config, architecture) -> ModelArch` (family facts in
+    `arch.options`, a `DecoderOptions` subclass; `arch_from_config` reads the common fields);
   * its weight layout: `weight_shapes(arch)`, every tensor stacked on a layer axis
     (``layers.q_proj.kernel [L, H, Hq*D]``, kernels ``[in, out]``; loader/weights.py);
   * its checkpoint mapping: `layer_tensors` / `global_tensors` (our name → (HF safetensors
@@ -24,7 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.mesh import MODEL_AXIS
-from jaxserve.models.arch import ModelArch
+from jaxserve.models.arch import DecoderOptions, ModelArch
 from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
 from jaxserve.quantization.gguf_packed import BLOCK_WEIGHTS, BYTES_PER_BLOCK, PACKED_FORMATS
 
@@ -255,3 +256,91 @@ def hf_layer_types(config: Any, window: int | None,
     if types:
         return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
     return tuple(int(window) if sliding_by_default(i) else 0 for i in range(layers))
+
+
+# -- what the decoder families share ---------------------------------------------------------
+
+def arch_from_config(config: Any, architecture: str, options: DecoderOptions,
+                     layer_windows: tuple[int, ...], *, intermediate_size: int | None = None,
+                     head_dim: int | None = None, max_position_embeddings: int = 2048,
+                     tie_word_embeddings: bool = False) -> ModelArch:
+    """The `ModelArch` of an HF decoder config (Llama's field names, which every family
+    here uses); the keyword arguments are the family's defaults for fields a config may
+    omit, and `intermediate_size` / `head_dim` override the config's."""
+    num_heads = config.num_attention_heads
+    return ModelArch(
+        architecture=architecture,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size if intermediate_size is None
+        else intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim or getattr(config, "head_dim", None)
+        or config.hidden_size // num_heads,
+        max_position_embeddings=int(getattr(config, "max_position_embeddings",
+                                            max_position_embeddings)),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", tie_word_embeddings)),
+        layer_windows=layer_windows,
+        options=options)
+
+
+def attention_tensors() -> dict[str, tuple[str, str]]:
+    """Attention projections (kernels and biases) and q/k norms: our per-layer name ->
+    (HF suffix under ``self_attn.``, GGUF suffix), the names every family here shares."""
+    names = {"q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+             "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight")}
+    for p, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+        names[f"{p}_proj.kernel"] = (f"self_attn.{p}_proj.weight", f"{g}.weight")
+        names[f"{p}_proj.bias"] = (f"self_attn.{p}_proj.bias", f"{g}.bias")
+    return names
+
+
+PRE_NORM_TENSORS = {     # Llama's two norms per layer
+    "input_layernorm": ("input_layernorm.weight", "attn_norm.weight"),
+    "post_attention_layernorm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+}
+GATED_MLP_TENSORS = {
+    "gate_proj.kernel": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    "up_proj.kernel": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "down_proj.kernel": ("mlp.down_proj.weight", "ffn_down.weight"),
+}
+
+
+def attention_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """One layer's q/k/v/o kernels ([in, out])."""
+    H = arch.hidden_size
+    return {"q_proj.kernel": (H, arch.q_size), "k_proj.kernel": (H, arch.kv_size),
+            "v_proj.kernel": (H, arch.kv_size), "o_proj.kernel": (arch.q_size, H)}
+
+
+def attention_extra_shapes(arch: ModelArch, *, qkv_bias: bool = False, o_bias: bool = False,
+                           qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
+    """One layer's optional attention tensors: q/k/v biases, the o bias, q/k norms."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    if qkv_bias:
+        shapes |= {"q_proj.bias": (arch.q_size,), "k_proj.bias": (arch.kv_size,),
+                   "v_proj.bias": (arch.kv_size,)}
+    if o_bias:
+        shapes["o_proj.bias"] = (arch.hidden_size,)
+    if qk_norm:
+        shapes |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
+    return shapes
+
+
+def gated_mlp_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    H, I = arch.hidden_size, arch.intermediate_size
+    return {"gate_proj.kernel": (H, I), "up_proj.kernel": (H, I), "down_proj.kernel": (I, H)}
+
+
+def decoder_weight_shapes(arch: ModelArch, per_layer: dict[str, tuple[int, ...]]
+                          ) -> dict[str, tuple[int, ...]]:
+    """Embedding, final norm, the stacked layers, lm_head (unless tied). The order fixes
+    which random values `--load-format dummy` gives each tensor (loader/dummy.py)."""
+    H = arch.hidden_size
+    shapes = {"embed_tokens": (arch.vocab_size, H), "norm": (H,),
+              **stacked_layer_shapes(arch, per_layer)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head"] = (H, arch.vocab_size)
+    return shapes

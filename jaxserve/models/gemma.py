@@ -21,21 +21,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.arch import ModelArch
-from jaxserve.models.decoder import CausalLM, layer_constants, layer_inputs
+from jaxserve.models.arch import DecoderOptions, ModelArch
+from jaxserve.models.decoder import (
+    CausalLM,
+    DecoderLayer,
+    attention_config,
+    layer_constants,
+    layer_inputs,
+)
 from jaxserve.models.family import (
+    GATED_MLP_TENSORS,
     MEGATRON_RULES,
     ArchitectureInfo,
     ModelFamily,
+    arch_from_config,
+    attention_extra_shapes,
+    attention_shapes,
+    attention_tensors,
+    decoder_weight_shapes,
+    gated_mlp_shapes,
     hf_layer_types,
-    stacked_layer_shapes,
 )
 from jaxserve.models.layers import (
     ACTIVATIONS,
-    AttentionConfig,
     PagedCache,
     RMSNorm,
     gated_mlp,
@@ -46,36 +56,28 @@ from jaxserve.models.rope import Rope, hf_rope_parameters
 GEMMA3_LOCAL_ROPE_BASE = 10000.0   # Gemma 3's rope_local_base_freq (llama.cpp hard-codes it)
 
 
-@dataclass(frozen=True)
-class GemmaOptions:
-    rms_norm_eps: float
+@dataclass(frozen=True, kw_only=True)
+class GemmaOptions(DecoderOptions):
     activation: str
     sm_scale: float                 # query_pre_attn_scalar ** -0.5
     attn_logit_soft_cap: float      # 0: off
-    final_logit_soft_cap: float     # 0: off
     qk_norm: bool                   # Gemma 3
     attention_bias: bool
     ropes: tuple[Rope, ...]         # Gemma 2: (global,); Gemma 3: (local, global)
     layer_rope: tuple[int, ...]     # per layer: index into ropes
-    embed_scale: float
     norm_offset: float = 1.0
 
 
-class GemmaDecoderLayer(nn.Module):
-    arch: ModelArch
-    cache: PagedCache
-    dtype: Any = jnp.float32
+class GemmaDecoderLayer(DecoderLayer):
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, meta):
         x, k_cache, v_cache = carry
         a, o, dt = self.arch, self.arch.options, self.dtype
         layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
-        attn = AttentionConfig(a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
-                               qkv_bias=o.attention_bias, o_bias=o.attention_bias,
-                               qk_norm_eps=o.rms_norm_eps if o.qk_norm else None,
-                               norm_offset=o.norm_offset, sm_scale=o.sm_scale,
-                               logits_soft_cap=o.attn_logit_soft_cap)
+        attn = attention_config(a, qkv_bias=o.attention_bias, o_bias=o.attention_bias,
+                                qk_norm=o.qk_norm, norm_offset=o.norm_offset,
+                                sm_scale=o.sm_scale, logits_soft_cap=o.attn_logit_soft_cap)
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(o.rms_norm_eps, dt, o.norm_offset, name=name)
@@ -110,14 +112,8 @@ class GemmaFamily(ModelFamily):
         "pre_feedforward_layernorm": ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
         "post_feedforward_layernorm": ("post_feedforward_layernorm.weight",
                                        "post_ffw_norm.weight"),
-        "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-        "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-        **{f"{p}_proj.{kind}": (f"self_attn.{p}_proj.{hf_kind}", f"{g}.{hf_kind}")
-           for p, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"))
-           for kind, hf_kind in (("kernel", "weight"), ("bias", "bias"))},
-        "gate_proj.kernel": ("mlp.gate_proj.weight", "ffn_gate.weight"),
-        "up_proj.kernel": ("mlp.up_proj.weight", "ffn_up.weight"),
-        "down_proj.kernel": ("mlp.down_proj.weight", "ffn_down.weight"),
+        **attention_tensors(),
+        **GATED_MLP_TENSORS,
     }
     partition_rules = MEGATRON_RULES
     norm_center = 0.0          # (1 + w): random norms around 0 scale by about 1
@@ -146,28 +142,18 @@ class GemmaFamily(ModelFamily):
             ropes, layer_rope = (Rope.from_dict(hf_rope_parameters(config)),), \
                 (0,) * config.num_hidden_layers
         scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim
-        return ModelArch(
-            architecture=architecture,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            max_position_embeddings=int(getattr(config, "max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
-            layer_windows=windows,
-            options=GemmaOptions(
-                rms_norm_eps=float(config.rms_norm_eps),
-                activation=activation,
-                sm_scale=float(scalar) ** -0.5,
-                attn_logit_soft_cap=float(getattr(config, "attn_logit_softcapping", 0) or 0),
-                final_logit_soft_cap=float(getattr(config, "final_logit_softcapping", 0) or 0),
-                qk_norm=is_gemma3,
-                attention_bias=bool(getattr(config, "attention_bias", False)),
-                ropes=ropes, layer_rope=layer_rope,
-                embed_scale=math.sqrt(config.hidden_size)))
+        options = GemmaOptions(
+            rms_norm_eps=float(config.rms_norm_eps),
+            activation=activation,
+            sm_scale=float(scalar) ** -0.5,
+            attn_logit_soft_cap=float(getattr(config, "attn_logit_softcapping", 0) or 0),
+            final_logit_soft_cap=float(getattr(config, "final_logit_softcapping", 0) or 0),
+            qk_norm=is_gemma3,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            ropes=ropes, layer_rope=layer_rope,
+            embed_scale=math.sqrt(config.hidden_size))
+        return arch_from_config(config, architecture, options, windows, head_dim=head_dim,
+                                max_position_embeddings=8192, tie_word_embeddings=True)
 
     def gguf_config(self, gguf_arch: str, value: Any) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
@@ -205,24 +191,15 @@ class GemmaFamily(ModelFamily):
         return kwargs
 
     def weight_shapes(self, arch: ModelArch) -> dict[str, tuple[int, ...]]:
-        H, I, o = arch.hidden_size, arch.intermediate_size, arch.options
+        H, o = arch.hidden_size, arch.options
         per_layer = {
             "input_layernorm": (H,), "post_attention_layernorm": (H,),
             "pre_feedforward_layernorm": (H,), "post_feedforward_layernorm": (H,),
-            "q_proj.kernel": (H, arch.q_size), "k_proj.kernel": (H, arch.kv_size),
-            "v_proj.kernel": (H, arch.kv_size), "o_proj.kernel": (arch.q_size, H),
-            "gate_proj.kernel": (H, I), "up_proj.kernel": (H, I), "down_proj.kernel": (I, H),
+            **attention_shapes(arch), **gated_mlp_shapes(arch),
+            **attention_extra_shapes(arch, qk_norm=o.qk_norm),
+            **attention_extra_shapes(arch, qkv_bias=o.attention_bias, o_bias=o.attention_bias),
         }
-        if o.qk_norm:
-            per_layer |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
-        if o.attention_bias:
-            per_layer |= {"q_proj.bias": (arch.q_size,), "k_proj.bias": (arch.kv_size,),
-                          "v_proj.bias": (arch.kv_size,), "o_proj.bias": (H,)}
-        shapes = {"embed_tokens": (arch.vocab_size, H), "norm": (H,),
-                  **stacked_layer_shapes(arch, per_layer)}
-        if not arch.tie_word_embeddings:
-            shapes["lm_head"] = (H, arch.vocab_size)
-        return shapes
+        return decoder_weight_shapes(arch, per_layer)
 
     def from_gguf(self, name: str, weight: np.ndarray, arch: ModelArch,
                   gguf_arch: str) -> np.ndarray:

@@ -12,49 +12,52 @@ from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.arch import ModelArch
-from jaxserve.models.decoder import CausalLM, layer_constants, pre_norm_layer
+from jaxserve.models.arch import DecoderOptions, ModelArch
+from jaxserve.models.decoder import (
+    CausalLM,
+    DecoderLayer,
+    attention_config,
+    layer_constants,
+    pre_norm_layer,
+)
 from jaxserve.models.family import (
+    GATED_MLP_TENSORS,
     MEGATRON_RULES,
+    PRE_NORM_TENSORS,
     ArchitectureInfo,
     ModelFamily,
+    arch_from_config,
+    attention_extra_shapes,
+    attention_shapes,
+    attention_tensors,
+    decoder_weight_shapes,
+    gated_mlp_shapes,
     hf_layer_types,
     stacked_layer_shapes,
 )
 from jaxserve.models.layers import (
-    AttentionConfig,
     PagedCache,
     gated_mlp,
 )
 from jaxserve.models.rope import Rope, hf_rope_parameters
 
 
-@dataclass(frozen=True)
-class LlamaOptions:
-    rms_norm_eps: float
+@dataclass(frozen=True, kw_only=True)
+class LlamaOptions(DecoderOptions):
     qkv_bias: bool          # Qwen2; Llama with attention_bias
     o_bias: bool            # Llama with attention_bias
     qk_norm: bool           # Qwen3: RMSNorm over head_dim on q and k before RoPE
     rope: Rope
-    norm_offset: float = 0.0
-    embed_scale: float | None = None
-    final_logit_soft_cap: float = 0.0
 
 
-class LlamaDecoderLayer(nn.Module):
-    arch: ModelArch
-    cache: PagedCache
-    dtype: Any = jnp.float32
+class LlamaDecoderLayer(DecoderLayer):
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, meta):
         a, o, dt = self.arch, self.arch.options, self.dtype
-        attn = AttentionConfig(a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
-                               qkv_bias=o.qkv_bias, o_bias=o.o_bias,
-                               qk_norm_eps=o.rms_norm_eps if o.qk_norm else None)
+        attn = attention_config(a, qkv_bias=o.qkv_bias, o_bias=o.o_bias, qk_norm=o.qk_norm)
         return pre_norm_layer(self, carry, xs, cos, sin, meta, attn, lambda h: gated_mlp(
             h, a.intermediate_size, a.hidden_size, "silu", dt, meta.lora_slots))
 
@@ -75,23 +78,7 @@ class LlamaFamily(ModelFamily):
     gguf_architectures = {"llama": ("LlamaForCausalLM", "LlamaConfig"),
                           "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
                           "qwen3": ("Qwen3ForCausalLM", "Qwen3Config")}
-    layer_tensors = {
-        "input_layernorm": ("input_layernorm.weight", "attn_norm.weight"),
-        "q_proj.kernel": ("self_attn.q_proj.weight", "attn_q.weight"),
-        "q_proj.bias": ("self_attn.q_proj.bias", "attn_q.bias"),
-        "k_proj.kernel": ("self_attn.k_proj.weight", "attn_k.weight"),
-        "k_proj.bias": ("self_attn.k_proj.bias", "attn_k.bias"),
-        "v_proj.kernel": ("self_attn.v_proj.weight", "attn_v.weight"),
-        "v_proj.bias": ("self_attn.v_proj.bias", "attn_v.bias"),
-        "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-        "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-        "o_proj.kernel": ("self_attn.o_proj.weight", "attn_output.weight"),
-        "o_proj.bias": ("self_attn.o_proj.bias", "attn_output.bias"),
-        "post_attention_layernorm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
-        "gate_proj.kernel": ("mlp.gate_proj.weight", "ffn_gate.weight"),
-        "up_proj.kernel": ("mlp.up_proj.weight", "ffn_up.weight"),
-        "down_proj.kernel": ("mlp.down_proj.weight", "ffn_down.weight"),
-    }
+    layer_tensors = {**PRE_NORM_TENSORS, **attention_tensors(), **GATED_MLP_TENSORS}
     partition_rules = MEGATRON_RULES
 
     def read_config(self, config: Any, architecture: str) -> ModelArch:
@@ -108,48 +95,22 @@ class LlamaFamily(ModelFamily):
         else:   # Qwen: the layers from max_window_layers on
             first = int(getattr(config, "max_window_layers", 0) or 0)
             windows = hf_layer_types(config, window, lambda i: i >= first)
-        num_heads = config.num_attention_heads
-        return ModelArch(
-            architecture=architecture,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            layer_windows=windows,
-            options=LlamaOptions(
-                rms_norm_eps=float(config.rms_norm_eps),
-                qkv_bias=is_qwen2 or attention_bias,
-                o_bias=attention_bias and not is_qwen2,
-                qk_norm=architecture == "Qwen3ForCausalLM",
-                rope=Rope.from_dict(hf_rope_parameters(config))))
+        options = LlamaOptions(
+            rms_norm_eps=float(config.rms_norm_eps),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            rope=Rope.from_dict(hf_rope_parameters(config)))
+        return arch_from_config(config, architecture, options, windows)
 
     def weight_shapes(self, arch: ModelArch) -> dict[str, tuple[int, ...]]:
-        H, I, o = arch.hidden_size, arch.intermediate_size, arch.options
-        base = {
-            "input_layernorm": (H,), "post_attention_layernorm": (H,),
-            "q_proj.kernel": (H, arch.q_size), "k_proj.kernel": (H, arch.kv_size),
-            "v_proj.kernel": (H, arch.kv_size), "o_proj.kernel": (arch.q_size, H),
-            "gate_proj.kernel": (H, I), "up_proj.kernel": (H, I), "down_proj.kernel": (I, H),
-        }
-        optional: dict[str, tuple[int, ...]] = {}
-        if o.qkv_bias:
-            optional |= {"q_proj.bias": (arch.q_size,), "k_proj.bias": (arch.kv_size,),
-                         "v_proj.bias": (arch.kv_size,)}
-        if o.o_bias:
-            optional["o_proj.bias"] = (H,)
-        if o.qk_norm:
-            optional |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
-        # (this order fixes which random values --load-format dummy gives each tensor)
-        shapes = {"embed_tokens": (arch.vocab_size, H), "norm": (H,),
-                  **stacked_layer_shapes(arch, base)}
-        if not arch.tie_word_embeddings:
-            shapes["lm_head"] = (H, arch.vocab_size)
-        return shapes | stacked_layer_shapes(arch, optional)
+        H, o = arch.hidden_size, arch.options
+        base = {"input_layernorm": (H,), "post_attention_layernorm": (H,),
+                **attention_shapes(arch), **gated_mlp_shapes(arch)}
+        optional = attention_extra_shapes(arch, qkv_bias=o.qkv_bias, o_bias=o.o_bias,
+                                          qk_norm=o.qk_norm)
+        # the optional tensors after lm_head: the order fixes the dummy loader's values
+        return decoder_weight_shapes(arch, base) | stacked_layer_shapes(arch, optional)
 
     def from_gguf(self, name: str, weight: np.ndarray, arch: ModelArch,
                   gguf_arch: str) -> np.ndarray:

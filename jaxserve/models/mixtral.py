@@ -24,21 +24,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.mesh import MODEL_AXIS
-from jaxserve.models.arch import ModelArch
-from jaxserve.models.decoder import CausalLM, layer_constants, pre_norm_layer
+from jaxserve.models.arch import DecoderOptions, ModelArch
+from jaxserve.models.decoder import (
+    CausalLM,
+    DecoderLayer,
+    attention_config,
+    layer_constants,
+    pre_norm_layer,
+)
 from jaxserve.models.family import (
     MEGATRON_RULES,
+    PRE_NORM_TENSORS,
     REPLICATED,
     ArchitectureInfo,
     ModelFamily,
-    stacked_layer_shapes,
+    arch_from_config,
+    attention_extra_shapes,
+    attention_shapes,
+    attention_tensors,
+    decoder_weight_shapes,
 )
-from jaxserve.models.layers import AttentionConfig, PagedCache
+from jaxserve.models.layers import PagedCache
 from jaxserve.models.llama import unpermute_llama_qk
 from jaxserve.models.moe import ExpertSharding, MoEConfig, moe_block
 from jaxserve.models.rope import Rope, hf_rope_parameters
@@ -46,45 +56,25 @@ from jaxserve.models.rope import Rope, hf_rope_parameters
 EXPERT_WEIGHTS = ("experts_gate_proj", "experts_up_proj", "experts_down_proj")
 
 
-@dataclass(frozen=True)
-class MoEOptions:
-    rms_norm_eps: float
+@dataclass(frozen=True, kw_only=True)
+class MoEOptions(DecoderOptions):
     rope: Rope
     moe: MoEConfig
     qk_norm: bool = False              # Qwen3-MoE
     attention_bias: bool = False       # Qwen3-MoE with attention_bias (q/k/v/o)
     experts: ExpertSharding | None = None   # set by arch_for_mesh when sharded
-    norm_offset: float = 0.0
-    embed_scale: float | None = None
-    final_logit_soft_cap: float = 0.0
 
 
-class MoEDecoderLayer(nn.Module):
+class MoEDecoderLayer(DecoderLayer):
     """x += o_proj(attn(norm(x))); x += moe(norm(x))."""
-    arch: ModelArch
-    cache: PagedCache
-    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, meta):
         a, o, dt = self.arch, self.arch.options, self.dtype
-        attn = AttentionConfig(a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
-                               qkv_bias=o.attention_bias, o_bias=o.attention_bias,
-                               qk_norm_eps=o.rms_norm_eps if o.qk_norm else None)
+        attn = attention_config(a, qkv_bias=o.attention_bias, o_bias=o.attention_bias,
+                                qk_norm=o.qk_norm)
         return pre_norm_layer(self, carry, xs, cos, sin, meta, attn,
                               lambda h: moe_block(h, o.moe, o.experts, dt))
-
-
-def attention_tensors(hf_prefix: str = "self_attn") -> dict[str, tuple[str, str]]:
-    """Norms and attention projections, Llama's checkpoint names (q/k norms for Qwen3-MoE)."""
-    names = {"input_layernorm": ("input_layernorm.weight", "attn_norm.weight"),
-             "post_attention_layernorm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
-             "q_norm": (f"{hf_prefix}.q_norm.weight", "attn_q_norm.weight"),
-             "k_norm": (f"{hf_prefix}.k_norm.weight", "attn_k_norm.weight")}
-    for p, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
-        names[f"{p}_proj.kernel"] = (f"{hf_prefix}.{p}_proj.weight", f"{g}.weight")
-        names[f"{p}_proj.bias"] = (f"{hf_prefix}.{p}_proj.bias", f"{g}.bias")
-    return names
 
 
 class MixtralFamily(ModelFamily):
@@ -97,7 +87,7 @@ class MixtralFamily(ModelFamily):
     model_types = {"mixtral": "MixtralForCausalLM"}
     gguf_architectures = {"llama": ("MixtralForCausalLM", "MixtralConfig")}
     layer_tensors = {
-        **attention_tensors(),
+        **PRE_NORM_TENSORS, **attention_tensors(),
         "router.kernel": ("block_sparse_moe.gate.weight", "ffn_gate_inp.weight"),
         "experts_gate_proj.kernel": ("block_sparse_moe.experts.{expert}.w1.weight",
                                      ("ffn_gate_exps.weight", "ffn_gate.{expert}.weight")),
@@ -140,45 +130,25 @@ class MixtralFamily(ModelFamily):
         if not 1 <= moe.top_k <= moe.num_experts:
             raise ValueError(f"num_experts_per_tok={moe.top_k} must be in [1, "
                              f"{moe.num_experts}] (the number of experts)")
-        num_heads = config.num_attention_heads
-        return ModelArch(
-            architecture=architecture,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=moe.intermediate_size,   # one expert's (what tp splits)
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            max_position_embeddings=int(getattr(config, "max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            layer_windows=windows,
-            options=MoEOptions(rms_norm_eps=float(config.rms_norm_eps),
-                               rope=Rope.from_dict(hf_rope_parameters(config)), moe=moe,
-                               **options))
+        opts = MoEOptions(rms_norm_eps=float(config.rms_norm_eps),
+                          rope=Rope.from_dict(hf_rope_parameters(config)), moe=moe, **options)
+        return arch_from_config(config, architecture, opts, windows,
+                                intermediate_size=moe.intermediate_size,  # one expert's
+                                max_position_embeddings=4096)
 
     # -- weights -----------------------------------------------------------------------------
     def weight_shapes(self, arch: ModelArch) -> dict[str, tuple[int, ...]]:
         H, o = arch.hidden_size, arch.options
         E, I = o.moe.num_experts, o.moe.intermediate_size
         per_layer = {
-            "input_layernorm": (H,), "post_attention_layernorm": (H,),
-            "q_proj.kernel": (H, arch.q_size), "k_proj.kernel": (H, arch.kv_size),
-            "v_proj.kernel": (H, arch.kv_size), "o_proj.kernel": (arch.q_size, H),
+            "input_layernorm": (H,), "post_attention_layernorm": (H,), **attention_shapes(arch),
             "router.kernel": (H, E),
             "experts_gate_proj.kernel": (E, H, I), "experts_up_proj.kernel": (E, H, I),
             "experts_down_proj.kernel": (E, I, H),
+            **attention_extra_shapes(arch, qk_norm=o.qk_norm),
+            **attention_extra_shapes(arch, qkv_bias=o.attention_bias, o_bias=o.attention_bias),
         }
-        if o.qk_norm:
-            per_layer |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
-        if o.attention_bias:
-            per_layer |= {"q_proj.bias": (arch.q_size,), "k_proj.bias": (arch.kv_size,),
-                          "v_proj.bias": (arch.kv_size,), "o_proj.bias": (H,)}
-        shapes = {"embed_tokens": (arch.vocab_size, H), "norm": (H,),
-                  **stacked_layer_shapes(arch, per_layer)}
-        if not arch.tie_word_embeddings:
-            shapes["lm_head"] = (H, arch.vocab_size)
-        return shapes
+        return decoder_weight_shapes(arch, per_layer)
 
     # -- tensor / expert parallelism ---------------------------------------------------------
     def arch_for_mesh(self, arch: ModelArch, mesh: Any, expert_parallel: bool) -> ModelArch:

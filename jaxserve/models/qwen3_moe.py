@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.family import ArchitectureInfo
-from jaxserve.models.mixtral import MixtralFamily, attention_tensors
+from jaxserve.models.family import PRE_NORM_TENSORS, ArchitectureInfo, attention_tensors
+from jaxserve.models.mixtral import MixtralFamily
 from jaxserve.models.moe import MoEConfig
 
 
@@ -35,7 +35,7 @@ class Qwen3MoeFamily(MixtralFamily):
     model_types = {"qwen3_moe": "Qwen3MoeForCausalLM"}
     gguf_architectures = {"qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig")}
     layer_tensors = {
-        **attention_tensors(),
+        **PRE_NORM_TENSORS, **attention_tensors(),
         "router.kernel": ("mlp.gate.weight", "ffn_gate_inp.weight"),
         "experts_gate_proj.kernel": ("mlp.experts.{expert}.gate_proj.weight",
                                      "ffn_gate_exps.weight"),

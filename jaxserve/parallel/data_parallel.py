@@ -12,23 +12,22 @@ different devices overlap.
     engine.step()                                           # steps both replicas
     engine.replica_stats()                                  # per-replica counters
 
-It is an `EngineCore` like one `LLMEngine`: `snapshot` sums the replicas' gauges and
+It is a `SteppedEngine` like one `LLMEngine`: `snapshot` sums the replicas' gauges and
 counters, and `add_metrics` adds the per-replica series
 (``jaxserve:replica_*{replica="0"}``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine_core import EngineSnapshot
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
 from jaxserve.engine.frontend import Frontend
+from jaxserve.engine.snapshot import EngineSnapshot, combine_snapshots
 from jaxserve.mesh import describe, make_mesh, replica_meshes
 from jaxserve.outputs import RequestOutput
 
@@ -63,7 +62,7 @@ class DataParallelEngine:
                                  config.model_config.max_logprobs)
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")
-        self.fault_hook: Any = None       # tests only: a step fault (engine_core.EngineCore)
+        self.fault_hook: Any = None       # tests only: a step fault (engine/protocol.EngineCore)
 
     # -- requests ------------------------------------------------------------------------------
     def least_loaded(self) -> int:
@@ -74,12 +73,7 @@ class DataParallelEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """The replicas' gauges and counters, summed (KV usage: over all replicas' blocks)."""
-        parts = [replica.snapshot() for replica in self.replicas]
-        totals = {f.name: sum(getattr(p, f.name) for p in parts)
-                  for f in dataclasses.fields(EngineSnapshot)}
-        totals["kv_cache_usage"] = sum(p.kv_cache_usage * p.num_blocks for p in parts) / max(
-            1, totals["num_blocks"])
-        return EngineSnapshot(**totals)
+        return combine_snapshots([replica.snapshot() for replica in self.replicas])
 
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     sampling_params: Any = None, **kwargs: Any) -> None:

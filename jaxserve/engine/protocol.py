@@ -1,69 +1,23 @@
-"""What drives an engine: the one protocol LLM, AsyncLLMEngine and the server speak.
+"""The one protocol LLM, AsyncLLMEngine and the server speak to an engine.
 
 `LLMEngine` (one replica), `DataParallelEngine` (replicas behind a router) and the
-tests' fake engine all implement `EngineCore`; nothing probes for attributes.
+tests' fake engine all implement `SteppedEngine`; nothing probes for attributes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
+    from jaxserve.engine.snapshot import EngineSnapshot
     from jaxserve.outputs import RequestOutput
     from jaxserve.sampling_params import SamplingParams
 
 
-class PositionCounts(tuple):
-    """Counts per draft position; adds elementwise, so replicas' snapshots sum field by
-    field like every other counter (jaxserve/parallel/data_parallel.py)."""
-
-    def __add__(self, other):
-        if not other:
-            return self
-        if not self:
-            return PositionCounts(other)
-        return PositionCounts(a + b for a, b in zip(self, other, strict=True))
-
-    __radd__ = __add__
-
-
-class NameSet(tuple):
-    """Sorted names (LoRA adapters); adds as a union, so replicas' snapshots sum too."""
-
-    def __add__(self, other):
-        return NameSet(sorted(set(self) | set(other or ())))
-
-    __radd__ = __add__
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges and counters at one moment (the server publishes one after each step)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0          # fraction of KV blocks referenced, [0, 1]
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    prefix_cache_queries: int = 0        # tokens looked up / found in the prefix cache
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0           # totals since start
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    spec_decode_num_drafts: int = 0          # speculative decoding: rows that had drafts,
-    spec_decode_num_draft_tokens: int = 0    # draft tokens verified, and accepted
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_accepted_per_pos: PositionCounts = PositionCounts()   # accepted at position j
-    max_lora: int = 0                                 # LoRA slots (0: LoRA off)
-    running_lora_adapters: NameSet = NameSet()        # adapters of running / waiting requests
-    waiting_lora_adapters: NameSet = NameSet()
-
-
-class EngineCore(Protocol):
+class SteppedEngine(Protocol):
     """A stepped engine: one thread calls every method.
 
     The core surface (`add_core_request`, `step_core`, `finish_sequences`, `abort_request`)
