@@ -281,8 +281,18 @@ class ServerConfig:
         False, "Let the model decide to call tools (tool_choice 'auto'); needs "
         "--tool-call-parser to read the calls out of its text.")
     tool_call_parser: str | None = opt(
-        None, "How to read tool calls out of model text for tool_choice 'auto'.",
-        choices=["hermes", "llama3_json"])
+        None, "How to read tool calls out of model text for tool_choice 'auto': hermes, "
+        "llama3_json, mistral, pythonic, qwen3_coder, or a name a --tool-parser-plugin "
+        "registers.")
+    tool_parser_plugin: str | None = opt(
+        None, "A Python file that registers tool parsers with "
+        "@ToolParserManager.register_module(\"name\") (vLLM's interface); name one with "
+        "--tool-call-parser.")
+    reasoning_parser: str | None = opt(
+        None, "Separate a reasoning model's thinking from its answer: chat's "
+        "message.reasoning (also reasoning_content), streamed as its own deltas, and the "
+        "Responses API's reasoning items; structured outputs and tool calls apply to the "
+        "answer after it.", choices=["deepseek_r1", "qwen3"])
     lora_modules: list[str] | None = opt(
         None, "LoRA adapters to serve, as NAME=PATH (a PEFT directory); a request selects one "
         "with \"model\": NAME. Needs --enable-lora.", nargs="+")

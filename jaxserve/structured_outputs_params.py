@@ -30,6 +30,9 @@ class StructuredOutputsParams:
     structural_tag: str | None = None         # recognised, not implemented
     whitespace_pattern: str | None = None     # recognised, not implemented
     disable_additional_properties: bool = False   # recognised, not implemented
+    # Set by the server's reasoning parser, never by a client: the constraint starts after
+    # this token (the end of the model's thinking). Not part of the grammar's cache key.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         unsupported = [name for name in _UNSUPPORTED if getattr(self, name)]
@@ -60,7 +63,7 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
         """From a request's ``structured_outputs`` object; unknown names are an error."""
-        known = set(cls.__slots__)
+        known = set(cls.__slots__) - {"reasoning_end_token_id"}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}")

@@ -65,6 +65,7 @@ class FakeEngine:
                                  self.config.model_config.max_logprobs)
         self.fault_hook = None
         self.num_recoveries = 0
+        self.last_prompt_ids: list[int] = []       # what the latest request was given
 
     def add_request(self, request_id, prompt, params: SamplingParams | None = None,
                     **kwargs) -> None:
@@ -77,6 +78,7 @@ class FakeEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         ids, n = request.prompt_token_ids, request.params.n
+        self.last_prompt_ids = list(ids)
         self.requests[request.request_id] = {
             "ids": ids, "params": request.params, "outs": [[] for _ in range(n)],
             "sent": [0] * n, "finish": [None] * n, "finish_sent": [False] * n,

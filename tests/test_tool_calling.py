@@ -122,12 +122,25 @@ def test_auto_without_tools_used_and_tool_choice_none_keep_content(hermes_server
     assert "tool_calls" not in choice["message"]
 
 
-def test_legacy_functions_map_onto_tools(hermes_server):
+def test_legacy_functions_are_answered_in_the_legacy_shape(hermes_server):
+    """Old clients read message.function_call (and finish_reason "function_call")."""
     hermes_server.fake.script = HERMES_REPLY
-    r = chat(hermes_server, {"messages": USER, "functions": [WEATHER["function"]],
-                             "function_call": "auto", "max_tokens": 400})
-    [choice] = r.json()["choices"]
-    assert flat_calls(choice["message"])[0]["name"] == "get_weather"
+    body = {"messages": USER, "functions": [WEATHER["function"]], "function_call": "auto",
+            "max_tokens": 400}
+    [choice] = chat(hermes_server, body).json()["choices"]
+    assert choice["finish_reason"] == "function_call"
+    assert "tool_calls" not in choice["message"]
+    assert choice["message"]["function_call"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris", "celsius": true}'}
+    events = sse_events(chat(hermes_server, {**body, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e != "[DONE]" and e["choices"]]
+    assert not any("tool_calls" in d for d in deltas)
+    streamed = [d["function_call"] for d in deltas if "function_call" in d]
+    assert streamed[0]["name"] == "get_weather"
+    assert "".join(d.get("arguments", "") for d in streamed) == \
+        choice["message"]["function_call"]["arguments"]
+    assert [e["choices"][0]["finish_reason"] for e in events
+            if e != "[DONE]" and e["choices"]][-1] == "function_call"
 
 
 @pytest.mark.parametrize("body, param, needle", [
@@ -330,3 +343,62 @@ def test_hermes_parser_holds_back_only_a_possible_tag_start():
     assert parser.split("Sure <tool_c", final=True) == ("Sure <tool_c", [])
     assert parser.split('x<tool_call>{"name": "f", "arguments": {}} bad', final=True) \
         == ('x<tool_call>{"name": "f", "arguments": {}} bad', [])
+
+
+# -- "required" streams incrementally; a cut-off call stays a call --------------------------------
+REQUIRED_REPLY = ('[{"name":"get_weather","parameters":{"city":"Paris","celsius":true}},'
+                  '{"name":"get_time","parameters":{"zone":"UTC"}}]')
+
+
+def test_required_streams_argument_deltas_as_generated(hermes_server):
+    hermes_server.fake.script = REQUIRED_REPLY
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400,
+            "stream": True}
+    events = sse_events(chat(hermes_server, body))
+    streamed = reassemble(events)
+    assert streamed["finish_reason"] == "tool_calls" and streamed["content"] is None
+    assert [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == [
+        ("get_weather", '{"city":"Paris","celsius":true}'), ("get_time", '{"zone":"UTC"}')]
+    # As the server sees the text grow token by token, the arguments go out as they grow.
+    from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan
+
+    stream, fragments = ToolCallStream(ToolPlan("required", TOOLS)), []
+    for end in range(1, len(REQUIRED_REPLY) + 1):
+        _, deltas = stream.deltas(REQUIRED_REPLY[:end], final=end == len(REQUIRED_REPLY))
+        fragments += [d["function"].get("arguments", "") for d in deltas]
+    assert len(fragments) > 20, "arguments arrive in pieces, not one delta per call"
+    assert fragments[0] == "" and "".join(fragments) == \
+        '{"city":"Paris","celsius":true}{"zone":"UTC"}'
+
+
+def test_a_required_call_cut_by_max_tokens_is_a_partial_call_not_content(hermes_server):
+    hermes_server.fake.script = REQUIRED_REPLY
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 45}
+    [choice] = chat(hermes_server, body).json()["choices"]
+    assert choice["finish_reason"] == "length"
+    assert not choice["message"]["content"]
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert call["function"]["arguments"] == REQUIRED_REPLY[REQUIRED_REPLY.index("{\"city"):45]
+    streamed = reassemble(sse_events(chat(hermes_server, {**body, "stream": True})))
+    assert streamed["finish_reason"] == "length" and streamed["content"] is None
+    assert [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == \
+        [("get_weather", REQUIRED_REPLY[REQUIRED_REPLY.index("{\"city"):45])]
+
+
+def test_disable_any_whitespace_combines_with_response_format(hermes_server):
+    hermes_server.fake.script = "{}"
+    r = chat(hermes_server, {"messages": USER, "max_tokens": 5,
+                             "response_format": {"type": "json_object"},
+                             "structured_outputs": {"disable_any_whitespace": True}})
+    assert r.status_code == 200, r.text
+    error = assert_openai_error(chat(hermes_server, {
+        "messages": USER, "structured_outputs": {"disable_any_whitespace": True}}), 400)
+    assert error["param"] == "structured_outputs"
+
+
+def test_unsupported_content_error_is_readable(hermes_server):
+    error = assert_openai_error(chat(hermes_server, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}]}]}), 400)
+    assert "content parts of type 'image_url' are not supported" in error["message"]
+    assert error["param"] == "messages.0.content.0"

@@ -182,7 +182,8 @@ class LLMEngine:
         for seq in seqs:
             seq.lora = lora
             if compiled is not None:
-                seq.grammar = SeqGrammar(compiled)   # one matcher per sequence (n > 1)
+                seq.grammar = SeqGrammar(   # one matcher per sequence (n > 1)
+                    compiled, params.structured_outputs.reasoning_end_token_id)
             self.scheduler.add_seq(seq)
         if compiled is not None:
             self._compiling[request.request_id] = (compiled, time.monotonic())

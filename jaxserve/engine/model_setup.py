@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.attention.backend import get_attention_backend
+from jaxserve.attention.backend import get_attention_backend, resolve_backend_name
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine.compute_dtype import auto_compute_dtype
 from jaxserve.models.arch import ModelArch
@@ -109,6 +109,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     platform = target_platform or jax.default_backend()
     warmup = warmup and target_platform is None
     config.finalize(platform)
+    # The config a server reports (and an AOT manifest records) names the concrete backend.
+    rc = config.runner_config
+    rc.attention_backend = resolve_backend_name(rc.attention_backend, platform)
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
     if jax.default_backend() == "cpu":

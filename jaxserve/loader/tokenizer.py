@@ -48,8 +48,14 @@ def read_chat_template(template_or_path: str | os.PathLike) -> str:
     if "{" not in text and "\n" not in text and len(text) < 4096:  # not a Jinja template itself
         path = Path(os.path.expanduser(text))
         if not path.is_file():
+            from jaxserve.chat_templates import bundled_names, bundled_template
+
+            bundled = bundled_template(text)
+            if bundled is not None:
+                return bundled
             raise FileNotFoundError(f"chat template file {text!r} does not exist (and the value "
-                                    "is not a Jinja template either)")
+                                    "is not a Jinja template, nor a bundled template name: "
+                                    f"{', '.join(bundled_names())})")
         return path.read_text()
     return text
 

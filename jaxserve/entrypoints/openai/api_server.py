@@ -57,7 +57,10 @@ from jaxserve.entrypoints.openai.protocol import (
 from jaxserve.entrypoints.openai.request_body import parse_body
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from jaxserve.entrypoints.openai.request_streams import new_request_id
 from jaxserve.entrypoints.openai.serving_engine import INLINE_TOKEN_IDS, off_loop_if
+from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     OpenAIServingLoRA,
@@ -164,6 +167,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names, config.server)
+    responses = OpenAIServingResponses(chat)
     for serving in (completions, chat):
         serving.log_requests = not config.server.disable_log_requests
     lora = OpenAIServingLoRA(engine.lora_registry, names[0])
@@ -214,6 +218,21 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         completions.check_capacity()         # a full queue refuses before reading the body
         request = await parse_body(raw_request, CompletionRequest)
         return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    @handle
+    async def create_response(raw_request: Request) -> Response:
+        """OpenAI Responses API (text, function tools, json_schema, reasoning items,
+        previous_response_id), streamed or not; served on the chat path."""
+        request = await parse_body(raw_request, ResponsesRequest)
+        return await responses.create_response(
+            request, raw_request, new_request_id("resp", raw_request, "_"))
+
+    @app.get("/v1/responses/{response_id}")
+    @handle
+    async def retrieve_response(raw_request: Request) -> Response:
+        """A stored response (store was not false, within the store's size and age)."""
+        return JSONResponse(responses.retrieve(raw_request.path_params["response_id"]))
 
     @app.post("/v1/chat/completions")
     @handle
@@ -341,7 +360,8 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         if status == 404 and message == "Not Found":
             message = (f"The route {request.method} {request.url.path} is not supported by "
                        f"this server (jaxserve serves /v1/completions, /v1/chat/completions, "
-                       f"/v1/models, /tokenize, /detokenize, /health, /metrics, /version).")
+                       f"/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics, "
+                       f"/version).")
         elif status == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}."
         kind = "not_found_error" if status == 404 else "invalid_request_error"

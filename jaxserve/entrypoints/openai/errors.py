@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -45,13 +46,28 @@ def engine_error(exc: BaseException) -> APIError:
 
 def validation_error(exc: ValidationError | Any) -> APIError:
     errors = exc.errors() if hasattr(exc, "errors") else []
+    # Our validators' own messages ("content parts of type 'image_url' are not supported")
+    # say what is wrong; the other branches of a union that also failed only bury them.
+    ours = [err for err in errors if str(err.get("msg", "")).startswith("Value error, ")]
+    if ours:
+        errors = [{**err, "msg": err["msg"].removeprefix("Value error, ")} for err in ours]
     parts, param = [], None
     for err in errors[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = ".".join(str(p) for p in err.get("loc", ()) if _field_name(p))
         param = param or loc or None
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return APIError("; ".join(parts) or str(exc), param=param)
 
+
+_TYPE_NAMES = {"body", "str", "list", "dict", "int", "float", "bool", "none"}
+
+
+def _field_name(part: Any) -> bool:
+    """A location part that names a field or index, not one of pydantic's union branches."""
+    if isinstance(part, int):
+        return True
+    return bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(part))) and \
+        str(part) not in _TYPE_NAMES and not str(part)[0].isupper()
 
 
 def reraise_disconnect(exc: BaseException) -> bool:

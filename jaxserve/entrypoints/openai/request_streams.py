@@ -18,17 +18,20 @@ T = TypeVar("T")
 MAX_CLIENT_REQUEST_ID_CHARS = 128  # longer x-request-id headers are cut (they go into logs)
 
 
-def new_request_id(prefix: str, raw_request: Request | None = None) -> tuple[str, str]:
-    """(the response's id, the engine requests' id prefix). With the client's x-request-id
-    header both carry it (its log lines then show it); the engine's gets a random suffix,
-    since two clients may send the same id."""
+def new_request_id(prefix: str, raw_request: Request | None = None,
+                   separator: str = "-") -> tuple[str, str]:
+    """(the response's id, the engine requests' id prefix): ``prefix``, ``separator``, then
+    the client's x-request-id header if it sent one, else a random id. With the header both
+    carry it (its log lines then show it); the engine's gets a random suffix, since two
+    clients may send the same id."""
     given = raw_request.headers.get("x-request-id") if raw_request is not None else None
-    if not given:
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return request_id, request_id
-    cleaned = "".join(c for c in given[:MAX_CLIENT_REQUEST_ID_CHARS]
+    cleaned = "".join(c for c in (given or "")[:MAX_CLIENT_REQUEST_ID_CHARS]
                       if c.isprintable() and not c.isspace())
-    return f"{prefix}-{cleaned}", f"{prefix}-{cleaned}-{uuid.uuid4().hex[:8]}"
+    if not cleaned:
+        request_id = f"{prefix}{separator}{uuid.uuid4().hex}"
+        return request_id, request_id
+    return (f"{prefix}{separator}{cleaned}",
+            f"{prefix}{separator}{cleaned}-{uuid.uuid4().hex[:8]}")
 
 
 async def until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:

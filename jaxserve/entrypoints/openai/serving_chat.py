@@ -11,14 +11,17 @@ finish_reason is then "tool_calls".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.config import ServerConfig
+from jaxserve.chat_templates import bundled_names, tool_aware_replacement
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect
 from jaxserve.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
@@ -31,15 +34,28 @@ from jaxserve.entrypoints.openai.request_streams import (
 from jaxserve.entrypoints.openai.serving_engine import INLINE_TEXT_CHARS, OpenAIServing
 from jaxserve.entrypoints.openai.sse import SSE_DONE, sse, sse_error
 from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
+from jaxserve.entrypoints.openai.choice_output import ChoiceOutput
 from jaxserve.entrypoints.openai.tool_calls import (
-    ToolCallStream,
     ToolPlan,
     plan_tools,
     tool_calls_message,
 )
-from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
-from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
+from jaxserve.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    get_tool_parser,
+    import_tool_parser_plugin,
+)
 from jaxserve.outputs import RequestOutput
+from jaxserve.reasoning import ReasoningParser, get_reasoning_parser, reasoning_end_token_id
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
+
+
+logger = logging.getLogger(__name__)
+
+TOOLS_NOT_RENDERED = ("the chat template does not render the request's tools: the model "
+                      "cannot see them.")
+_PROMPT_TAIL_TOKENS = 16      # enough of the prompt's end to see a <think> or </think>
 
 INLINE_MESSAGES = 256       # longer conversations are rendered off the event loop
 
@@ -51,10 +67,26 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, served_model_names)
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
+        else:
+            # A model whose own template drops tools (SmolLM2, the default model) gets
+            # jaxserve's tool-aware variant: it renders tool-free chats identically.
+            replacement = tool_aware_replacement(getattr(self.tokenizer, "chat_template", None))
+            if replacement is not None:
+                logger.info("serving the bundled tool-aware variant of the model's chat "
+                            "template (it renders tools; chats without tools are unchanged)")
+                self.chat_template = replacement
+        self._ignores_tools: dict[str | None, bool] = {}
         self.server_config = server_config or ServerConfig()
         if self.server_config.enable_auto_tool_choice and not self.server_config.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                              f"{', '.join(sorted(TOOL_PARSERS))})")
+        self.reasoning_end_id = None
+        if self.server_config.reasoning_parser is not None:
+            get_reasoning_parser(self.server_config.reasoning_parser)   # unknown: fail now
+            self.reasoning_end_id = reasoning_end_token_id(self.server_config.reasoning_parser,
+                                                           self.tokenizer)
+        if self.server_config.tool_parser_plugin is not None:
+            import_tool_parser_plugin(self.server_config.tool_parser_plugin)
         if self.server_config.tool_call_parser is not None:
             get_tool_parser(self.server_config.tool_call_parser)     # unknown name: fail now
 
@@ -89,9 +121,10 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"could not apply the chat template: {exc}", param="messages") \
                 from None
 
-    async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
-        model = self.model_name(request.model)
+    async def prepare(self, request: ChatCompletionRequest
+                      ) -> tuple[ToolPlan, list[int], SamplingParams, str]:
+        """(tool plan, prompt ids, sampling params, prompt tail text) of a chat request;
+        shared with /v1/responses so both run the same engine path."""
         plan = plan_tools(request, self.server_config)
         constraint = structured_outputs_of(request)
         if plan.constraint is not None:
@@ -108,6 +141,14 @@ class OpenAIServingChat(OpenAIServing):
                                        plan.tools if plan.uses_tools else None)
         if not prompt_ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
+        if plan.uses_tools:
+            plan.template_ignores_tools = await self.template_ignores_tools(request)
+        prompt_tail = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:])
+        if constraint is not None and self.reasoning_end_id is not None \
+                and self.new_reasoning(prompt_tail).thinking_disabled is False:
+            # The grammar starts after the thinking (vLLM's rule).
+            constraint = dataclasses.replace(constraint,
+                                             reasoning_end_token_id=self.reasoning_end_id)
         requested = request.max_completion_tokens
         if requested is None:
             requested = request.max_tokens
@@ -115,21 +156,66 @@ class OpenAIServingChat(OpenAIServing):
         num_top = request.top_logprobs or 0
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None,
                                       request.prompt_logprobs, constraint, request.stream)
+        return plan, prompt_ids, params, prompt_tail
 
+    async def template_ignores_tools(self, request: Any) -> bool:
+        """Whether the request's chat template renders nothing of a tool list (a probe chat
+        rendered with and without one tool; the server's template is checked once, with a
+        warning the first time it does not). Each such response carries an
+        ``x-jaxserve-warning`` header. A request's own template (trusted by then: `render`
+        refused it otherwise) is probed off the event loop and not remembered."""
+        request_template = getattr(request, "chat_template", None)
+        if request_template is not None:
+            return await asyncio.to_thread(self._probe_ignores_tools, request_template)
+        if self.chat_template not in self._ignores_tools:
+            ignores = self._probe_ignores_tools(self.chat_template)
+            self._ignores_tools[self.chat_template] = ignores
+            if ignores:
+                logger.warning(TOOLS_NOT_RENDERED + " Pass a tool-aware --chat-template (a "
+                               "file, or a bundled name: %s).", ", ".join(bundled_names()))
+        return self._ignores_tools[self.chat_template]
+
+    def _probe_ignores_tools(self, template: str | None) -> bool:
+        probe = [{"role": "user", "content": "probe"}]
+        tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {
+            "type": "object", "properties": {"probe_argument": {"type": "string"}}}}}
+        try:
+            return (apply_chat_template(self.tokenizer, probe, chat_template=template,
+                                        tools=[tool])
+                    == apply_chat_template(self.tokenizer, probe, chat_template=template))
+        except Exception:  # noqa: BLE001 - a template that fails the probe is not judged
+            return False
+
+    def new_reasoning(self, prompt_tail: str) -> ReasoningParser | None:
+        """A fresh reasoning parser for one choice (None: --reasoning-parser not set)."""
+        name = self.server_config.reasoning_parser
+        return None if name is None else get_reasoning_parser(name, prompt_tail)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        model = self.model_name(request.model)
+        plan, prompt_ids, params, prompt_tail = await self.prepare(request)
         request_id, engine_id = new_request_id("chatcmpl", raw_request)
         created = int(time.time())
         [stream] = await self.start_requests(engine_id, [prompt_ids], [params],
                                              self.lora_for(model))
+
+        def new_output() -> ChoiceOutput:
+            return ChoiceOutput(plan, self.new_reasoning(prompt_tail))
+        headers = {"x-jaxserve-warning": TOOLS_NOT_RENDERED} \
+            if plan.template_ignores_tools else None
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, model, created, stream, len(prompt_ids),
-                             plan), media_type="text/event-stream")
+                             plan, new_output), media_type="text/event-stream",
+                headers=headers)
         [final] = await until_disconnect(raw_request, collect_finals([stream]))
         return JSONResponse(self._full_response(request, request_id, model, created, final,
-                                                plan))
+                                                plan, new_output), headers=headers)
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, model: str,
-                       created: int, final: RequestOutput, plan: ToolPlan) -> dict[str, Any]:
+                       created: int, final: RequestOutput, plan: ToolPlan,
+                       new_output: Callable[[], ChoiceOutput]) -> dict[str, Any]:
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             if c.finish_reason == "abort":
@@ -139,15 +225,21 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = {"content": chat_logprobs(c.token_ids, c.logprobs or [],
                                                      request.top_logprobs or 0, self.tokenizer)}
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reasoning, content, calls = new_output().split(c.text, final=True)
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": content or None if calls else content}
+            if reasoning is not None:       # vLLM's field, and its older name
+                message["reasoning"] = message["reasoning_content"] = reasoning
             finish_reason = c.finish_reason
-            if plan.uses_tools:
-                content, calls = ToolCallStream(plan).split(c.text, final=True)
-                message["content"] = content or None if calls else content
-                if calls:
-                    message["tool_calls"] = tool_calls_message(calls)
-                    if finish_reason == "stop":
-                        finish_reason = "tool_calls"
+            if calls and plan.legacy:        # the functions API: one call, its own field
+                message["function_call"] = {"name": calls[0].name,
+                                            "arguments": calls[0].arguments}
+                if finish_reason == "stop":
+                    finish_reason = "function_call"
+            elif calls:
+                message["tool_calls"] = tool_calls_message(calls)
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
             choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         usage = usage_dict(len(final.prompt_token_ids),
@@ -158,9 +250,11 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       created: int, stream: AsyncIterator[RequestOutput],
-                      num_prompt_tokens: int, plan: ToolPlan) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, plan: ToolPlan,
+                      new_output: Callable[[], ChoiceOutput]) -> AsyncIterator[str]:
         """SSE chunks of the choices' deltas (each RequestOutput carries only what is new)."""
-        choices = [_ChatChoiceStream(self, request, j, plan) for j in range(request.n)]
+        choices = [_ChatChoiceStream(self, request, j, plan, new_output())
+                   for j in range(request.n)]
         num_cached = 0
 
         def chunk(choice_dicts: list[dict], usage: dict | None = None) -> str:
@@ -190,16 +284,16 @@ class OpenAIServingChat(OpenAIServing):
 
 
 class _ChatChoiceStream:
-    """One streamed choice: tokens whose logprobs are not sent yet and, with tools, the
-    text so far (tool-call parsing reads the whole text)."""
+    """One streamed choice: tokens whose logprobs are not sent yet and its ChoiceOutput
+    (reasoning and tool-call parsing read the whole text so far)."""
 
     def __init__(self, serving: OpenAIServing, request: ChatCompletionRequest, index: int,
-                 plan: ToolPlan) -> None:
+                 plan: ToolPlan, output: ChoiceOutput) -> None:
         self.tokenizer = serving.tokenizer
         self.request = request
         self.index = index
-        self.tools = ToolCallStream(plan) if plan.uses_tools else None
-        self.text_pieces: list[str] = []
+        self.plan = plan
+        self.output = output
         self.finished = False
         self.num_tokens = 0
         self.pending_ids: list[int] = []
@@ -214,19 +308,22 @@ class _ChatChoiceStream:
             self.pending_ids += c.token_ids
             self.pending_logprobs += c.logprobs or []
         finish_reason = c.finish_reason
-        if self.tools is None:
-            text, calls = c.text, []
-        else:
-            self.text_pieces.append(c.text)
-            text, calls = self.tools.deltas("".join(self.text_pieces),
-                                            final=finish_reason is not None)
-            if self.tools.ids and finish_reason == "stop":
-                finish_reason = "tool_calls"
+        reasoning, text, calls = self.output.feed(c.text, final=finish_reason is not None)
+        if self.output.called_tools and finish_reason == "stop":
+            finish_reason = "function_call" if self.plan.legacy else "tool_calls"
         bodies = []
+        if reasoning:       # vLLM's field, and its older name
+            bodies.append({"index": self.index, "delta": {
+                "reasoning": reasoning, "reasoning_content": reasoning},
+                "logprobs": self._take_logprobs(), "finish_reason": None})
         if text:
             bodies.append({"index": self.index, "delta": {"content": text},
                            "logprobs": self._take_logprobs(), "finish_reason": None})
-        if calls:
+        if calls and self.plan.legacy:      # the functions API: one call, its own field
+            bodies.append({"index": self.index, "delta": {
+                "function_call": dict(calls[0]["function"])},
+                "logprobs": self._take_logprobs(), "finish_reason": None})
+        elif calls:
             bodies.append({"index": self.index, "delta": {"tool_calls": calls},
                            "logprobs": self._take_logprobs(), "finish_reason": None})
         if finish_reason is not None:

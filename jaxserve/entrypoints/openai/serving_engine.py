@@ -41,6 +41,7 @@ async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
+
 class OpenAIServing:
     """Model names, limits and helpers every OpenAI endpoint uses."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import SamplingFields
-from jaxserve.structured_outputs_params import StructuredOutputsParams
+from jaxserve.structured_outputs_params import CONSTRAINT_FIELDS, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -25,8 +25,15 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
     response_format = _response_format(request.response_format)
     if response_format is not None:
         sources.append(("response_format", response_format))
+    options: dict[str, Any] = {}
     if request.structured_outputs is not None:
-        sources.append(("structured_outputs", dict(request.structured_outputs)))
+        fields = dict(request.structured_outputs)
+        if any(fields.get(name) not in (None, False) for name in CONSTRAINT_FIELDS):
+            sources.append(("structured_outputs", fields))
+        else:
+            # Options only (disable_any_whitespace, ...): they modify whichever field
+            # carries the constraint, e.g. response_format.
+            options = {k: v for k, v in fields.items() if v is not None}
     guided = {field: getattr(request, name) for name, field in _GUIDED.items()
               if getattr(request, name) is not None}
     if guided:
@@ -42,10 +49,14 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
         raise APIError(f"guided_decoding_backend must be 'auto' or 'xgrammar', got "
                        f"{request.guided_decoding_backend!r}", param="guided_decoding_backend")
     if not sources:
+        if options:
+            raise APIError("structured_outputs sets options but no constraint (json, regex, "
+                           "choice, grammar or json_object), nor does response_format",
+                           param="structured_outputs")
         return None
     param, fields = sources[0]
     try:
-        return StructuredOutputsParams.from_dict(fields)
+        return StructuredOutputsParams.from_dict({**fields, **options})
     except (ValueError, TypeError) as exc:
         raise APIError(str(exc), param=param) from None
 

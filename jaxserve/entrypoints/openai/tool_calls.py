@@ -18,6 +18,7 @@ full response uses the same code on the final text, so streamed deltas reassembl
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None   # required / named: the schema
     parser_name: str | None = None             # auto mode
     parallel: bool = True
+    template_ignores_tools: bool = False       # set when the prompt is rendered
+    legacy: bool = False                       # functions/function_call: answer in kind
 
     @property
     def uses_tools(self) -> bool:
@@ -56,7 +59,7 @@ class ToolPlan:
             return _NamedCallParser(self.function_name or "")
         if self.mode == "required":
             return _RequiredCallsParser()
-        return get_tool_parser(self.parser_name or "")
+        return get_tool_parser(self.parser_name or "", tools=self.tools)
 
 
 def plan_tools(request: ChatCompletionRequest, server: ServerConfig) -> ToolPlan:
@@ -71,8 +74,17 @@ def plan_tools(request: ChatCompletionRequest, server: ServerConfig) -> ToolPlan
         choice = request.function_call
         if isinstance(choice, dict):
             choice = {"type": "function", "function": choice}
-    else:
-        tools = [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None
+        if choice is None:
+            choice = "auto"
+        plan = _plan(tools, choice, False, server)
+        plan.legacy = True            # one call, as message.function_call
+        return plan
+    tools = [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None
+    return _plan(tools, choice, request.parallel_tool_calls is not False, server)
+
+
+def _plan(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool,
+          server: ServerConfig) -> ToolPlan:
     if not tools:
         if choice not in (None, "none"):
             raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
@@ -80,7 +92,6 @@ def plan_tools(request: ChatCompletionRequest, server: ServerConfig) -> ToolPlan
     if choice is None:
         choice = "auto"
     names = [t["function"]["name"] for t in tools]
-    parallel = request.parallel_tool_calls is not False
     if choice == "none":
         return ToolPlan()
     if choice == "auto":
@@ -143,7 +154,10 @@ class _NamedCallParser(ToolParser):
 
 
 class _RequiredCallsParser(ToolParser):
-    """A JSON array of {"name", "parameters"}: each call once its object is complete."""
+    """A JSON array of {"name", "parameters"} (the constraint writes the keys in that
+    order): a call appears once its name is complete, and its arguments are the raw text of
+    its "parameters" value as far as it is written, so they stream as generated and a call
+    cut off by max_tokens is still a (partial) call, never content."""
 
     def split(self, text: str, final: bool) -> tuple[str, list[ParsedToolCall]]:
         decoder, calls = json.JSONDecoder(), []
@@ -155,15 +169,36 @@ class _RequiredCallsParser(ToolParser):
             while pos < len(text) and text[pos] in " \t\r\n,":
                 pos += 1
             if pos >= len(text) or text[pos] == "]":
-                return (text, []) if final and not calls else ("", calls)
+                return "", calls
             try:
-                obj, pos = decoder.raw_decode(text, pos)
+                obj, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError:
-                # The next call is still being written; cut off for good (max_tokens)
-                # and not one call complete, the text is all the client can have.
-                return (text, []) if final and not calls else ("", calls)
-            calls.append(ParsedToolCall(obj["name"], json.dumps(obj["parameters"],
-                                                                ensure_ascii=False)))
+                partial = _partial_call(text, pos)
+                if partial is not None:
+                    calls.append(partial)
+                return "", calls
+            call = _partial_call(text, pos)
+            if call is None:            # keys in another order: the object, re-serialised
+                call = ParsedToolCall(obj["name"], json.dumps(obj["parameters"],
+                                                              ensure_ascii=False))
+            calls.append(call)
+            pos = end
+
+
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+
+
+def _partial_call(text: str, pos: int) -> ParsedToolCall | None:
+    """The call starting at ``pos`` as far as it is written: None until its name is."""
+    head = _CALL_HEAD.match(text, pos)
+    if head is None:
+        return None
+    start = head.end()
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError:
+        end = len(text)
+    return ParsedToolCall(json.loads(head.group(1)), text[start:end])
 
 
 def new_tool_call_id() -> str:
