@@ -18,15 +18,18 @@
 // pool (parallel_for.h); each worker runs oneDNN on its range single-threaded (its OpenMP
 // team is set to 1 in that thread), so no OpenMP pool spins beside XLA's.
 //
-// The one kernel of our own: rows <= kMaxGemvRows (a decode of a few sequences, a verify
-// step) take a register-blocked GEMV that streams the weights once (bandwidth-bound: bf16
-// weights halve its bytes). Measured against oneDNN on the same call (AMD EPYC Zen 3, AVX2,
-// 2 shared cores, SmolLM2's seven projections x 30 layers, benchmarks/bench_layer_matmul.py):
-// see GEMV_MARGIN in jaxserve/kernels/cpu/matmul.py for the numbers that keep it.
+// The one kernel of our own: int8 weights with float x at rows <= kMaxGemvRows (W8A16, a
+// decode of a few sequences) take a register-blocked GEMV that streams the weights once at
+// the memory's speed (a quarter of f32's bytes; the oneDNN call takes int8 weights only with
+// int8 x, W8A8). Float weights take oneDNN at every row count: the same GEMV over f32 weights
+// was not measurably faster than oneDNN in one-row decodes (AMD EPYC, AVX2, 2 shared cores,
+// SmolLM2 f32, alternating single-stream runs on a loaded box: 4.4 / 9.6 / 7.4 tok/s against
+// oneDNN's 5.8 / 5.5 / 7.0); tests force it with gemv_rows.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 #include <map>
 #include <mutex>
 #include <string>
@@ -67,63 +70,81 @@ inline uint16_t f32_to_bf16(float f) {   // round to nearest even (NaN stays NaN
 }
 
 // ---------------------------------------------------------------------------
-// GEMV: a few rows, the weights streamed once. A tile of T rows x NV vectors of output
-// columns lives in registers while it walks kGemvKBlock weight rows, then is stored and
-// reloaded for the next block; workers take contiguous column ranges (no partial sums).
+// GEMV: a few rows, the weights streamed once in memory order. A tile of T rows x NV native
+// vectors of output columns lives in registers while it walks kGemvKBlock weight rows (that
+// many sequential streams: what the hardware prefetchers follow), then is stored and
+// reloaded for the next block. The columns are cut into more parts than workers so a
+// worker that starts late (a busy shared box) takes less of them.
 // ---------------------------------------------------------------------------
 
 constexpr int64_t kMaxGemvRows = 8;
 constexpr int64_t kGemvKBlock = 8;
-constexpr int kLanes = 16;
+constexpr int64_t kGemvPartsPerWorker = 4;
 #ifdef __AVX512F__
-constexpr int kGemvAccRegs = 16;   // 16-float accumulators per tile, of 32 zmm registers
+constexpr int kLanes = 16;         // one zmm register
+constexpr int kGemvAccRegs = 16;   // accumulators per tile, of 32 registers
 #else
-constexpr int kGemvAccRegs = 4;    // a v16 is two ymm registers: 8 of AVX2's 16
+constexpr int kLanes = 8;          // one ymm register (AVX2) or two xmm (SSE)
+constexpr int kGemvAccRegs = 8;    // of AVX2's 16: the rest hold weights and x
 #endif
 
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t h16u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u16x32 __attribute__((vector_size(64)));
+// Register types (natural alignment) and unaligned memory views of them (loads and stores
+// through these compile to single vmovups; a memcpy into an under-aligned vector type made
+// g++ bounce every load through the stack: 1.7 GB/s instead of the memory's speed).
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vw __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+typedef float vfu __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
+typedef uint16_t vhu __attribute__((vector_size(kLanes * 2), aligned(2), may_alias));
+typedef int8_t vbu __attribute__((vector_size(kLanes), aligned(1), may_alias));
 
-inline v16u load16(const float* p) { v16u v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline v16u load16(const uint16_t* p) {
-  h16u h;
-  std::memcpy(&h, p, sizeof(h));
-  const u16x32 wide = __builtin_convertvector(h, u16x32) << 16;
-  v16u v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
+inline vf loadv(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline vf loadv(const uint16_t* p) {   // bf16: the top half of an f32
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+  return reinterpret_cast<vf>(__builtin_convertvector(*reinterpret_cast<const vhu*>(p), vw)
+                              << 16);
+#endif
 }
-typedef int8_t b16u __attribute__((vector_size(16), aligned(1)));
-typedef float f16x32 __attribute__((vector_size(64)));
-inline v16u load16(const int8_t* p) {   // int8 weights (W8A16: the caller applies the scale)
-  b16u b;
-  std::memcpy(&b, p, sizeof(b));
-  const f16x32 f = __builtin_convertvector(b, f16x32);
-  v16u v;
-  std::memcpy(&v, &f, sizeof(v));
-  return v;
+inline vf loadv(const int8_t* p) {     // int8 weights (W8A16: the caller applies the scale)
+  // g++ turns the generic conversion into scalar code (a third of the memory's speed): the
+  // sign-extend and convert instructions by name where the target has them.
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const vbu*>(p), vi),
+                                 vf);
+#endif
 }
-inline void store16(float* p, v16u v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storev(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")   // keeps acc[][] in registers (g++, clang++)
 
 template <int T, int NV, typename W>
 void gemv_tile(const float* X, const W* Wt, float* Y, int64_t in, int64_t out, int64_t o0,
                int64_t k0, int64_t k1) {
-  v16u acc[T][NV];
-  for (int t = 0; t < T; ++t)
-    for (int n = 0; n < NV; ++n)
-      acc[t][n] = k0 == 0 ? v16u{} : load16(Y + t * out + o0 + n * kLanes);
+  vf acc[T][NV];
+  JAXSERVE_UNROLL for (int t = 0; t < T; ++t)
+    JAXSERVE_UNROLL for (int n = 0; n < NV; ++n)
+      acc[t][n] = k0 == 0 ? vf{} : loadv(Y + t * out + o0 + n * kLanes);
   for (int64_t i = k0; i < k1; ++i) {
     const W* w = Wt + i * out + o0;
-    v16u wv[NV];
-    for (int n = 0; n < NV; ++n) wv[n] = load16(w + n * kLanes);
-    for (int t = 0; t < T; ++t) {
-      const v16u xv = v16u{} + X[t * in + i];
-      for (int n = 0; n < NV; ++n) acc[t][n] += xv * wv[n];
+    JAXSERVE_UNROLL for (int n = 0; n < NV; ++n) {
+      const vf wv = loadv(w + n * kLanes);
+      JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[t][n] += X[t * in + i] * wv;
     }
   }
-  for (int t = 0; t < T; ++t)
-    for (int n = 0; n < NV; ++n) store16(Y + t * out + o0 + n * kLanes, acc[t][n]);
+  JAXSERVE_UNROLL for (int t = 0; t < T; ++t)
+    JAXSERVE_UNROLL for (int n = 0; n < NV; ++n) storev(Y + t * out + o0 + n * kLanes, acc[t][n]);
 }
 
 inline float weight_at(const float* w, int64_t i) { return w[i]; }
@@ -145,7 +166,7 @@ void gemv_columns(const float* X, const W* Wt, float* Y, int64_t in, int64_t out
       gemv_tile<T, NV>(X, Wt, Y, in, out, o, k0, k1);
     for (int64_t o = full; o < vec; o += kLanes) gemv_tile<T, 1>(X, Wt, Y, in, out, o, k0, k1);
   }
-  for (int64_t o = vec; o < c1; ++o)   // fewer than 16 columns left (out % 16)
+  for (int64_t o = vec; o < c1; ++o)   // fewer than kLanes columns left (out % kLanes)
     for (int t = 0; t < T; ++t) {
       float a = 0.f;
       for (int64_t i = 0; i < in; ++i) a += X[t * in + i] * weight_at(Wt, i * out + o);
@@ -159,9 +180,10 @@ void gemv_rows_of(ffi::ThreadPool& pool, const float* X, const W* Wt, float* Y, 
   constexpr int64_t tile = gemv_vectors<T>() * kLanes;
   const int64_t tiles = (out + tile - 1) / tile;
   const int64_t workers = streaming_workers(pool, in * out * int64_t(sizeof(W)) / 4, tiles);
-  parallel_for(pool, workers, workers, [&](int64_t part, int64_t) {
-    const int64_t c0 = std::min(out, tiles * part / workers * tile);
-    const int64_t c1 = std::min(out, tiles * (part + 1) / workers * tile);
+  const int64_t parts = workers <= 1 ? 1 : std::min<int64_t>(tiles, workers * kGemvPartsPerWorker);
+  parallel_for(pool, parts, workers, [&](int64_t part, int64_t) {
+    const int64_t c0 = std::min(out, tiles * part / parts * tile);
+    const int64_t c1 = std::min(out, tiles * (part + 1) / parts * tile);
     gemv_columns<T>(X, Wt, Y, in, out, c0, c1);
   });
 }

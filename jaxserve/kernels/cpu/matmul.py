@@ -7,8 +7,9 @@ dispatches by vendor, oneDNN by CPU feature flags (AMX, AVX512-BF16, AVX-512, AV
 same code on Intel and AMD. Without oneDNN (or a compiler) `available()` is False and the
 model keeps XLA's dot.
 
-GEMV_MARGIN: rows <= 8 take matmul.cc's own streaming GEMV (f32 accumulate over f32 or bf16
-weights read in place) rather than oneDNN; measured by benchmarks/bench_layer_matmul.py.
+matmul.cc's own streaming GEMV (f32 accumulation over f32 / bf16 / int8 weights read in
+place) serves int8 weights with float x at rows <= 8 (W8A16); float weights take oneDNN at
+every row count, the GEMV being no faster there (matmul.cc's header has the numbers).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 TARGET = "jaxserve_matmul"
 SYMBOL = "JaxserveMatmul"
 MAX_GEMV_ROWS = 8
-GEMV_MARGIN = "see benchmarks/results/layer_matmul.json"
 
 _lock = threading.Lock()
 _registered: Path | None = None
