@@ -277,11 +277,10 @@ class ModelRunner(StepCompilation):
             else self._put(inputs.grammar_bitmask)
         self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
             self.params, self.k_cache, self.v_cache, self.last_tokens,
-            # A copy: `jax.device_put` may alias numpy memory on CPU, the host rewrites this
-            # bucket's buffer for its next step, and any number of steps can be in flight
-            # (the draft proposer dispatches its prefill chunks and k - 1 decodes before
-            # collecting; a rotation of three buffers fed k = 7's later decodes the inputs
-            # of newer steps). A few KB.
+            # A copy (a few KB): `jax.device_put` may alias numpy memory on CPU and the host
+            # rewrites this bucket's buffer for its next step, while any number of earlier
+            # steps may still be in flight (the draft proposer dispatches several before
+            # collecting): each step must own the inputs it was given.
             self._put(inputs.packed.copy()),
             penalty, bias_ids, bias_values, bitmask, self._lora_stacks())
         out[0].next_tokens.copy_to_host_async()
