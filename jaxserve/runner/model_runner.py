@@ -4,8 +4,8 @@ The runner knows tensors, never queues or `Sequence`s: it applies the scheduler'
 diffs to its persistent batch (input_batch.py), packs the step's inputs into one
 int32 buffer for bucket (T, S), and calls that bucket's ahead-of-time compiled
 executable with the KV cache and ``last_tokens`` donated. The call returns at once
-(JAX dispatch is asynchronous); `PendingStep.result()` waits for the sampled
-tokens. Between the two the host schedules and packs the next step, whose decodes
+(JAX dispatch is asynchronous); `PendingStep.result()` (the end of this file) waits
+for the sampled tokens. Between the two the host schedules and packs the next step, whose decodes
 read this step's samples from ``last_tokens`` on the device.
 """
 
@@ -32,10 +32,14 @@ from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, StepInputs
-from jaxserve.runner.pending_step import PendingStep
 from jaxserve.runner.step_compilation import StepCompilation, wait_for_background_compiles
 from jaxserve.runner.step_function import StepOutputs
-from jaxserve.step_contract import SchedulerOutput
+from jaxserve.step_contract import (
+    PromptLogprobsChunk,
+    RunnerOutput,
+    SampledLogprobs,
+    SchedulerOutput,
+)
 from jaxserve.step_inputs import StepLayout
 
 __all__ = ["ModelRunner", "PendingStep", "StepOutputs", "wait_for_background_compiles"]
@@ -354,3 +358,64 @@ class ModelRunner(StepCompilation):
         logits, self.k_cache, self.v_cache = self._prompt_logits_fns[t](
             self.params, self.k_cache, self.v_cache, self._put(buf), self._lora_stacks())
         return np.asarray(logits)[:n]
+
+
+# -- a dispatched step ---------------------------------------------------------------------------
+class PendingStep:
+    """A dispatched step; `result()` waits for its samples and returns a RunnerOutput."""
+
+    def __init__(self, runner: ModelRunner, out: SchedulerOutput, rows: np.ndarray,
+                 kv_lens: np.ndarray, device_out: StepOutputs, want_logprobs: bool,
+                 prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()) -> None:
+        self._runner, self._out, self._rows, self._kv_lens = runner, out, rows, kv_lens
+        (self._sampler_out, self._num_emitted), self._prompt_out = device_out
+        self._want_logprobs = want_logprobs
+        self._prompt_logprobs_rows = prompt_logprobs_rows
+        self._result: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._result is None:
+            n = self._out.num_rows
+            width = self._runner.num_spec_tokens + 1     # tokens per row in the outputs
+            all_tokens = np.asarray(self._sampler_out.next_tokens)[:n * width]
+            logprobs = None
+            if self._want_logprobs:
+                o = jax.device_get(self._sampler_out)
+                logprobs = SampledLogprobs(np.asarray(o.sampled_logprobs)[:n * width],
+                                           np.asarray(o.sampled_ranks)[:n * width],
+                                           np.asarray(o.top_token_ids)[:n * width],
+                                           np.asarray(o.top_logprobs)[:n * width])
+            emitted = None
+            if self._num_emitted is None:
+                tokens = all_tokens.tolist()
+                self._runner.batch.record_sampled(self._out.seq_ids, self._rows,
+                                                  self._kv_lens, self._out.is_sampling, tokens)
+            else:
+                grid = all_tokens.reshape(n, width)
+                counts = np.asarray(self._num_emitted)[:n]
+                tokens = grid[:, 0].tolist()
+                emitted = [grid[i, :counts[i]].tolist() for i in range(n)]
+                drafts = np.asarray([len(self._out.draft_token_ids.get(s, ()))
+                                     for s in self._out.seq_ids], np.int64)
+                self._runner.batch.record_emitted(self._out.seq_ids, self._rows,
+                                                  self._kv_lens - drafts,
+                                                  self._out.is_sampling, grid, counts)
+            self._result = RunnerOutput(tokens, logprobs, self._prompt_logprobs(),
+                                        emitted_token_ids=emitted, logprobs_stride=width)
+            self._sampler_out = self._prompt_out = self._num_emitted = None
+        return self._result
+
+    def _prompt_logprobs(self) -> dict[int, PromptLogprobsChunk]:
+        if not self._prompt_logprobs_rows:
+            return {}
+        o = jax.device_get(self._prompt_out)
+        batch = self._runner.batch
+        chunks = {}
+        for i, first, slot, count in self._prompt_logprobs_rows:
+            row, end = self._rows[i], slot + count
+            chunks[i] = PromptLogprobsChunk(
+                first, batch.token_ids[row, first:first + count].copy(),
+                np.asarray(o.logprobs[slot:end]), np.asarray(o.ranks[slot:end]),
+                np.asarray(o.top_token_ids[slot:end]), np.asarray(o.top_logprobs[slot:end]))
+        return chunks
+
