@@ -54,14 +54,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.engine_io import EngineCoreOutput
+from jaxserve.engine.engine_io import EngineCoreOutput, InputProcessor
 from jaxserve.engine.engine_thread import EngineThreadLoop
 from jaxserve.engine.errors import (
     EngineDeadError,
     QueueFullError,
     ShuttingDownError,
 )
-from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.protocol import SteppedEngine
 from jaxserve.engine.request_stream import RequestStream
 from jaxserve.engine.request_text import RequestText, TokenTexts
