@@ -7,8 +7,8 @@
 //
 // Why in place: the decoder scans its layers over weights stacked [L, in, out]; XLA:CPU hands
 // each dot a dynamic slice of them, and that slice is a copy of every layer's weights in every
-// step (bf16 under the scan ran 6x slower than bf16 on per-layer buffers). The call reads
-// w[layer] through a strided oneDNN memory descriptor instead.
+// step, so a step's cost would grow with the model's whole weight bytes rather than with
+// what it reads. The call reads w[layer] through a strided oneDNN memory descriptor instead.
 //
 // Which code: oneDNN picks its kernel from the CPU's features at run time (AMX-BF16 tiles,
 // AVX512-BF16 dot products, plain AVX-512 / AVX2 with bf16 converted to f32, a reference
@@ -21,10 +21,9 @@
 // The one kernel of our own: int8 weights with float x at rows <= kMaxGemvRows (W8A16, a
 // decode of a few sequences) take a register-blocked GEMV that streams the weights once at
 // the memory's speed (a quarter of f32's bytes; the oneDNN call takes int8 weights only with
-// int8 x, W8A8). Float weights take oneDNN at every row count: the same GEMV over f32 weights
-// was not measurably faster than oneDNN in one-row decodes (AMD EPYC, AVX2, 2 shared cores,
-// SmolLM2 f32, alternating single-stream runs on a loaded box: 4.4 / 9.6 / 7.4 tok/s against
-// oneDNN's 5.8 / 5.5 / 7.0); tests force it with gemv_rows.
+// int8 x, W8A8). Float weights take oneDNN at every row count: the GEMV over f32 weights is
+// kept off while it does not beat oneDNN there (benchmarks/bench_layer_matmul.py); tests
+// force it with gemv_rows.
 
 #include <algorithm>
 #include <cstdint>
