@@ -62,13 +62,13 @@ def no_op_device(runner, vocab: int, rng: np.random.Generator) -> None:
     k = runner.num_top_logprobs
     outs: dict[int, list] = {}
 
-    def fake(params, k_cache, v_cache, last_tokens, packed, *tables):
+    def fake(params, k_cache, v_cache, last_tokens, penalty_state, packed, *tables):
         s = runner._fake_s
         pool = outs[s]
         out = pool[runner._fake_i % len(pool)]
         runner._fake_i += 1
         # (samples, emitted counts: None without speculative decoding), no prompt logprobs
-        return k_cache, v_cache, last_tokens, (out, None), None
+        return k_cache, v_cache, last_tokens, penalty_state, (out, None), None
 
     for t, s in runner.buckets.all_shapes():
         outs[s] = [jax.device_put(SamplerOutput(

@@ -37,7 +37,14 @@ from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
 from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
-from jaxserve.runner.input_batch import InputBatch, StepInputs
+from jaxserve.runner.input_batch import InputBatch, PenaltyAdmissions, StepInputs
+from jaxserve.runner.penalty_state import (
+    PenaltyHistory,
+    PenaltyState,
+    count_emitted,
+    empty_penalty_state,
+    load_history,
+)
 from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
@@ -80,14 +87,16 @@ def wait_for_background_compiles(timeout: float | None = None) -> bool:
 StepOutputs = tuple[tuple[SamplerOutput, jax.Array | None], PromptLogprobsOutput | None]
 
 
-def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
-          bias_values, grammar_bitmask, lora_stacks=None, *, model: Any, model_constants, layout: StepLayout,
-          num_top_logprobs: int, num_spec_tokens: int = 0, num_spec_rows: int = 0,
-          logits_shardings: tuple = ()):
+def _step(params, k_cache, v_cache, last_tokens, penalty_state, packed, bias_token_ids,
+          bias_values, grammar_bitmask, lora_stacks=None, *, model: Any, model_constants,
+          layout: StepLayout, num_top_logprobs: int, num_spec_tokens: int = 0,
+          num_spec_rows: int = 0, logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token
     (and the prompt logprobs of the positions that ask, when the bucket has slots for them).
 
     last_tokens: i32[R + 1], the latest sample of every persistent row (donated, updated).
+    penalty_state: the rows' penalty history (runner/penalty_state.py; donated, updated
+    with the tokens the rows marked ``penalty_counted`` emit).
     grammar_bitmask: i32[S, ceil(V/32)], allowed tokens per row (all ones: unconstrained).
     num_spec_tokens (k > 0: speculative decoding on): the sampler's outputs are [S * (k+1)]
     and ``num_emitted`` [S] says how many tokens each row emits (jaxserve/spec_decode).
@@ -108,31 +117,40 @@ def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias
         return logits                                                      # then gather
 
     last = f["logits_indices"]
+    num_seqs = layout.num_seqs
+    # The whole penalty history is in the tables: every token sampled before this step was
+    # added to them by its own step.
+    history = PenaltyHistory(f["batch_rows"], penalty_state)
     sampling = SamplingTensors(
         temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
         presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
         repetition_penalty=f["repetition_penalty"], seeds=f["seeds"],
         step_index=f["kv_lens"] - f["num_prompt_tokens"], num_logprobs=f["num_logprobs"],
-        penalty_token_ids=penalty_token_ids, num_prompt_tokens=f["num_prompt_tokens"],
-        bias_token_ids=bias_token_ids, bias_values=bias_values,
-        newest_token_ids=jnp.where(f["token_ids"][last] < 0, token_ids[last], -1))
+        penalty_token_ids=jnp.zeros((num_seqs, 0), jnp.int32),
+        num_prompt_tokens=f["num_prompt_tokens"], bias_token_ids=bias_token_ids,
+        bias_values=bias_values, newest_token_ids=jnp.full(num_seqs, -1, jnp.int32))
     num_emitted = None
     if num_spec_tokens:
         out, num_emitted = sample_with_drafts(
             hidden, logits_of, token_ids, last, f["num_drafts"], sampling, grammar_bitmask,
             num_spec_tokens=num_spec_tokens, num_spec_rows=num_spec_rows,
-            num_top_logprobs=num_top_logprobs)
+            num_top_logprobs=num_top_logprobs, penalty_history=history)
         newest = last_emitted(out, num_emitted)
+        emitted = out.next_tokens.reshape(num_seqs, num_spec_tokens + 1)
+        counted = jnp.arange(num_spec_tokens + 1)[None, :] < num_emitted[:, None]
     else:
         out = sample(logits_of(hidden[last]), sampling, num_top_logprobs,
-                     grammar_bitmask=grammar_bitmask)
+                     grammar_bitmask=grammar_bitmask, penalty_history=history)
         newest = out.next_tokens
+        emitted, counted = newest[:, None], jnp.ones((num_seqs, 1), jnp.bool_)
     last_tokens = last_tokens.at[f["batch_rows"]].set(newest, mode="drop")
+    penalty_state = count_emitted(penalty_state, f["batch_rows"], emitted,
+                                  counted & (f["penalty_counted"][:, None] > 0))
     prompt_out = None
     if layout.num_prompt_logprobs:
         prompt_out = prompt_logprobs(logits_of, hidden, f["prompt_logprobs_indices"],
                                      f["prompt_logprobs_targets"], num_top_logprobs)
-    return k_cache, v_cache, last_tokens, (out, num_emitted), prompt_out
+    return k_cache, v_cache, last_tokens, penalty_state, (out, num_emitted), prompt_out
 
 
 class PendingStep:
@@ -277,6 +295,16 @@ class ModelRunner:
                 daemon=True)
             self._kv_thread.start()
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
+        # The penalty history tables, [R + 1, V] (runner/penalty_state.py): zeroed on the
+        # device, replicated like the step's inputs.
+        self._empty_penalty_state = jax.jit(
+            functools.partial(empty_penalty_state, max_num_seqs + 1, arch.vocab_size),
+            out_shardings=input_sharding)
+        penalty_spec = self._spec(jax.eval_shape(self._empty_penalty_state), input_sharding)
+        self.penalty_state: PenaltyState | None = \
+            None if abstract else self._empty_penalty_state()
+        self._history_loader: Any = None     # compiled by warmup (or the first admission)
+        self._no_resets: Any = None
         self._steps = {}   # (T, S) -> compiled executable
         # Set once every bucket is compiled (warmup); until then a step may run padded in the
         # smallest compiled bucket that fits (see warmup(background=True)).
@@ -287,7 +315,8 @@ class ModelRunner:
         # What the step is lowered against: the donated arrays' shapes and shardings, never
         # the arrays (a background compile must not read a buffer a step has just donated).
         self._state_specs = (cache_spec, cache_spec, jax.ShapeDtypeStruct(
-            self.last_tokens.shape, self.last_tokens.dtype, sharding=self.last_tokens.sharding))
+            self.last_tokens.shape, self.last_tokens.dtype, sharding=self.last_tokens.sharding),
+            penalty_spec)
         self._prompt_logits_fns: dict = {}   # padded length -> jitted forward (prompt_logits)
         self._device_constants: dict[int, dict[str, jax.Array]] = {}
         self.executable_cache: Any = None     # runner/executable_cache.py, when enabled
@@ -337,6 +366,8 @@ class ModelRunner:
         self._k_cache = self._zeros()
         self._v_cache = jax.block_until_ready(self._zeros())
         self.last_tokens = self._put(np.zeros(self.batch.max_num_seqs + 1, np.int32))
+        self.penalty_state = None
+        self.penalty_state = self._empty_penalty_state()
 
     def _wait_params(self) -> None:
         if self._params_pending is not None:
@@ -382,7 +413,7 @@ class ModelRunner:
             num_top_logprobs=self.num_top_logprobs, num_spec_tokens=self.num_spec_tokens,
             num_spec_rows=min(layout.num_seqs, self.max_spec_rows),
             logits_shardings=self.logits_shardings),
-            donate_argnums=(1, 2, 3))
+            donate_argnums=(1, 2, 3, 4))
 
     def enable_executable_cache(self, directory: str) -> None:
         """Load step executables serialized by an earlier start with the same key (no
@@ -420,7 +451,7 @@ class ModelRunner:
         consts = self._constants(num_seqs)
         return self._jitted(layout).lower(
             self._param_specs, *self._state_specs,
-            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+            self._put(layout.empty(self.batch.padding_row)),
             consts["bias_token_ids"], consts["bias_values"],
             consts["grammar_bitmask"], self._lora_stacks())
 
@@ -449,6 +480,7 @@ class ModelRunner:
             first = [shapes[-1], shapes[0]]
             rest = shapes[1:-1]
         self._compile_all(first, progress, max_workers)
+        self._compile_history_loader()
         self._wait_kv_cache()       # zero-filled in a thread meanwhile (__init__)
         self._wait_params()         # and restored, from an orbax checkpoint
         elapsed = time.perf_counter() - start
@@ -529,10 +561,9 @@ class ModelRunner:
 
         layout = self._layout(num_tokens, num_seqs)
         consts = self._constants(num_seqs)
-        args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
-                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-                consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"],
-                self._lora_stacks())
+        args = (self.params, self.k_cache, self.v_cache, self.last_tokens, self.penalty_state,
+                self._put(layout.empty(self.batch.padding_row)), consts["bias_token_ids"],
+                consts["bias_values"], consts["grammar_bitmask"], self._lora_stacks())
         # Triton kernels are custom calls that jax.export does not vouch for by default.
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
         return export.export(self._jitted(layout), platforms=[platform],
@@ -571,8 +602,8 @@ class ModelRunner:
         if fn is None:   # only before warm-up (or for a shape warm-up skipped): compile now
             fn = self._steps[(t, s)] = self._compile(t, s)
         consts = self._constants(s)
-        penalty = consts["penalty_token_ids"] if inputs.penalty_token_ids is None \
-            else self._put(inputs.penalty_token_ids)
+        if inputs.penalty_admissions is not None:   # before the step that first reads them
+            self._load_penalty_history(inputs.penalty_admissions)
         if inputs.bias_token_ids is None:
             bias_ids, bias_values = consts["bias_token_ids"], consts["bias_values"]
         else:
@@ -580,25 +611,46 @@ class ModelRunner:
         # No constrained row: the device-resident all-ones mask, no transfer.
         bitmask = consts["grammar_bitmask"] if inputs.grammar_bitmask is None \
             else self._put(inputs.grammar_bitmask)
-        self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
-            self.params, self.k_cache, self.v_cache, self.last_tokens,
+        (self.k_cache, self.v_cache, self.last_tokens, self.penalty_state, out,
+         prompt_out) = fn(
+            self.params, self.k_cache, self.v_cache, self.last_tokens, self.penalty_state,
             # A copy: `jax.device_put` may alias numpy memory on CPU, the host rewrites this
             # bucket's buffer for its next step, and any number of steps can be in flight
             # (the draft proposer dispatches its prefill chunks and k - 1 decodes before
             # collecting; a rotation of three buffers fed k = 7's later decodes the inputs
             # of newer steps). A few KB.
             self._put(inputs.packed.copy()),
-            penalty, bias_ids, bias_values, bitmask, self._lora_stacks())
+            bias_ids, bias_values, bitmask, self._lora_stacks())
         out[0].next_tokens.copy_to_host_async()
         return out, prompt_out
 
-    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
+    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalty_chunks: int = 0,
                      bias: bool = False, grammar: bool = False) -> StepInputs:
-        return self.batch.empty_inputs(num_tokens, num_seqs, penalties=penalties, bias=bias,
-                                       grammar=grammar)
+        return self.batch.empty_inputs(num_tokens, num_seqs, penalty_chunks=penalty_chunks,
+                                       bias=bias, grammar=grammar)
+
+    def _compile_history_loader(self) -> None:
+        """`load_history` for one chunk shape (runner/penalty_state.py), the state donated."""
+        if self._history_loader is not None or self.abstract:
+            return
+        resets = np.full(self.batch.max_num_seqs, -1, np.int32)
+        entries = np.full((3, self.batch.history_chunk), -1, np.int32)
+        self._no_resets = self._put(resets)
+        self._history_loader = jax.jit(load_history, donate_argnums=0).lower(
+            self._state_specs[3], self._no_resets, self._put(entries)).compile()
+
+    def _load_penalty_history(self, admissions: PenaltyAdmissions) -> None:
+        """Reset the admitted rows' penalty tables and count their known tokens, one
+        dispatch per chunk, ordered before the step by the donated state."""
+        self._compile_history_loader()
+        resets = self._put(admissions.resets)
+        for chunk in admissions.chunks:
+            self.penalty_state = self._history_loader(self.penalty_state, resets,
+                                                      self._put(chunk))
+            resets = self._no_resets
 
     def _constants(self, num_seqs: int) -> dict[str, jax.Array]:
-        """Device-resident penalty / bias / grammar tables for steps where no row needs them."""
+        """Device-resident bias / grammar tables for steps where no row needs them."""
         consts = self._device_constants.get(num_seqs)
         if consts is None:
             consts = self._device_constants[num_seqs] = self._put(self.batch.constants(num_seqs))
