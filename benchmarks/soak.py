@@ -363,6 +363,7 @@ def main() -> None:
     rss_growth_from_start = run["rss_end"] / run["rss_start"] - 1 if run["rss_start"] else None
     rss_growth = run["rss_end"] / run["rss_warm"] - 1 if run["rss_warm"] else None
     result = {
+        "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
         "duration_s": round(run["seconds"], 1), "concurrency": args.concurrency,
         "server_flags": {"max_num_seqs": args.max_num_seqs,
                          "max_queued_requests": args.max_queued_requests,
