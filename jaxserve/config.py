@@ -72,7 +72,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = opt(16, "Tokens per KV-cache block.", choices=[8, 16, 32, 64, 128])
     gpu_memory_utilization: float = opt(
-        0.9, "Fraction of device memory the engine may use (weights + KV cache). On CPU the "
+        0.9, "Fraction of device memory the engine may use (weights + KV cache), of the whole "
+        "GPU as in vLLM: JAX's allocator pool is sized to it unless "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION is set before start. On CPU the "
         "fraction applies to available RAM, capped at 4 GiB of KV cache unless "
         "--kv-cache-memory-bytes is given.")
     kv_cache_memory_bytes: int | None = opt(

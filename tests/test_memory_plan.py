@@ -35,11 +35,40 @@ def test_tp3_on_shared_host_ram_holds_tp1s_tokens_not_three_times(monkeypatch, c
     assert "3 devices share one memory pool" in three.describe()
 
 
-def test_gpu_devices_each_plan_from_their_own_memory():
-    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 8 << 30,
+def test_gpu_devices_each_plan_from_their_own_memory(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")   # as size_gpu_pool sets it
+    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 9 << 30,
                                                                 "bytes_in_use": 1 << 30})
     plan = memory.plan_kv_cache(CacheConfig(), ARCH, "float32", 0, 100 << 20, 2048,
                                 tp_size=3, device=gpu)
     assert plan.pool_devices == 1
-    assert plan.budget_bytes == int(0.9 * (8 << 30)) - (1 << 30) - (100 << 20)
+    # 90 % of a 10 GiB GPU is the 9 GiB pool: all of it, less what is in use
+    assert plan.budget_bytes == (9 << 30) - (1 << 30) - (100 << 20)
     assert "headroom" in plan.describe()
+
+
+def test_gpu_memory_utilization_is_a_share_of_the_device_not_of_jax_pool(monkeypatch):
+    """vLLM's meaning: 0.9 is 90 % of the GPU. With JAX's default 75 % pool (a user who set
+    nothing before jax started) the plan is capped by the pool; with the pool sized by
+    size_gpu_pool it is the same plan `jaxserve compile` makes for that device."""
+    stats = {"bytes_limit": 0, "bytes_in_use": 0}
+    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: stats)
+    device_bytes, cache = 100 << 30, CacheConfig(gpu_memory_utilization=0.9)
+
+    def plan():
+        return memory.plan_kv_cache(cache, ARCH, "float32", 0, 0, 2048, device=gpu)
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert memory.size_gpu_pool(0.9) is True
+    stats["bytes_limit"] = int(0.9 * device_bytes)
+    aot = memory.plan_kv_cache(cache, ARCH, "float32", 0, 0, 2048, device=gpu,
+                               device_memory_bytes=device_bytes)
+    assert plan().num_blocks == aot.num_blocks
+    assert memory.size_gpu_pool(0.5) is False       # an explicit (or earlier) fraction wins
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")   # JAX's default pool: 75 %
+    stats["bytes_limit"] = int(0.75 * device_bytes)
+    assert plan().budget_bytes == int(0.75 * device_bytes)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    stats["bytes_limit"] = int(0.95 * device_bytes)
+    assert abs(plan().budget_bytes - 0.9 * device_bytes) < 2

@@ -207,7 +207,10 @@ def test_executable_cache_notices_a_jax_persistent_cache_hit(tmp_path):
         jax.clear_caches()                # forget in memory; the persistent cache keeps it
         assert (first, compile_once()) == (False, True)
     finally:
+        from jax.experimental.compilation_cache import compilation_cache
+
         jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
 
 
 def test_resolve_detects_a_converted_checkpoint(round_trip):

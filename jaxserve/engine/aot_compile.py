@@ -215,8 +215,19 @@ def compile_for_target(config: EngineConfig, target: str | None, output: str | P
     summary `jaxserve compile --json` prints. Raises KVCacheDoesNotFit when it cannot fit.
     plan_only: compile just the probes (the smallest and largest buckets) and plan; nothing
     is written."""
-    jax.config.update("jax_enable_compilation_cache", False)   # compile-only executables
-    output = Path(output)                                       # never enter JAX's cache
+    # Compile-only executables never enter JAX's persistent cache; the process's own
+    # setting comes back afterwards (a notebook or test goes on using its cache).
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return _compile_for_target(config, target, Path(output), shapes, plan_only)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
+                        shapes: list[tuple[int, int]] | None,
+                        plan_only: bool) -> dict[str, Any]:
     defaults = EngineConfig().to_flat_dict()
     # The options given (before defaults are resolved), for a person or a script to start
     # the matching engine (benchmarks/bench_aot_gpu.py).

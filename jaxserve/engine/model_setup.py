@@ -15,8 +15,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve.attention.backend import get_attention_backend, resolve_backend_name
+from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine.compute_dtype import auto_compute_dtype
 from jaxserve.models.arch import ModelArch
@@ -59,7 +60,12 @@ def enable_compilation_cache(directory: str | None) -> str | None:
         return None
     directory = directory or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax")
     os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
+    if jax.config.jax_compilation_cache_dir != directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        # JAX decides once per process, at its first compile, whether a persistent cache is
+        # in use: a notebook (or test) that compiled anything before this engine would
+        # otherwise never read or write this directory.
+        compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
@@ -109,9 +115,6 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     platform = target_platform or jax.default_backend()
     warmup = warmup and target_platform is None
     config.finalize(platform)
-    # The config a server reports (and an AOT manifest records) names the concrete backend.
-    rc = config.runner_config
-    rc.attention_backend = resolve_backend_name(rc.attention_backend, platform)
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
     if jax.default_backend() == "cpu":

@@ -92,7 +92,7 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -
     """x [T, in] @ stacked[layer] ([L, in, out]) -> [T, out] in out_dtype (f32 accumulation)."""
     from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
 
-    return library_matmul(x.astype(stacked.dtype), stacked, layer, out_dtype)
+    return library_matmul(x.astype(stacked.dtype), stacked, layer, out_dtype, gemv_rows=0)
 
 
 def int8_layer_matmul(x: jax.Array, stacked: jax.Array, scale: jax.Array, layer: Any,

@@ -19,7 +19,10 @@ def create_engine(config: EngineConfig, *, log_stats: bool | None = None) -> Any
     never returns: the process serves the leader's steps, then raises SystemExit."""
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.parallel import distributed
+    from jaxserve.runner.memory import size_gpu_pool
 
+    # Before the first jax.devices(): the GPU pool's size is fixed when the backend starts.
+    size_gpu_pool(config.cache_config.gpu_memory_utilization)
     parallel = config.parallel_config
     if distributed.initialize(parallel):
         if not distributed.is_leader():

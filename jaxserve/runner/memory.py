@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import jax
@@ -14,6 +15,30 @@ from jaxserve.quantization.kv import bytes_per_head_token
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CAP = 4 << 30   # like vLLM's CPU backend default of 4 GiB of KV cache
+JAX_DEFAULT_POOL_FRACTION = 0.75   # XLA_PYTHON_CLIENT_MEM_FRACTION when unset
+
+
+def size_gpu_pool(gpu_memory_utilization: float) -> bool:
+    """Size JAX's GPU allocator pool to --gpu-memory-utilization before any backend starts.
+
+    --gpu-memory-utilization 0.9 means 90 % of the GPU, as in vLLM (and as `jaxserve compile`
+    plans it from the target's memory). JAX's own pool is 75 % of the GPU unless
+    XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise, so without this a server would plan its
+    KV cache in 0.9 x 0.75 of the GPU, and AOT executables planned for 90 % would not fit.
+    A fraction the user set explicitly wins (the plan stays inside that pool). Returns
+    whether the pool was sized here. No effect on CPU."""
+    if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return False
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{gpu_memory_utilization:.4f}"
+    return True
+
+
+def gpu_pool_fraction() -> float | None:
+    """The fraction of the GPU JAX's pool (memory_stats' bytes_limit) was sized to; None when
+    JAX allocates from the platform directly (its bytes_limit is then the device's)."""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return None
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_POOL_FRACTION))
 
 
 @dataclass(frozen=True)
@@ -120,11 +145,15 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
             in_use = int(weight_bytes)
         else:
             stats = device.memory_stats() or {}
-            total = pool_bytes = int(stats.get("bytes_limit", 0))
+            pool_bytes = int(stats.get("bytes_limit", 0))
+            fraction = gpu_pool_fraction()
+            total = int(pool_bytes / fraction) if fraction else pool_bytes   # the whole GPU
             in_use = int(stats.get("bytes_in_use", 0))
-        budget = int(cache.gpu_memory_utilization * total) - in_use - activation_bytes
-        source = (f"{cache.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB device memory, "
-                  f"{in_use / 2**30:.2f} GiB in use")
+        # A share of the whole device (vLLM's meaning), never more than JAX's pool holds.
+        usable = min(int(cache.gpu_memory_utilization * total), pool_bytes)
+        budget = usable - in_use - activation_bytes
+        source = (f"{cache.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB device memory"
+                  f" (JAX pool {pool_bytes / 2**30:.1f} GiB), {in_use / 2**30:.2f} GiB in use")
     num_blocks = cache.num_gpu_blocks_override or budget // per_block
     min_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < min_blocks:
