@@ -180,6 +180,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--serving", action="store_true")
+    p.add_argument("--skip-offline", action="store_true", help="only the serving comparison")
     p.add_argument("--serving-rounds", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--jaxserve-dtype", default="auto")
@@ -209,17 +210,19 @@ def main() -> None:
         prompts_file = os.path.join(tmp, "prompts.json")
         Path(prompts_file).write_text(json.dumps(prompts))
         runs: dict[str, list] = {"jaxserve": [], "vllm": []}
-        for i in range(args.rounds):
+        for i in range(args.rounds if not args.skip_offline else 0):
             print(f"offline round {i + 1}/{args.rounds}", flush=True)
             order = ("jaxserve", "vllm") if i % 2 == 0 else ("vllm", "jaxserve")
             for engine in order:
                 runs[engine].append(offline_round(engine, args, prompts_file))
-        out["offline"] = {e: {"median": medians(r, ["batch_tok_s", "single_tok_s"]),
-                              "rounds": r} for e, r in runs.items()}
-        j, v = out["offline"]["jaxserve"]["median"], out["offline"]["vllm"]["median"]
-        out["offline"]["ratio"] = {k: j[k] / v[k] for k in j}
-        print(f"offline medians: jaxserve/vLLM batch {out['offline']['ratio']['batch_tok_s']:.2f}x"
-              f", single stream {out['offline']['ratio']['single_tok_s']:.2f}x", flush=True)
+        if not args.skip_offline:
+            out["offline"] = {e: {"median": medians(r, ["batch_tok_s", "single_tok_s"]),
+                                  "rounds": r} for e, r in runs.items()}
+            j, v = out["offline"]["jaxserve"]["median"], out["offline"]["vllm"]["median"]
+            out["offline"]["ratio"] = {k: j[k] / v[k] for k in j}
+            print(f"offline medians: jaxserve/vLLM batch "
+                  f"{out['offline']['ratio']['batch_tok_s']:.2f}x, single stream "
+                  f"{out['offline']['ratio']['single_tok_s']:.2f}x", flush=True)
         if args.serving:
             served: dict[str, list] = {"jaxserve": [], "vllm": []}
             for i in range(args.serving_rounds):

@@ -134,7 +134,22 @@ class SamplingParams:
 
     # -- validation ---------------------------------------------------------------------
     def _normalize_and_verify(self) -> None:
-        """Check every field, then apply vLLM's normalizations (top_k -1 → 0, greedy)."""
+        """Check every field, then apply vLLM's normalizations (top_k -1 → 0, greedy).
+        The checks run in field order, so a request with several bad fields is told of
+        the first."""
+        self._verify_n()
+        self._verify_penalties()
+        self._verify_temperature()
+        self._verify_filters()
+        self._verify_seed()
+        self._verify_lengths()
+        self._verify_logprobs()
+        self._verify_stop()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters cannot change an argmax, so make them neutral (as vLLM).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify_n(self) -> None:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {_short(self.n)}.")
@@ -143,6 +158,8 @@ class SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must be None or equal to n={self.n} (best_of > n is "
                              f"not supported), got {_short(self.best_of)}.")
+
+    def _verify_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (_is_finite(value) and -2.0 <= value <= 2.0):
@@ -153,6 +170,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be greater than zero, "
                              f"got {_short(self.repetition_penalty)}.")
+
+    def _verify_temperature(self) -> None:
         if not _is_finite(self.temperature):
             raise ValueError(f"temperature must be a finite number (float32), "
                              f"got {_short(self.temperature)}.")
@@ -164,6 +183,9 @@ class SamplingParams:
                            "nan or inf in tensors. We have maxed it out to %s.",
                            self.temperature, _MIN_TEMP, _MIN_TEMP)
             self.temperature = _MIN_TEMP
+
+    def _verify_filters(self) -> None:
+        """top_p, top_k (-1 → 0: off) and min_p."""
         if not (_is_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {_short(self.top_p)}.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
@@ -179,11 +201,16 @@ class SamplingParams:
             self.top_k = 0
         if not (_is_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {_short(self.min_p)}.")
+
+    def _verify_seed(self) -> None:
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
                 raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] "
                                  f"(a 64-bit integer), got {_short(self.seed)}.")
+
+    def _verify_lengths(self) -> None:
+        """max_tokens and min_tokens."""
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             # max_tokens=0 is "prefill only", for prompt logprobs (vLLM's API serves echo with
@@ -202,21 +229,20 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to "
                              f"max_tokens={self.max_tokens}, got {_short(self.min_tokens)}.")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                raise ValueError(f"logprobs must be non-negative, got {_short(self.logprobs)}.")
-            if self.logprobs > INT32_MAX:
-                raise ValueError(f"logprobs must be at most max_logprobs, "
-                                 f"got {_short(self.logprobs)}.")
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs)
-            if self.prompt_logprobs < 0:
-                raise ValueError(f"prompt_logprobs must be non-negative, "
-                                 f"got {_short(self.prompt_logprobs)}.")
-            if self.prompt_logprobs > INT32_MAX:
-                raise ValueError(f"prompt_logprobs must be at most max_logprobs, "
-                                 f"got {_short(self.prompt_logprobs)}.")
+
+    def _verify_logprobs(self) -> None:
+        """logprobs and prompt_logprobs (their engine limit: `verify`)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_int(name, value)
+            if value < 0:
+                raise ValueError(f"{name} must be non-negative, got {_short(value)}.")
+            if value > INT32_MAX:
+                raise ValueError(f"{name} must be at most max_logprobs, got {_short(value)}.")
+
+    def _verify_stop(self) -> None:
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, "
                              f"got {_short(self.stop)}.")
@@ -232,9 +258,6 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True. "
                              "Set detokenize=True to use stop.")
-        if self.temperature < _SAMPLING_EPS:
-            # Greedy: the filters cannot change an argmax, so make them neutral (as vLLM).
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def verify(self, max_logprobs: int, max_model_len: int,
                vocab_size: int | None = None) -> None:

@@ -12,6 +12,10 @@ strings, logprob token text -- is built on the asyncio side as the consumer read
 have produced; a stop string found there finishes its sequence in the engine (a
 "finish" command), which frees its KV blocks.
 
+This module is the asyncio-facing half (submit, streams, admission, lifecycle); the
+engine thread's loop, recovery and output dispatch are `engine_thread.py`, and a
+request's stream `request_stream.py`.
+
     engine = AsyncLLMEngine(LLMEngine(config))    # starts the engine thread
     async for out in engine.generate(request_id, None, params, prompt_token_ids=ids):
         ...                       # RequestOutputs, as params.output_kind says
@@ -44,23 +48,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.engine_io import EngineCoreOutput
+from jaxserve.engine.engine_io import EngineCoreOutput, InputProcessor
+from jaxserve.engine.engine_thread import EngineThreadLoop
 from jaxserve.engine.errors import (
     EngineDeadError,
     QueueFullError,
-    QueueTimeoutError,
     ShuttingDownError,
-    StepFailedError,
 )
-from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.protocol import SteppedEngine
+from jaxserve.engine.request_stream import RequestStream
 from jaxserve.engine.request_text import RequestText, TokenTexts
 from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.engine.watchdog import StepWatchdog
@@ -70,41 +72,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OutputObserver"]
 
-# How often the engine thread looks for requests past --max-queue-time (seconds).
-_QUEUE_TIME_CHECK_INTERVAL = 0.1
-
-
 # Observer of every step's outputs, called on the engine thread: (outputs, wall time).
 OutputObserver = Callable[[list[EngineCoreOutput], float], None]
 
 
-class _RequestStream:
-    """Where one request's outputs go: an asyncio.Queue living on the caller's loop, and the
-    request's text state, touched only there."""
-
-    __slots__ = ("accepted", "finished", "loop", "num_seqs", "queue", "request", "request_id",
-                 "text")
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 text: RequestText, request: Any = None, num_seqs: int = 0) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.text = text
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.accepted: asyncio.Future = loop.create_future()
-        self.finished = False
-        self.num_seqs = num_seqs          # admitted sequences, given back when it ends
-        self.request = request            # its EngineRequest: recovery re-adds queued ones
-
-
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineThreadLoop):
     """Runs an `LLMEngine` on its own thread and serves many asyncio callers."""
 
     def __init__(self, engine: SteppedEngine, *, start: bool = True) -> None:
         self.engine = engine
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()
-        self._streams: dict[str, _RequestStream] = {}     # touched by the engine thread only
+        self._streams: dict[str, RequestStream] = {}     # touched by the engine thread only
         self._accepting = True
         self._stopping = False
         self._dead: BaseException | None = None
@@ -256,7 +235,7 @@ class AsyncLLMEngine:
     def submit(self, request_id: str, prompt: str | list[int] | None, sampling_params: Any,
                *, prompt_token_ids: list[int] | None = None,
                arrival_time: float | None = None, lora_request: Any = None,
-               reserved_seqs: int = 0) -> _RequestStream:
+               reserved_seqs: int = 0) -> RequestStream:
         """Validate a request and queue it for the engine, without waiting (call from the
         event loop). ValueError for a bad request; the engine's own verdict arrives on the
         stream's `accepted` future (`wait_accepted`).
@@ -267,7 +246,7 @@ class AsyncLLMEngine:
             request = self.inputs.process(request_id, prompt, sampling_params,
                                           prompt_token_ids=prompt_token_ids,
                                           arrival_time=arrival_time, lora_request=lora_request)
-            stream = _RequestStream(request_id, asyncio.get_running_loop(),
+            stream = RequestStream(request_id, asyncio.get_running_loop(),
                                     RequestText(request, self.tokenizer, self._token_texts),
                                     request, reserved_seqs)
             self._submit(("add", stream, request))
@@ -276,7 +255,7 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def wait_accepted(self, streams: list[_RequestStream]) -> None:
+    async def wait_accepted(self, streams: list[RequestStream]) -> None:
         """Wait until the engine accepted every stream's request; if it rejects one (or the
         wait is cancelled), abort them all and raise (ValueError, EngineDeadError)."""
         try:
@@ -290,7 +269,7 @@ class AsyncLLMEngine:
                           sampling_params: Any, *, prompt_token_ids: list[int] | None = None,
                           arrival_time: float | None = None,
                           lora_request: Any = None, reserved_seqs: int = 0
-                          ) -> _RequestStream:
+                          ) -> RequestStream:
         """Submit a request; returns once the engine accepted it.
 
         reserved_seqs: sequences this request holds from `reserve`; given back when it
@@ -304,7 +283,7 @@ class AsyncLLMEngine:
         await self.wait_accepted([stream])
         return stream
 
-    async def stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput]:
+    async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """Yield a request's RequestOutputs; leaving early aborts the request.
 
         The engine's token deltas are turned into text here, on the consumer's side: all
@@ -321,7 +300,7 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
 
-    def _apply(self, stream: _RequestStream, items: list[Any]) -> RequestOutput | None:
+    def _apply(self, stream: RequestStream, items: list[Any]) -> RequestOutput | None:
         """Feed engine outputs to the request's text state; tell the engine which sequences
         a stop string finished. Raises an engine error that arrived instead."""
         text = stream.text
@@ -366,244 +345,3 @@ class AsyncLLMEngine:
                 raise ShuttingDownError("the server is shutting down")
             self._inbox.append(command)
             self._cond.notify()
-
-    # -- the engine thread -----------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                with self._cond:
-                    while not self._inbox and not self._stopping \
-                            and not engine.has_unfinished_requests():
-                        self._cond.wait()
-                    commands = list(self._inbox)
-                    self._inbox.clear()
-                    stopping = self._stopping
-                self.watchdog.begin()
-                aborted = self._handle_commands(commands)
-                if stopping:
-                    self._abort_all()
-                    return
-                if self.max_queue_time is not None:
-                    aborted |= self._expire_queued()
-                # After an abort, step even if the engine says it is idle: the aborted
-                # request's final output comes out of the next step().
-                if aborted or engine.has_unfinished_requests():
-                    try:
-                        outputs = engine.step_core()
-                    except Exception as exc:
-                        self._recover(exc)      # raises once the restarts are used up
-                        self.watchdog.end()
-                        continue
-                    self._consecutive_failures = 0
-                    self.last_step_time = time.monotonic()
-                    self._dispatch(outputs)
-                    self._publish_snapshot()
-                self.watchdog.end()
-        except BaseException as exc:   # every failure must reach the clients, never hang them
-            logger.exception("engine thread failed; failing all in-flight requests")
-            self._fail_all(exc)
-            if self.on_fatal is not None:
-                try:
-                    self.on_fatal(exc)
-                except Exception:
-                    logger.exception("on_fatal callback failed")
-        finally:
-            self.watchdog.end()
-            with self._cond:
-                self._cond.notify_all()
-
-    def _recover(self, exc: Exception) -> None:
-        """A step failed: fail the requests it had scheduled, rebuild the engine, re-add
-        the requests that were still queued. Raises EngineDeadError when this failure is
-        one too many in a row (the caller then fails everything)."""
-        self._consecutive_failures += 1
-        if self._consecutive_failures > self.max_restarts:
-            logger.error("engine step failed %d times in a row (--max-engine-restarts %d); "
-                         "giving up", self._consecutive_failures, self.max_restarts,
-                         exc_info=exc)
-            raise EngineDeadError(
-                f"the engine step failed {self._consecutive_failures} times in a row; "
-                f"last error: {exc!r}") from exc
-        logger.error("engine step failed; restarting the engine in-process", exc_info=exc)
-        start = time.monotonic()
-        self._recovering = f"recovering from a failed engine step: {exc!r}"
-        engine = self.engine
-        queued = engine.unscheduled_requests()
-        kept = [s for rid, s in self._streams.items() if rid in queued]
-        failed = [s for rid, s in self._streams.items() if rid not in queued]
-        self._streams = {}
-        self._fail_streams(failed, StepFailedError(
-            f"the request was in an engine step that failed ({exc!r}); the engine restarted: "
-            "retry the request"))
-        engine.recover()
-        self.num_restarts += 1
-        for stream in kept:
-            try:
-                engine.add_core_request(stream.request)
-            except Exception as add_exc:
-                self._fail_streams([stream], StepFailedError(
-                    f"could not re-queue the request after an engine restart: {add_exc!r}"))
-                continue
-            self._streams[stream.request_id] = stream
-        self._publish_snapshot()
-        self._recovering = None
-        logger.warning("engine restarted in-process in %.2f s (restart %d; %d request(s) "
-                       "failed, %d re-queued)", time.monotonic() - start, self.num_restarts,
-                       len(failed), len(self._streams))
-
-    def _expire_queued(self) -> bool:
-        """End requests unscheduled for longer than max_queue_time (QueueTimeoutError);
-        returns whether any was aborted. Checked every _QUEUE_TIME_CHECK_INTERVAL s."""
-        now = time.monotonic()
-        if now < self._next_queue_check:
-            return False
-        self._next_queue_check = now + _QUEUE_TIME_CHECK_INTERVAL
-        cutoff = time.time() - self.max_queue_time
-        expired = [rid for rid, arrival in self.engine.unscheduled_requests().items()
-                   if arrival < cutoff and rid in self._streams]
-        if not expired:
-            return False
-        self.engine.abort_request(expired)
-        self.num_rejected[QueueTimeoutError.code] += len(expired)
-        self._fail_streams([self._streams.pop(rid) for rid in expired], QueueTimeoutError(
-            f"the request waited more than {self.max_queue_time:g} s (--max-queue-time) "
-            "without being scheduled: retry later"))
-        return True
-
-    def _fail_streams(self, streams: list[_RequestStream], error: BaseException) -> None:
-        """End streams (already out of _streams) with `error`; give back their sequences."""
-        if not streams:
-            return
-        self.release(sum(stream.num_seqs for stream in streams))   # before the clients know
-        for stream in streams:
-            _call_in_loop(stream.loop, stream.queue.put_nowait, error)
-        ids = [stream.request_id for stream in streams]
-        for observer in self._failure_observers:
-            try:
-                observer(ids)
-            except Exception:   # metrics must never stop the engine
-                logger.exception("failure observer failed")
-
-    def _handle_commands(self, commands: list[tuple]) -> bool:
-        """Apply queued adds and aborts; returns whether anything was aborted."""
-        engine = self.engine
-        aborted = False
-        for command in commands:
-            if command[0] == "add":
-                _, stream, request = command
-                if stream.request_id in self._streams:
-                    self._refuse(stream, ValueError(
-                        f"request id {stream.request_id!r} is already in use"))
-                    continue
-                try:
-                    engine.add_core_request(request)
-                except (ValueError, TypeError) as exc:
-                    self._refuse(stream, ValueError(str(exc)))
-                    continue
-                except Exception as exc:   # this request's data broke add_request: it alone
-                    logger.exception("request %s: add_request failed", stream.request_id)
-                    engine.abort_request(stream.request_id)    # drop whatever it left
-                    self._refuse(stream, RuntimeError(f"the engine could not take the "
-                                                      f"request: {exc!r}"))
-                    continue
-                self._streams[stream.request_id] = stream
-                _resolve(stream, None)
-            elif command[0] == "finish":
-                engine.finish_sequences([(request_id, index) for request_id, index in command[1]
-                                         if request_id in self._streams])
-            elif command[0] == "abort":
-                if command[1] in self._streams:
-                    engine.abort_request(command[1])
-                    aborted = True
-            elif command[0] == "abort_all" and self._streams:
-                logger.info("aborting %d in-flight request(s)", len(self._streams))
-                engine.abort_request(list(self._streams))
-                aborted = True
-        return aborted
-
-    def _refuse(self, stream: _RequestStream, error: BaseException) -> None:
-        """An add the engine did not take: give back its seqs, settle it with `error`."""
-        self.release(stream.num_seqs)
-        _resolve(stream, error)
-
-    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
-        now = time.time()
-        for observer in self._observers:
-            try:
-                observer(outputs, now)
-            except Exception:   # metrics must never stop the engine
-                logger.exception("output observer failed")
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        released = 0
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-                released += stream.num_seqs
-            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
-        if released or not self._streams:    # sequences back before the clients know
-            with self._cond:
-                self._num_seqs -= released
-                if not self._streams:
-                    self._cond.notify_all()      # wait_until_idle() waits for this
-        for loop, items in by_loop.items():
-            _call_in_loop(loop, _put_all, items)
-
-    def _abort_all(self) -> None:
-        """Abort every in-flight request and deliver its final output (shutdown)."""
-        engine = self.engine
-        if self._streams:
-            logger.info("aborting %d in-flight request(s)", len(self._streams))
-            engine.abort_request(list(self._streams))
-            for _ in range(1000):
-                self._dispatch(engine.step_core())
-                if not self._streams or not engine.has_unfinished_requests():
-                    break
-        self._fail_all(EngineDeadError("the server is shutting down"))
-        self._publish_snapshot()
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._cond:
-            if not isinstance(exc, EngineDeadError) or self._dead is None:
-                self._dead = exc
-            pending = [c[1] for c in self._inbox if c[0] == "add"]
-            self._inbox.clear()
-        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
-            f"the engine failed: {exc!r}")
-        for stream in pending:
-            self._refuse(stream, error)
-        streams, self._streams = list(self._streams.values()), {}
-        self._fail_streams(streams, error)
-        # Nothing runs or waits any more: gauges must not keep the last step's numbers.
-        self.snapshot = dataclasses.replace(self.snapshot, num_running=0, num_waiting=0,
-                                            kv_cache_usage=0.0)
-
-    def _publish_snapshot(self) -> None:
-        self.snapshot = self.engine.snapshot()
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-def _resolve(stream: _RequestStream, error: BaseException | None) -> None:
-    """Settle a stream's `accepted` future from the engine thread."""
-    def settle() -> None:
-        if stream.accepted.done():
-            return
-        if error is None:
-            stream.accepted.set_result(None)
-        else:
-            stream.accepted.set_exception(error)
-    _call_in_loop(stream.loop, settle)
-
-
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:            # the caller's loop is closed: nobody is listening
-        pass

@@ -12,8 +12,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
-from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest, InputProcessor
 from jaxserve.engine.request_text import RequestText, TokenTexts
 from jaxserve.outputs import RequestOutput
 

@@ -114,11 +114,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
 
     platform = target_platform or jax.default_backend()
     warmup = warmup and target_platform is None
-    config.finalize(platform)
-    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-    cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
-    if jax.default_backend() == "cpu":
-        keep_freed_memory_in_heap()
+    cache_dir = _prepare_process(config, platform)
+    mc, cc = config.model_config, config.cache_config
 
     t0 = time.perf_counter()
     # Read + convert + place, or (a converted checkpoint) restore straight onto the devices.
@@ -129,7 +126,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     max_model_len = resolve_max_model_len(mc.max_model_len, placed.source_arch)
     settle_batch_limits(config, max_model_len)
     num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
-    arch, params = placed.arch, placed.params
+    arch = placed.arch
     load_seconds = time.perf_counter() - t0
     phases = {**placed.phases, "load": load_seconds}
     _log_model(config, placed, num_params, platform, load_seconds)
@@ -152,23 +149,9 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if memory.lora_targets is not None:
         lora_stacks, lora_registry = _setup_lora(config, family, placement, memory.lora_targets,
                                                  dtype)
-    runner = ModelRunner(
-        arch, params, backend, dtype=dtype, num_blocks=kv_plan.num_blocks,
-        block_size=kv_plan.block_size, max_model_len=max_model_len,
-        kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
-        max_num_batched_tokens=sc.max_num_batched_tokens,
-        max_logprobs=mc.max_logprobs, eos_token_ids=eos,
-        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
-        num_spec_tokens=spec_rows.num_tokens, max_spec_rows=spec_rows.max_rows,
-        kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
-        logits_shardings=placement.logits_shardings, lora=lora_stacks)
-    if aot_dir is not None:
-        from jaxserve.runner.aot_executables import AotExecutables, execution_devices
-
-        runner.executable_cache = AotExecutables(aot_dir, execution_devices(placement.mesh))
-    elif cache_dir is not None and jax.process_count() == 1:
-        # Serialized step executables beside JAX's cache: a warm start skips tracing too.
-        runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
+    runner = _build_runner(config, placed, backend, kv_plan, kv_dtype, max_model_len, eos,
+                           spec_rows, lora_stacks)
+    _attach_executable_cache(runner, placement, aot_dir, cache_dir)
     phases["runner"] = time.perf_counter() - t_runner
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
@@ -188,6 +171,45 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                       warmup_seconds=warmup_seconds,
                       load_seconds=load_seconds, draft_proposer=draft_proposer,
                       lora_registry=lora_registry, phases=phases)
+
+
+def _prepare_process(config: EngineConfig, platform: str) -> str | None:
+    """Finalize the config for `platform`, turn on the compilation cache (returns its
+    directory, None when off) and, on CPU, keep freed memory in the heap."""
+    config.finalize(platform)
+    cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
+    if jax.default_backend() == "cpu":
+        keep_freed_memory_in_heap()
+    return cache_dir
+
+
+def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCachePlan,
+                  kv_dtype: Any, max_model_len: int, eos: list[int], spec_rows: Any,
+                  lora_stacks: Any) -> ModelRunner:
+    """The runner for the placed model, with the KV cache the memory plan sized."""
+    mc, sc, placement = config.model_config, config.scheduler_config, placed.placement
+    return ModelRunner(
+        placed.arch, placed.params, backend, dtype=placed.dtype, num_blocks=kv_plan.num_blocks,
+        block_size=kv_plan.block_size, max_model_len=max_model_len,
+        kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_logprobs=mc.max_logprobs, eos_token_ids=eos,
+        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
+        num_spec_tokens=spec_rows.num_tokens, max_spec_rows=spec_rows.max_rows,
+        kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
+        logits_shardings=placement.logits_shardings, lora=lora_stacks)
+
+
+def _attach_executable_cache(runner: ModelRunner, placement: Any, aot_dir: str | None,
+                             cache_dir: str | None) -> None:
+    """Shipped AOT executables (--aot-dir), else serialized step executables beside JAX's
+    compilation cache (a warm start skips tracing too; single-process only)."""
+    if aot_dir is not None:
+        from jaxserve.runner.aot_executables import AotExecutables, execution_devices
+
+        runner.executable_cache = AotExecutables(aot_dir, execution_devices(placement.mesh))
+    elif cache_dir is not None and jax.process_count() == 1:
+        runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
 
 
 def _warm_up(config: EngineConfig, runner: ModelRunner, placed: Any,

@@ -69,7 +69,7 @@ class OutputProcessor:
 
     # -- admission -----------------------------------------------------------------------------
     def new_request(self, request: EngineRequest) -> list[Sequence]:
-        """The request's n sequences (validated at the edge: jaxserve/engine/input_processor)."""
+        """The request's n sequences (validated at the edge: InputProcessor, jaxserve/engine/engine_io.py)."""
         request_id, params = request.request_id, request.params
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -19,12 +19,7 @@ prompt positions fit the runner's fixed-size prompt-logprobs gather
 (``max_prompt_logprobs_per_step``), and it skips prefix-cache hits (as vLLM does): a cached
 position would have no logits to give.
 
-A request with ``n > 1`` prefills its shared prompt once: the first of its sequences to be
-admitted leads, and its siblings keep their place in the waiting queue until the leader's
-prompt blocks are in the prefix cache; admitted then, each finds every full prompt block
-there and computes only the tail (at most one block, and at least the last prompt token,
-whose logits it samples from). Without this every child would prefill the whole prompt in
-the same steps, before any of it could be cached.
+A request with ``n > 1`` prefills its shared prompt once (shared_prefill.py).
 
 Structured outputs: a sequence whose grammar is still compiling is passed over in the
 waiting queue (keeping its place), and a constrained sequence is not scheduled while it
@@ -46,26 +41,17 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.shared_prefill import SharedPrefill
+from jaxserve.engine.step_room import StepRoom, fit_prompt_logprobs, prompt_logprobs_positions
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.runner.buckets import next_power_of_2  # the step shapes the cap aims at
 from jaxserve.step_contract import NewSeqData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _StepRoom:
-    """What one `schedule` call has left to hand out, shared by its two halves."""
-    budget: int                      # tokens
-    prompt_logprobs: int             # prompt-logprob gather slots
-    num_decodes: int                 # decodes this step (the decode-aware prefill cap)
-    prefill_used: int = 0            # prompt tokens planned so far
-    num_partial: int = 0             # sequences still inside their prompt after this step
 
 
 class Scheduler:
@@ -106,8 +92,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._finished_ids: list[int] = []    # rows the runner should drop next step
         self._rolled_back: dict[int, int] = {}  # seq id -> block table length after rollback
-        # n > 1: request id -> the sibling prefilling the shared prompt for the others.
-        self._prefill_leaders: dict[str, Sequence] = {}
+        self.shared_prefill = SharedPrefill(block_manager)   # n > 1: one prefill per prompt
         self.num_preemptions = 0
         self.num_constrained = 0              # unfinished sequences with a grammar
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
@@ -157,7 +142,7 @@ class Scheduler:
         self._rolled_back = {}
         # Decodes this step (running sequences past their prompt): the decode-aware prefill
         # cap needs the count before any prefill chunk is planned.
-        room = _StepRoom(budget=self.max_num_batched_tokens,
+        room = StepRoom(budget=self.max_num_batched_tokens,
                          prompt_logprobs=self.max_prompt_logprobs_per_step,
                          num_decodes=sum(1 for seq in self._running
                                          if seq.num_computed_tokens >= seq.num_prompt_tokens))
@@ -168,7 +153,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, drafts: dict[int, list[int]],
-                          room: _StepRoom) -> None:
+                          room: StepRoom) -> None:
         """Plan the running sequences: decodes and the next chunks of unfinished prefills."""
         running = self._running
         budget = room.budget        # a local in the per-sequence loop, written back below
@@ -223,12 +208,12 @@ class Scheduler:
                 proposed = None
             if is_prefill:
                 num_new = min(num_new, self._chunk_cap(room.prefill_used, num_decodes))
-            num_new = _fit_prompt_logprobs(seq, seq.num_computed_tokens,
+            num_new = fit_prompt_logprobs(seq, seq.num_computed_tokens,
                                            min(num_new, budget), room.prompt_logprobs)
             if num_new <= 0:
                 i += 1
                 continue
-            room.prompt_logprobs -= _prompt_logprobs_positions(seq, seq.num_computed_tokens,
+            room.prompt_logprobs -= prompt_logprobs_positions(seq, seq.num_computed_tokens,
                                                                num_new)
             if not self._allocate_running(seq, num_new, out, len(proposed or ())):
                 continue              # seq preempted itself; running[i] is now past the end
@@ -244,7 +229,7 @@ class Scheduler:
             i += 1
         room.budget = budget
 
-    def _admit_waiting(self, out: SchedulerOutput, room: _StepRoom) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, room: StepRoom) -> None:
         """Admit waiting sequences in FIFO order while the budget, the batch and the cache
         allow. Passed over this step, keeping their place: grammar not compiled yet, no LoRA
         slot for them, or a sibling still prefilling the shared prompt."""
@@ -255,7 +240,7 @@ class Scheduler:
             if seq.num_pending_tokens:
                 break   # preempted while a step ran: wait for that step's token
             if (seq.grammar is not None and not seq.grammar.is_ready) or \
-                    self._waits_for_sibling(seq):
+                    self.shared_prefill.waits(seq):
                 passed_over.append(self._waiting.popleft())
                 continue
             cap = min(room.budget, self._chunk_cap(room.prefill_used, room.num_decodes))
@@ -265,7 +250,7 @@ class Scheduler:
             if seq.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             num_remaining = seq.num_tokens - num_cached
-            num_new = _fit_prompt_logprobs(seq, num_cached, min(num_remaining, cap),
+            num_new = fit_prompt_logprobs(seq, num_cached, min(num_remaining, cap),
                                            room.prompt_logprobs)
             if num_new <= 0:
                 break
@@ -279,7 +264,7 @@ class Scheduler:
                 self._release_lora(seq)
                 break  # head-of-line blocking keeps admission FIFO-fair
             self._waiting.popleft()
-            room.prompt_logprobs -= _prompt_logprobs_positions(seq, num_cached, num_new)
+            room.prompt_logprobs -= prompt_logprobs_positions(seq, num_cached, num_new)
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
             out.new_seqs.append(NewSeqData(
@@ -287,7 +272,7 @@ class Scheduler:
                 list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed,
                 seq.lora_slot))
             self._plan(seq, num_new, out)
-            self._maybe_lead_prefill(seq)
+            self.shared_prefill.maybe_lead(seq)
             room.budget -= num_new
             room.prefill_used += num_new
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -317,32 +302,6 @@ class Scheduler:
         running = sorted({s.lora.name for s in self._running if s.lora is not None})
         waiting = sorted({s.lora.name for s in self._waiting if s.lora is not None})
         return running, waiting
-
-    def _shared_prompt_blocks(self, seq: Sequence) -> int:
-        """Prompt blocks a sibling of `seq` can take from the prefix cache (the last prompt
-        token always runs, so at most (P - 1) // block_size)."""
-        return (seq.num_prompt_tokens - 1) // self.block_manager.block_size
-
-    def _maybe_lead_prefill(self, seq: Sequence) -> None:
-        """`seq` was just admitted: if siblings could share its prompt, they wait for it."""
-        params = seq.sampling_params
-        if (params.n > 1 and seq.num_output_tokens == 0 and params.prompt_logprobs is None
-                and self.block_manager.enable_prefix_caching
-                and seq.request_id not in self._prefill_leaders
-                and seq.num_cached_tokens < self._shared_prompt_blocks(seq)
-                * self.block_manager.block_size):
-            self._prefill_leaders[seq.request_id] = seq
-
-    def _waits_for_sibling(self, seq: Sequence) -> bool:
-        """Whether waiting `seq` should let its request's leader finish caching the prompt."""
-        leader = self._prefill_leaders.get(seq.request_id)
-        if leader is None or leader is seq:
-            return False
-        if not leader.is_finished and self.block_manager.num_registered_blocks(leader) < \
-                self._shared_prompt_blocks(seq):
-            return True
-        del self._prefill_leaders[seq.request_id]   # cached (or the leader is gone): go
-        return False
 
     def _chunk_cap(self, prefill_used: int, num_decodes: int) -> int:
         """Most prompt tokens the next sequence may take this step (<= 0: none).
@@ -516,8 +475,7 @@ class Scheduler:
         seq.status = status
         self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
-        if self._prefill_leaders.get(seq.request_id) is seq:
-            del self._prefill_leaders[seq.request_id]     # its siblings prefill themselves
+        self.shared_prefill.forget(seq)
         self.num_constrained -= seq.grammar is not None
 
     def abort_request(self, request_id: str,
@@ -527,18 +485,3 @@ class Scheduler:
         for seq in seqs:
             self.finish_seq(seq, status)
         return seqs
-
-
-def _prompt_logprobs_positions(seq: Sequence, start: int, num_new: int) -> int:
-    """Positions of the chunk [start, start + num_new) that give prompt logprobs: those before
-    the prompt's last token (position p predicts prompt token p + 1)."""
-    if seq.sampling_params.prompt_logprobs is None:
-        return 0
-    return max(0, min(start + num_new, seq.num_prompt_tokens - 1) - start)
-
-
-def _fit_prompt_logprobs(seq: Sequence, start: int, num_new: int, room: int) -> int:
-    """num_new, shortened so that the chunk's prompt-logprobs positions fit in ``room``."""
-    if _prompt_logprobs_positions(seq, start, num_new) <= room:
-        return num_new
-    return room

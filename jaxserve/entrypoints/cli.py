@@ -163,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"jaxserve {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    _add_serve_command(commands)
+    _add_chat_command(commands)
+    _add_export_tokenizer_command(commands)
+    _add_compile_command(commands)
+    _add_convert_command(commands)
+    return parser
+
+
+def _add_serve_command(commands: Any) -> None:
+    """`jaxserve serve`: the OpenAI-compatible server; every ServeConfig flag."""
     serve = commands.add_parser(
         "serve", help="start the OpenAI-compatible HTTP server",
         usage="jaxserve serve [MODEL] [--config FILE.yaml] [options]",
@@ -173,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--print-config", action="store_true",
                        help="print the resolved configuration as YAML and exit")
 
+
+def _add_chat_command(commands: Any) -> None:
+    """`jaxserve chat`: a terminal chat on the same engine; every EngineConfig flag."""
     chat = commands.add_parser(
         "chat", help="chat with a model in the terminal",
         usage="jaxserve chat [MODEL] [--config FILE.yaml] [--system TEXT] [options]",
@@ -185,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=None,
                       help="sampling temperature (default: the model's)")
 
+
+def _add_export_tokenizer_command(commands: Any) -> None:
+    """`jaxserve export-tokenizer`: the served tokenizer as a Hugging Face directory."""
     export = commands.add_parser(
         "export-tokenizer", help="write a model's tokenizer as a Hugging Face directory",
         usage="jaxserve export-tokenizer OUT_DIR [--model MODEL] [--tokenizer DIR]",
@@ -203,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--log-level", default="warning",
                         choices=["debug", "info", "warning", "error"])
 
+
+def _add_compile_command(commands: Any) -> None:
+    """`jaxserve compile`: deviceless ahead-of-time compilation and a memory plan."""
     compile_ = commands.add_parser(
         "compile", help="compile the engine's steps for a GPU (no GPU needed) and plan memory",
         usage="jaxserve compile [MODEL] --target {h100,h200,a100,cpu} --output DIR [--json] "
@@ -226,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--json", action="store_true",
                           help="print the plan as one JSON object, the last stdout line")
 
+
+def _add_convert_command(commands: Any) -> None:
+    """`jaxserve convert`: a model saved as orbax arrays, for fast restarts."""
     convert = commands.add_parser(
         "convert", help="save a model as it sits in device memory (orbax), for fast restarts",
         usage="jaxserve convert MODEL OUT [--quantization int8] [--tensor-parallel-size N]",
@@ -245,7 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tokenizer directory or name, if not the model's")
     convert.add_argument("--log-level", default="info",
                          choices=["debug", "info", "warning", "error"])
-    return parser
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

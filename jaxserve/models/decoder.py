@@ -62,10 +62,10 @@ class CausalLM(nn.Module):
     layer: Any                 # the family's decoder layer class (see `scan_layer_args`)
     cache: PagedCache
     dtype: Any = jnp.float32
-    # Steps of at most layer_matmul.MAX_ROWS tokens (every default bucket; the name is from
-    # when only small decode steps did) read each layer's float32 projection weights in
-    # place with the C++ kernel (models/layer_matmul.py) instead of XLA's copied slice.
-    # The runner sets it for the CPU attention backend on one device.
+    # Steps of at most layer_matmul.MAX_ROWS tokens (every default bucket) read each
+    # layer's projection weights in place with the C++ kernel (models/layer_matmul.py)
+    # instead of XLA's copied slice. The runner sets it for the CPU attention backend on
+    # one device.
     small_batch_layer_matmul: bool = False
 
     @property

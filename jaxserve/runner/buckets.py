@@ -9,8 +9,8 @@ pays at most `S` rows of lm_head for its padding — cheap next to the layers.
 Speculative decoding adds narrow shapes: a verify step of n sequences carries up to
 n·(k+1) tokens, which the rule above pads to S = T rows -- and the verifier computes logits
 and samples for every token of every one of those rows. A single stream with k = 4 drafts
-would pay 8 rows × 5 positions of lm_head and sampler (measured: its verify step cost 3.4×
-a decode step instead of ~1.3×). So with drafting on, (next_pow2(n·(k+1)), n) for every
+would pay 8 rows × 5 positions of lm_head and sampler, several times a decode step where
+a verify step should cost little more than one. So with drafting on, (next_pow2(n·(k+1)), n) for every
 power of two n up to the drafting cut is a shape too, chosen for a step of n sequences or
 fewer with more tokens than sequences (a verify step with fewer drafts pads its tokens).
 """

@@ -2,8 +2,8 @@
 
 XLA:CPU allocates a step's large temporaries with malloc on every call. Above
 glibc's mmap threshold each one is a fresh mmap whose pages fault in again on
-first touch, every step — measured at ~5x the cost of a greedy sampling pass
-(10 ms vs 2 ms at [64, 49152]). Raising the mmap and trim thresholds keeps those
+first touch, every step, costing more than the sampling pass itself
+(benchmarks/bench_host.py). Raising the mmap and trim thresholds keeps those
 pages in the heap, reused across steps. Process-wide and harmless elsewhere, but
 only done for the CPU platform, where the engine's device memory is host memory.
 """

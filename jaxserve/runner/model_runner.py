@@ -4,23 +4,17 @@ The runner knows tensors, never queues or `Sequence`s: it applies the scheduler'
 diffs to its persistent batch (input_batch.py), packs the step's inputs into one
 int32 buffer for bucket (T, S), and calls that bucket's ahead-of-time compiled
 executable with the KV cache and ``last_tokens`` donated. The call returns at once
-(JAX dispatch is asynchronous); `PendingStep.result()` waits for the sampled
-tokens. Between the two the host schedules and packs the next step, whose decodes
+(JAX dispatch is asynchronous); `PendingStep.result()` (the end of this file) waits
+for the sampled tokens. Between the two the host schedules and packs the next step, whose decodes
 read this step's samples from ``last_tokens`` on the device.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import functools
 import logging
 import math
-import os
 import threading
 import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 from typing import Sequence as Seq
 
@@ -38,163 +32,25 @@ from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, StepInputs
-from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
-from jaxserve.runner.sampler import SamplerOutput, sample
-from jaxserve.runner.sampling_tensors import SamplingTensors
-from jaxserve.runner.spec_verify import last_emitted, sample_with_drafts
+from jaxserve.runner.step_compilation import StepCompilation, wait_for_background_compiles
+from jaxserve.runner.step_function import StepOutputs
 from jaxserve.step_contract import (
     PromptLogprobsChunk,
     RunnerOutput,
     SampledLogprobs,
     SchedulerOutput,
 )
-from jaxserve.step_inputs import StepLayout, resolve_token_ids
+from jaxserve.step_inputs import StepLayout
+
+__all__ = ["ModelRunner", "PendingStep", "StepOutputs", "wait_for_background_compiles"]
 
 logger = logging.getLogger(__name__)
 
-# Background compiles (ModelRunner.warmup(background=True)) still running; stopped at exit.
-_BACKGROUND_COMPILES: weakref.WeakSet = weakref.WeakSet()
 
+class ModelRunner(StepCompilation):
+    """One model replica's device side: parameters, the KV cache, the persistent batch and
+    the compiled step of every bucket; `execute` runs one `SchedulerOutput`."""
 
-@atexit.register
-def _stop_background_compiles() -> None:
-    """At interpreter exit: start no new background compile, and wait for the ones in flight
-    (a compile torn down mid-way by interpreter finalization can crash the process)."""
-    for runner in list(_BACKGROUND_COMPILES):
-        runner._stop_compiling.set()
-    for runner in list(_BACKGROUND_COMPILES):
-        thread = runner._compile_thread
-        if thread is not None:
-            thread.join()
-
-
-def wait_for_background_compiles(timeout: float | None = None) -> bool:
-    """Block until every runner of this process has compiled all its buckets (tests that
-    assert "no compile after warm-up" wait here first). False on timeout."""
-    return all(runner.all_compiled.wait(timeout) for runner in list(_BACKGROUND_COMPILES))
-
-
-# What a dispatched step leaves on the device: the samples, and the prompt logprobs (None in
-# buckets without prompt-logprobs slots).
-# With speculative decoding the samples are [S * (k+1)] and come with num_emitted [S].
-StepOutputs = tuple[tuple[SamplerOutput, jax.Array | None], PromptLogprobsOutput | None]
-
-
-def _step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
-          bias_values, grammar_bitmask, lora_stacks=None, *, model: Any, model_constants, layout: StepLayout,
-          num_top_logprobs: int, num_spec_tokens: int = 0, num_spec_rows: int = 0,
-          logits_shardings: tuple = ()):
-    """One engine step: forward over the flat token axis, then sample each row's next token
-    (and the prompt logprobs of the positions that ask, when the bucket has slots for them).
-
-    last_tokens: i32[R + 1], the latest sample of every persistent row (donated, updated).
-    grammar_bitmask: i32[S, ceil(V/32)], allowed tokens per row (all ones: unconstrained).
-    num_spec_tokens (k > 0: speculative decoding on): the sampler's outputs are [S * (k+1)]
-    and ``num_emitted`` [S] says how many tokens each row emits (jaxserve/spec_decode).
-    lora_stacks: the adapter slots (jaxserve/lora/stacks.py), None with LoRA off (then the
-    step has no LoRA input or work at all).
-    """
-    f = layout.unpack(packed)
-    if lora_stacks is not None:
-        params = with_lora(params, lora_stacks)
-    token_ids = resolve_token_ids(f["token_ids"], last_tokens)
-    hidden, k_cache, v_cache = model.apply(params, token_ids, f["positions"],
-                                           layout.metadata(f), k_cache, v_cache, model_constants)
-
-    def logits_of(rows):
-        logits = model.apply(params, rows, method="logits")
-        for sharding in logits_shardings:   # tensor parallel: keep the lm_head local (logits
-            logits = jax.lax.with_sharding_constraint(logits, sharding)   # split on vocab),
-        return logits                                                      # then gather
-
-    last = f["logits_indices"]
-    sampling = SamplingTensors(
-        temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
-        presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
-        repetition_penalty=f["repetition_penalty"], seeds=f["seeds"],
-        step_index=f["kv_lens"] - f["num_prompt_tokens"], num_logprobs=f["num_logprobs"],
-        penalty_token_ids=penalty_token_ids, num_prompt_tokens=f["num_prompt_tokens"],
-        bias_token_ids=bias_token_ids, bias_values=bias_values,
-        newest_token_ids=jnp.where(f["token_ids"][last] < 0, token_ids[last], -1))
-    num_emitted = None
-    if num_spec_tokens:
-        out, num_emitted = sample_with_drafts(
-            hidden, logits_of, token_ids, last, f["num_drafts"], sampling, grammar_bitmask,
-            num_spec_tokens=num_spec_tokens, num_spec_rows=num_spec_rows,
-            num_top_logprobs=num_top_logprobs)
-        newest = last_emitted(out, num_emitted)
-    else:
-        out = sample(logits_of(hidden[last]), sampling, num_top_logprobs,
-                     grammar_bitmask=grammar_bitmask)
-        newest = out.next_tokens
-    last_tokens = last_tokens.at[f["batch_rows"]].set(newest, mode="drop")
-    prompt_out = None
-    if layout.num_prompt_logprobs:
-        prompt_out = prompt_logprobs(logits_of, hidden, f["prompt_logprobs_indices"],
-                                     f["prompt_logprobs_targets"], num_top_logprobs)
-    return k_cache, v_cache, last_tokens, (out, num_emitted), prompt_out
-
-
-class PendingStep:
-    """A dispatched step; `result()` waits for its samples and returns a RunnerOutput."""
-
-    def __init__(self, runner: ModelRunner, out: SchedulerOutput, rows: np.ndarray,
-                 kv_lens: np.ndarray, device_out: StepOutputs, want_logprobs: bool,
-                 prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()) -> None:
-        self._runner, self._out, self._rows, self._kv_lens = runner, out, rows, kv_lens
-        (self._sampler_out, self._num_emitted), self._prompt_out = device_out
-        self._want_logprobs = want_logprobs
-        self._prompt_logprobs_rows = prompt_logprobs_rows
-        self._result: RunnerOutput | None = None
-
-    def result(self) -> RunnerOutput:
-        if self._result is None:
-            n = self._out.num_rows
-            width = self._runner.num_spec_tokens + 1     # tokens per row in the outputs
-            all_tokens = np.asarray(self._sampler_out.next_tokens)[:n * width]
-            logprobs = None
-            if self._want_logprobs:
-                o = jax.device_get(self._sampler_out)
-                logprobs = SampledLogprobs(np.asarray(o.sampled_logprobs)[:n * width],
-                                           np.asarray(o.sampled_ranks)[:n * width],
-                                           np.asarray(o.top_token_ids)[:n * width],
-                                           np.asarray(o.top_logprobs)[:n * width])
-            emitted = None
-            if self._num_emitted is None:
-                tokens = all_tokens.tolist()
-                self._runner.batch.record_sampled(self._out.seq_ids, self._rows,
-                                                  self._kv_lens, self._out.is_sampling, tokens)
-            else:
-                grid = all_tokens.reshape(n, width)
-                counts = np.asarray(self._num_emitted)[:n]
-                tokens = grid[:, 0].tolist()
-                emitted = [grid[i, :counts[i]].tolist() for i in range(n)]
-                drafts = np.asarray([len(self._out.draft_token_ids.get(s, ()))
-                                     for s in self._out.seq_ids], np.int64)
-                self._runner.batch.record_emitted(self._out.seq_ids, self._rows,
-                                                  self._kv_lens - drafts,
-                                                  self._out.is_sampling, grid, counts)
-            self._result = RunnerOutput(tokens, logprobs, self._prompt_logprobs(),
-                                        emitted_token_ids=emitted, logprobs_stride=width)
-            self._sampler_out = self._prompt_out = self._num_emitted = None
-        return self._result
-
-    def _prompt_logprobs(self) -> dict[int, PromptLogprobsChunk]:
-        if not self._prompt_logprobs_rows:
-            return {}
-        o = jax.device_get(self._prompt_out)
-        batch = self._runner.batch
-        chunks = {}
-        for i, first, slot, count in self._prompt_logprobs_rows:
-            row, end = self._rows[i], slot + count
-            chunks[i] = PromptLogprobsChunk(
-                first, batch.token_ids[row, first:first + count].copy(),
-                np.asarray(o.logprobs[slot:end]), np.asarray(o.ranks[slot:end]),
-                np.asarray(o.top_token_ids[slot:end]), np.asarray(o.top_logprobs[slot:end]))
-        return chunks
-
-
-class ModelRunner:
     def __init__(self, arch: ModelArch, params: Any, backend: AttentionBackend, *,
                  dtype: Any, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int,
@@ -203,19 +59,12 @@ class ModelRunner:
                  input_sharding: Any = None, logits_shardings: tuple = (),
                  kv_cache_dtype: Any = None, lora: LoRAStacks | None = None,
                  abstract: bool = False) -> None:
-        """abstract: build the step only to compile it ahead of time
-        (engine/aot_compile.py) for devices that may not be here (a deviceless GPU topology): params, the KV cache and
-        the step's inputs are ShapeDtypeStructs with their shardings; nothing is allocated
-        and the runner cannot execute."""
+        """abstract: build the step only to compile it ahead of time (engine/aot_compile.py)
+        for devices that may not be here (a deviceless GPU topology): params, the KV cache
+        and the step's inputs are ShapeDtypeStructs with their shardings; nothing is
+        allocated and the runner cannot execute."""
         self.arch = arch
         self.abstract = abstract
-        # params: device arrays, or a RestoringParams (engine/model_source.py) whose arrays
-        # are still being read: the step is built and compiled on their shapes meanwhile.
-        self._params_pending = params if hasattr(params, "result") else None
-        self._params = None if self._params_pending is not None else params
-        self._param_specs = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            params.spec if self._params_pending is not None else params)
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -230,67 +79,30 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
         self.max_spec_rows = max_spec_rows
         self.lora = lora    # multi-LoRA slots (None: off)
-        family = family_for(arch.architecture)   # the registry's model module for this arch
-        self.model = family.build(arch, backend, num_blocks, block_size, dtype)
-        mesh = getattr(input_sharding, "mesh", None)
-        if backend.name == "cpu" and (mesh is None or mesh.size == 1) \
-                and jnp.dtype(dtype) in IN_PLACE_DTYPES \
-                and hasattr(self.model, "small_batch_layer_matmul") and cpu_matmul_available():
-            # Steps read each layer's weights in place through the oneDNN library
-            # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
-            self.model = self.model.clone(small_batch_layer_matmul=True)
         # input_sharding: where step inputs go (replicated on the tp mesh; None = default
         # device). step_channel: set on a multi-host leader (jaxserve/parallel/distributed.py).
         self.input_sharding = input_sharding
         self.logits_shardings = tuple(logits_shardings)
         self.step_channel: Any = None
-        # rope tables, windows: closed over by the step (numpy when abstract: embedded as
-        # constants either way)
-        constants = family.constants(arch)
-        self.model_constants = constants if abstract else self._put(constants)
+        # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
+        self.startup_timings: dict[str, float] = {}
+        self._init_params(params)
+        self._init_model(backend)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
                                 eos_token_ids=list(eos_token_ids),
                                 prompt_logprobs_cap=prompt_logprobs_cap,
                                 vocab_size=arch.vocab_size, lora=lora is not None)
         cache_shape = (arch.num_layers * num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         kv_dtype = kv_cache_dtype or dtype
-        self._kv_fill: dict[str, Any] = {}
-        self._zeros: Any = None   # reset() refills the cache with it after a failed step
-        # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
-        self.startup_timings: dict[str, float] = {}
-        self._kv_thread: threading.Thread | None = None
-        if abstract:
-            cache_spec = self._spec(jax.eval_shape(lambda: empty_cache(cache_shape, kv_dtype)),
-                                    kv_sharding)
-        else:
-            # int8 / fp8: a QuantizedKV (values + per-slot-head scales), quantization/kv.py
-            zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
-                            out_shardings=kv_sharding).lower().compile()
-            self._zeros = zeros
-            # Zero-filling the cache (4 GiB by default on CPU: page faults and a memset, ~2 s
-            # here) runs in a thread while warm-up compiles or loads the steps, which need
-            # only its shapes and shardings; warmup() (or the first use of k_cache) waits.
-            cache_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
-            self._kv_thread = threading.Thread(
-                target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros",
-                daemon=True)
-            self._kv_thread.start()
+        cache_spec = self._init_kv_cache(cache_shape, kv_dtype, kv_sharding)
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
-        self._steps = {}   # (T, S) -> compiled executable
-        # Set once every bucket is compiled (warmup); until then a step may run padded in the
-        # smallest compiled bucket that fits (see warmup(background=True)).
-        self.all_compiled = threading.Event()
-        self._stop_compiling = threading.Event()
-        self._compile_thread: threading.Thread | None = None
-        self._wanted: set[tuple[int, int]] = set()   # buckets steps ran padded for, meanwhile
         # What the step is lowered against: the donated arrays' shapes and shardings, never
         # the arrays (a background compile must not read a buffer a step has just donated).
         self._state_specs = (cache_spec, cache_spec, jax.ShapeDtypeStruct(
             self.last_tokens.shape, self.last_tokens.dtype, sharding=self.last_tokens.sharding))
         self._prompt_logits_fns: dict = {}   # padded length -> jitted forward (prompt_logits)
         self._device_constants: dict[int, dict[str, jax.Array]] = {}
-        self.executable_cache: Any = None     # runner/executable_cache.py, when enabled
+        self._init_compilation()
         self._settings = {
             "arch": arch, "dtype": np.dtype(dtype).name, "kv_dtype": np.dtype(kv_dtype).name,
             "cache_shape": cache_shape, "max_model_len": max_model_len,
@@ -303,6 +115,53 @@ class ModelRunner:
             "small_batch_layer_matmul": getattr(self.model, "small_batch_layer_matmul", False),
             "lora": None if lora is None else jax.tree.map(
                 lambda x: (x.shape, x.dtype), self._lora_stacks())}
+
+    def _init_params(self, params: Any) -> None:
+        """params: device arrays, or a RestoringParams (engine/model_source.py) whose arrays
+        are still being read: the step is built and compiled on their shapes meanwhile."""
+        self._params_pending = params if hasattr(params, "result") else None
+        self._params = None if self._params_pending is not None else params
+        self._param_specs = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            params.spec if self._params_pending is not None else params)
+
+    def _init_model(self, backend: AttentionBackend) -> None:
+        """The family's model module, and the constants (rope tables, windows) its step closes
+        over: numpy when abstract, embedded as constants either way."""
+        family = family_for(self.arch.architecture)   # the registry's model module for this arch
+        self.model = family.build(self.arch, backend, self.num_blocks, self.block_size,
+                                  self.dtype)
+        mesh = getattr(self.input_sharding, "mesh", None)
+        if backend.name == "cpu" and (mesh is None or mesh.size == 1) \
+                and jnp.dtype(self.dtype) in IN_PLACE_DTYPES \
+                and hasattr(self.model, "small_batch_layer_matmul") and cpu_matmul_available():
+            # Steps read each layer's weights in place through the oneDNN library
+            # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
+            self.model = self.model.clone(small_batch_layer_matmul=True)
+        constants = family.constants(self.arch)
+        self.model_constants = constants if self.abstract else self._put(constants)
+
+    def _init_kv_cache(self, cache_shape: tuple[int, ...], kv_dtype: Any,
+                       kv_sharding: Any) -> Any:
+        """Start zero-filling the KV cache (int8 / fp8: a QuantizedKV of values and per-slot-
+        head scales, quantization/kv.py); returns its ShapeDtypeStructs. The fill (GiBs of
+        page faults and memset) runs in a thread while warm-up compiles or loads the steps,
+        which need only its shapes and shardings; warmup() (or the first use of k_cache)
+        waits for it."""
+        self._kv_fill: dict[str, Any] = {}
+        self._zeros: Any = None   # reset() refills the cache with it after a failed step
+        self._kv_thread: threading.Thread | None = None
+        if self.abstract:
+            return self._spec(jax.eval_shape(lambda: empty_cache(cache_shape, kv_dtype)),
+                              kv_sharding)
+        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
+                        out_shardings=kv_sharding).lower().compile()
+        self._zeros = zeros
+        self._kv_thread = threading.Thread(
+            target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros", daemon=True)
+        self._kv_thread.start()
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
 
     # -- the KV cache --------------------------------------------------------------------------
     def _fill_kv_cache(self, zeros: Any) -> None:
@@ -375,172 +234,12 @@ class ModelRunner:
     def v_cache(self, value: Any) -> None:
         self._v_cache = value
 
-    # -- compilation ---------------------------------------------------------------------------
-    def _jitted(self, layout: StepLayout):
-        return jax.jit(functools.partial(
-            _step, model=self.model, model_constants=self.model_constants, layout=layout,
-            num_top_logprobs=self.num_top_logprobs, num_spec_tokens=self.num_spec_tokens,
-            num_spec_rows=min(layout.num_seqs, self.max_spec_rows),
-            logits_shardings=self.logits_shardings),
-            donate_argnums=(1, 2, 3))
-
-    def enable_executable_cache(self, directory: str) -> None:
-        """Load step executables serialized by an earlier start with the same key (no
-        tracing), and save the ones compiled here (runner/executable_cache.py)."""
-        from jaxserve.runner.executable_cache import ExecutableCache, executable_key
-
-        # The devices this runner's arrays live on: a sharding's repr names its mesh axes, not
-        # its devices, and data-parallel replicas differ only there.
-        specs = (self._param_specs, self._state_specs[0])
-        devices = sorted({d.id for x in jax.tree.leaves(specs) for d in x.sharding.device_set})
-        key = executable_key({**self._settings, "placement_devices": devices,
-                              "model_constants": jax.tree.map(
-                                  lambda x: (x.shape, x.dtype), self.model_constants)},
-                             self._param_specs)
-        self.executable_cache = ExecutableCache(directory, key)
-
-    def _compile(self, num_tokens: int, num_seqs: int):
-        """Ahead-of-time compile one bucket; returns the executable (called directly later)."""
-        cache = self.executable_cache
-        if cache is not None:
-            executable = cache.load((num_tokens, num_seqs))
-            if executable is not None:
-                return executable
-        with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
-            executable = self.lower_step(num_tokens, num_seqs).compile()
-            if cache is not None and not hit():
-                cache.store((num_tokens, num_seqs), executable)
-        return executable
-
-    def lower_step(self, num_tokens: int, num_seqs: int) -> Any:
-        """Bucket (T, S)'s step lowered against the shapes and shardings of its arguments
-        (`jax.stages.Lowered`); ahead-of-time compiles (engine/aot_compile.py) compile it with
-        their own options."""
-        layout = self._layout(num_tokens, num_seqs)
-        consts = self._constants(num_seqs)
-        return self._jitted(layout).lower(
-            self._param_specs, *self._state_specs,
-            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-            consts["bias_token_ids"], consts["bias_values"],
-            consts["grammar_bitmask"], self._lora_stacks())
-
     def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
         return StepLayout(num_tokens, num_seqs, self.width, self.prompt_logprobs_cap,
                           self.lora is not None)
 
     def _lora_stacks(self) -> Any:
         return self.lora.arrays if self.lora is not None else None
-
-    def warmup(self, progress: bool = True, max_workers: int | None = None,
-               background: bool = False) -> float:
-        """Compile every bucket before serving, several at once (XLA compiles release the GIL;
-        tracing does not, but it is the small part). Returns seconds.
-
-        background: compile (or load, runner/executable_cache.py) only the largest bucket,
-        which serves any step by padding, and the one-token bucket (a lone decode) before
-        returning; compile the others smallest first in a background thread. Until a step's
-        own bucket is ready it runs in the smallest compiled bucket that fits (execute):
-        the same computation with more padding rows. ``all_compiled`` is set when every
-        bucket is ready; from then on a step never compiles."""
-        start = time.perf_counter()
-        shapes = [s for s in self.buckets.all_shapes() if s not in self._steps]
-        first, rest = shapes, []
-        if background and len(shapes) > 2:
-            first = [shapes[-1], shapes[0]]
-            rest = shapes[1:-1]
-        self._compile_all(first, progress, max_workers)
-        self._wait_kv_cache()       # zero-filled in a thread meanwhile (__init__)
-        self._wait_params()         # and restored, from an orbax checkpoint
-        elapsed = time.perf_counter() - start
-        cache = self.executable_cache
-        loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
-        logger.info("warm-up compiled %d step shapes in %.1f s%s%s", len(first), elapsed, loaded,
-                    f"; compiling {len(rest)} more in the background" if rest else "")
-        if not rest:
-            self.all_compiled.set()
-            return elapsed
-        self._compile_thread = threading.Thread(
-            target=self._compile_in_background, args=(rest,), daemon=True,
-            name="jaxserve-compile")
-        _BACKGROUND_COMPILES.add(self)
-        self._compile_thread.start()
-        return elapsed
-
-    def _compile_all(self, shapes: list[tuple[int, int]], progress: bool,
-                     max_workers: int | None) -> None:
-        if not shapes:
-            return
-        workers = max_workers or min(len(shapes), os.cpu_count() or 1) or 1
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(shapes), desc="Compiling step buckets", unit="bucket")
-        with ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(self._compile, t, s): (t, s) for t, s in shapes}
-            for future in as_completed(futures):
-                self._steps[futures[future]] = future.result()
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
-
-    def _compile_in_background(self, shapes: list[tuple[int, int]]) -> None:
-        start = time.perf_counter()
-        todo = list(shapes)
-        try:
-            while todo:
-                if self._stop_compiling.is_set():
-                    return
-                # A bucket a step has asked for (and ran padded) first, then smallest first.
-                wanted = [shape for shape in todo if shape in self._wanted]
-                shape = min(wanted) if wanted else todo[0]
-                todo.remove(shape)
-                if shape not in self._steps:
-                    self._steps[shape] = self._compile(*shape)
-            logger.info("background compile of %d more step shapes done in %.1f s",
-                        len(shapes), time.perf_counter() - start)
-        except Exception:   # keep serving: a missing bucket compiles when a step needs it
-            logger.exception("background compile failed; missing buckets compile on demand")
-        finally:
-            self.all_compiled.set()
-            self._compile_thread = None
-
-    def wait_until_compiled(self, timeout: float | None = None) -> bool:
-        """Block until warm-up has compiled every bucket (background compiles included)."""
-        return self.all_compiled.wait(timeout)
-
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The compiled bucket a step runs in: its own (buckets.py), or while a background
-        warm-up is still compiling that one, the smallest compiled bucket that holds it."""
-        t, s = self.buckets.shape_for(num_tokens, num_seqs)
-        if self.all_compiled.is_set() or (t, s) in self._steps:
-            return t, s
-        fits = [shape for shape in list(self._steps) if shape[0] >= t and shape[1] >= s]
-        if not fits:
-            return t, s
-        self._wanted.add((t, s))        # the background compile takes it next
-        return min(fits)
-
-    def export_step(self, num_tokens: int, num_seqs: int, platform: str) -> Any:
-        """`jax.export` bucket (T, S) of the whole step (forward + sampler, donated caches,
-        shardings included) for `platform`, without a device of that kind: proves the step
-        lowers there (a CPU test exports it for cuda, so GPU lowering breakage fails CI)."""
-        from jax import export
-
-        layout = self._layout(num_tokens, num_seqs)
-        consts = self._constants(num_seqs)
-        args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
-                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-                consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"],
-                self._lora_stacks())
-        # Triton kernels are custom calls that jax.export does not vouch for by default.
-        checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        return export.export(self._jitted(layout), platforms=[platform],
-                             disabled_checks=checks)(*args)
-
-    @property
-    def compiled_shapes(self) -> list[tuple[int, int]]:
-        return sorted(self._steps)
 
     # -- one step ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> PendingStep | None:
@@ -582,11 +281,10 @@ class ModelRunner:
             else self._put(inputs.grammar_bitmask)
         self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
             self.params, self.k_cache, self.v_cache, self.last_tokens,
-            # A copy: `jax.device_put` may alias numpy memory on CPU, the host rewrites this
-            # bucket's buffer for its next step, and any number of steps can be in flight
-            # (the draft proposer dispatches its prefill chunks and k - 1 decodes before
-            # collecting; a rotation of three buffers fed k = 7's later decodes the inputs
-            # of newer steps). A few KB.
+            # A copy (a few KB): `jax.device_put` may alias numpy memory on CPU and the host
+            # rewrites this bucket's buffer for its next step, while any number of earlier
+            # steps may still be in flight (the draft proposer dispatches several before
+            # collecting): each step must own the inputs it was given.
             self._put(inputs.packed.copy()),
             penalty, bias_ids, bias_values, bitmask, self._lora_stacks())
         out[0].next_tokens.copy_to_host_async()
@@ -660,3 +358,64 @@ class ModelRunner:
         logits, self.k_cache, self.v_cache = self._prompt_logits_fns[t](
             self.params, self.k_cache, self.v_cache, self._put(buf), self._lora_stacks())
         return np.asarray(logits)[:n]
+
+
+# -- a dispatched step ---------------------------------------------------------------------------
+class PendingStep:
+    """A dispatched step; `result()` waits for its samples and returns a RunnerOutput."""
+
+    def __init__(self, runner: ModelRunner, out: SchedulerOutput, rows: np.ndarray,
+                 kv_lens: np.ndarray, device_out: StepOutputs, want_logprobs: bool,
+                 prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()) -> None:
+        self._runner, self._out, self._rows, self._kv_lens = runner, out, rows, kv_lens
+        (self._sampler_out, self._num_emitted), self._prompt_out = device_out
+        self._want_logprobs = want_logprobs
+        self._prompt_logprobs_rows = prompt_logprobs_rows
+        self._result: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._result is None:
+            n = self._out.num_rows
+            width = self._runner.num_spec_tokens + 1     # tokens per row in the outputs
+            all_tokens = np.asarray(self._sampler_out.next_tokens)[:n * width]
+            logprobs = None
+            if self._want_logprobs:
+                o = jax.device_get(self._sampler_out)
+                logprobs = SampledLogprobs(np.asarray(o.sampled_logprobs)[:n * width],
+                                           np.asarray(o.sampled_ranks)[:n * width],
+                                           np.asarray(o.top_token_ids)[:n * width],
+                                           np.asarray(o.top_logprobs)[:n * width])
+            emitted = None
+            if self._num_emitted is None:
+                tokens = all_tokens.tolist()
+                self._runner.batch.record_sampled(self._out.seq_ids, self._rows,
+                                                  self._kv_lens, self._out.is_sampling, tokens)
+            else:
+                grid = all_tokens.reshape(n, width)
+                counts = np.asarray(self._num_emitted)[:n]
+                tokens = grid[:, 0].tolist()
+                emitted = [grid[i, :counts[i]].tolist() for i in range(n)]
+                drafts = np.asarray([len(self._out.draft_token_ids.get(s, ()))
+                                     for s in self._out.seq_ids], np.int64)
+                self._runner.batch.record_emitted(self._out.seq_ids, self._rows,
+                                                  self._kv_lens - drafts,
+                                                  self._out.is_sampling, grid, counts)
+            self._result = RunnerOutput(tokens, logprobs, self._prompt_logprobs(),
+                                        emitted_token_ids=emitted, logprobs_stride=width)
+            self._sampler_out = self._prompt_out = self._num_emitted = None
+        return self._result
+
+    def _prompt_logprobs(self) -> dict[int, PromptLogprobsChunk]:
+        if not self._prompt_logprobs_rows:
+            return {}
+        o = jax.device_get(self._prompt_out)
+        batch = self._runner.batch
+        chunks = {}
+        for i, first, slot, count in self._prompt_logprobs_rows:
+            row, end = self._rows[i], slot + count
+            chunks[i] = PromptLogprobsChunk(
+                first, batch.token_ids[row, first:first + count].copy(),
+                np.asarray(o.logprobs[slot:end]), np.asarray(o.ranks[slot:end]),
+                np.asarray(o.top_token_ids[slot:end]), np.asarray(o.top_logprobs[slot:end]))
+        return chunks
+

@@ -174,7 +174,7 @@ def top_k_values(x: jax.Array, k: int) -> jax.Array:
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Exact ``lax.top_k(x, k)`` (values, i32 ids) of [S, V], ties aside: the top k lie in
     the k blocks with the largest maxima, so only those k * block values are searched
-    (XLA:CPU's sort of a whole [64, 49152] takes ~1 s)."""
+    (the cost grows with k * block, not with V: XLA:CPU sorts a whole row slowly)."""
     num_rows, vocab = x.shape
     block = TOPK_BLOCK
     if vocab < 4 * k * block:
@@ -225,7 +225,7 @@ def largest_threshold(x: jax.Array, weights, target: jax.Array, run=True,
 def uniforms(seeds: jax.Array, steps: jax.Array, columns: jax.Array) -> jax.Array:
     """Uniforms in [0, 1) (24-bit) from (seed, step_index, column) alone, broadcast
     together: a counter-based hash (three rounds of a 32-bit avalanche mix), not
-    jax.random, whose threefry adds ~1.5 s of XLA:CPU compile to every bucket."""
+    jax.random, whose threefry adds seconds of XLA:CPU compile time to every bucket."""
     h = _mix32(_mix32(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
                ^ (steps.astype(jnp.uint32) * jnp.uint32(0x85EBCA77)))
     h = _mix32(h + (columns.astype(jnp.uint32) + jnp.uint32(1)) * jnp.uint32(0xC2B2AE3D))

@@ -9,14 +9,17 @@ setup`` does).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import sys
-import threading
 from pathlib import Path
 
 from jaxserve.kernels.cpu import build as kernel_build
-from jaxserve.kernels.cpu.build import CpuKernelBuildError, KernelLibrary, find_compiler
+from jaxserve.kernels.cpu.build import (
+    CpuKernelBuildError,
+    FfiTarget,
+    KernelLibrary,
+    find_compiler,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +29,6 @@ HANDLER_SYMBOL = "JaxservePagedAttention"
 _FALLBACK_HINT = ("--attention-backend reference (attention_backend='reference', pure JAX) "
                   "works without a compiler")
 
-_lock = threading.Lock()
-_registered: Path | None = None
-_failure: CpuAttentionBuildError | None = None
 _warned = False
 
 __all__ = ["CpuAttentionBuildError", "LIBRARY", "available", "build", "find_compiler",
@@ -42,6 +42,7 @@ class CpuAttentionBuildError(CpuKernelBuildError):
 LIBRARY = KernelLibrary(name="paged_attention",
                         sources=(SOURCE, kernel_build.HERE / "parallel_for.h"),
                         fallback_hint=_FALLBACK_HINT, error=CpuAttentionBuildError)
+_FFI_TARGET = FfiTarget(TARGET_NAME, HANDLER_SYMBOL, lambda: LIBRARY, "the CPU attention kernel")
 
 
 def build(force: bool = False) -> Path:
@@ -51,28 +52,7 @@ def build(force: bool = False) -> Path:
 
 def register() -> Path:
     """Build (if needed), load and register the FFI target with XLA; idempotent."""
-    global _registered, _failure
-    with _lock:
-        if _registered is not None:
-            return _registered
-        if _failure is not None:
-            raise _failure
-        try:
-            import jax
-
-            lib = build()
-            try:
-                symbol = getattr(ctypes.CDLL(str(lib)), HANDLER_SYMBOL)
-            except (OSError, AttributeError) as e:
-                raise CpuAttentionBuildError(
-                    f"loading the CPU attention kernel {lib} failed ({e}); delete it to rebuild. "
-                    f"{_FALLBACK_HINT}") from e
-            jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(symbol), platform="cpu")
-        except CpuAttentionBuildError as e:
-            _failure = e
-            raise
-        _registered = lib
-        return lib
+    return _FFI_TARGET.register()
 
 
 def available() -> bool:

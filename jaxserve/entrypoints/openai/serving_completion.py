@@ -26,13 +26,13 @@ from jaxserve.entrypoints.openai.logprobs_format import (
     prompt_logprobs_json,
 )
 from jaxserve.entrypoints.openai.protocol import CompletionRequest, completion_response, usage_dict
-from jaxserve.entrypoints.openai.request_streams import (
+from jaxserve.entrypoints.openai.serving_engine import (
+    OpenAIServing,
     collect_finals,
     merge_streams,
     new_request_id,
     until_disconnect,
 )
-from jaxserve.entrypoints.openai.serving_engine import OpenAIServing
 from jaxserve.entrypoints.openai.sse import SSE_DONE, sse, sse_error
 from jaxserve.entrypoints.openai.structured_request import structured_outputs_of
 from jaxserve.outputs import RequestOutput

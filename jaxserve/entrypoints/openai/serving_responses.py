@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.entrypoints.openai.choice_output import ChoiceOutput
+from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect, validation_error
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxserve.entrypoints.openai.responses_protocol import (
     InputError,
@@ -35,9 +35,8 @@ from jaxserve.entrypoints.openai.responses_protocol import (
     chat_tools,
     input_messages,
 )
-from jaxserve.entrypoints.openai.serving_chat import TOOLS_NOT_RENDERED, OpenAIServingChat
-from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect, validation_error
-from jaxserve.entrypoints.openai.request_streams import collect_finals, until_disconnect
+from jaxserve.entrypoints.openai.serving_chat import TOOLS_NOT_RENDERED, ChoiceOutput, OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_engine import collect_finals, until_disconnect
 from jaxserve.entrypoints.openai.sse import sse
 from jaxserve.outputs import RequestOutput
 

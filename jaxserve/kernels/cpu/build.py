@@ -16,6 +16,7 @@ library with both where both are installed).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -23,6 +24,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,3 +184,41 @@ def build(lib: KernelLibrary, force: bool = False, compiler: str | None = None) 
                 tmp.unlink()
     raise lib.error(f"compiling {lib.name} with {compiler} failed. {lib.fallback_hint}\n"
                     + "\n".join(errors))
+
+
+class FfiTarget:
+    """A library's XLA FFI handler, registered at most once per process: the library built
+    (if its key has none yet), loaded, and `symbol` registered as `target` on CPU. A failure
+    is remembered and raised again, so a machine without a compiler pays one attempt."""
+
+    def __init__(self, target: str, symbol: str, library: Callable[[], KernelLibrary],
+                 what: str) -> None:
+        self.target, self.symbol, self.library, self.what = target, symbol, library, what
+        self._lock = threading.Lock()
+        self._path: Path | None = None
+        self._failure: CpuKernelBuildError | None = None
+
+    def register(self) -> Path:
+        """The loaded library's path, after building and registering it; idempotent."""
+        with self._lock:
+            if self._path is not None:
+                return self._path
+            if self._failure is not None:
+                raise self._failure
+            try:
+                lib = self.library()
+                path = build(lib)
+                try:
+                    symbol = getattr(ctypes.CDLL(str(path)), self.symbol)
+                except (OSError, AttributeError) as e:
+                    raise lib.error(f"loading {self.what} {path} failed ({e}); delete it to "
+                                    f"rebuild. {lib.fallback_hint}") from e
+                import jax
+
+                jax.ffi.register_ffi_target(self.target, jax.ffi.pycapsule(symbol),
+                                            platform="cpu")
+            except CpuKernelBuildError as e:
+                self._failure = e
+                raise
+            self._path = path
+            return path

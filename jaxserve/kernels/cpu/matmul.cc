@@ -7,8 +7,8 @@
 //
 // Why in place: the decoder scans its layers over weights stacked [L, in, out]; XLA:CPU hands
 // each dot a dynamic slice of them, and that slice is a copy of every layer's weights in every
-// step (bf16 under the scan ran 6x slower than bf16 on per-layer buffers). The call reads
-// w[layer] through a strided oneDNN memory descriptor instead.
+// step, so a step's cost would grow with the model's whole weight bytes rather than with
+// what it reads. The call reads w[layer] through a strided oneDNN memory descriptor instead.
 //
 // Which code: oneDNN picks its kernel from the CPU's features at run time (AMX-BF16 tiles,
 // AVX512-BF16 dot products, plain AVX-512 / AVX2 with bf16 converted to f32, a reference
@@ -20,9 +20,8 @@
 //
 // The one kernel of our own: rows <= kMaxGemvRows (a decode of a few sequences, a verify
 // step) take a register-blocked GEMV that streams the weights once (bandwidth-bound: bf16
-// weights halve its bytes). Measured against oneDNN on the same call (AMD EPYC Zen 3, AVX2,
-// 2 shared cores, SmolLM2's seven projections x 30 layers, benchmarks/bench_layer_matmul.py):
-// see GEMV_MARGIN in jaxserve/kernels/cpu/matmul.py for the numbers that keep it.
+// weights halve its bytes). It is kept only while it beats oneDNN on the same call
+// (benchmarks/bench_layer_matmul.py; GEMV_MARGIN in jaxserve/kernels/cpu/matmul.py).
 
 #include <algorithm>
 #include <cstdint>

@@ -17,7 +17,6 @@ import ctypes
 import functools
 import logging
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.cpu.build import HERE, CpuKernelBuildError, KernelLibrary, build
+from jaxserve.kernels.cpu.build import HERE, CpuKernelBuildError, FfiTarget, KernelLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +33,6 @@ SYMBOL = "JaxserveMatmul"
 MAX_GEMV_ROWS = 8
 GEMV_MARGIN = "see benchmarks/results/layer_matmul.json"
 
-_lock = threading.Lock()
-_registered: Path | None = None
-_failure: CpuKernelBuildError | None = None
 
 
 class CpuMatmulBuildError(CpuKernelBuildError):
@@ -66,29 +62,12 @@ def library() -> KernelLibrary:
         fallback_hint=hint, error=CpuMatmulBuildError)
 
 
+_FFI_TARGET = FfiTarget(TARGET, SYMBOL, library, "the oneDNN matmul library")
+
+
 def register() -> Path:
     """Build (if needed), load and register the FFI target with XLA; idempotent."""
-    global _registered, _failure
-    with _lock:
-        if _registered is not None:
-            return _registered
-        if _failure is not None:
-            raise _failure
-        try:
-            lib = library()
-            path = build(lib)
-            try:
-                handle = ctypes.CDLL(str(path))
-                symbol = getattr(handle, SYMBOL)
-            except (OSError, AttributeError) as e:
-                raise CpuMatmulBuildError(f"loading {path} failed ({e}); delete it to "
-                                          f"rebuild. {lib.fallback_hint}") from e
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(symbol), platform="cpu")
-        except CpuMatmulBuildError as e:
-            _failure = e
-            raise
-        _registered = path
-        return path
+    return _FFI_TARGET.register()
 
 
 def available() -> bool:

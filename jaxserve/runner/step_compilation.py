@@ -1,0 +1,222 @@
+"""Compiling the step: one ahead-of-time executable per bucket (T, S), at warm-up, in a
+background thread, or loaded from the executable cache; and which bucket a step runs in
+while some are still compiling.
+
+`StepCompilation` is a mixin of `ModelRunner` (as vLLM's runner mixins): it uses the
+runner's model, layout, shapes and device placement (`_layout`, `_constants`, `_put`,
+`_param_specs`, `_state_specs`, `batch`, `buckets`), and owns `_steps` ((T, S) ->
+executable), `all_compiled`, `_wanted`, `_stop_compiling` and `_compile_thread`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any
+
+import jax
+
+from jaxserve.runner.step_function import step
+from jaxserve.step_inputs import StepLayout
+
+logger = logging.getLogger(__name__)
+
+# Background compiles (ModelRunner.warmup(background=True)) still running; stopped at exit.
+_BACKGROUND_COMPILES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_compiles() -> None:
+    """At interpreter exit: start no new background compile, and wait for the ones in flight
+    (a compile torn down mid-way by interpreter finalization can crash the process)."""
+    for runner in list(_BACKGROUND_COMPILES):
+        runner._stop_compiling.set()
+    for runner in list(_BACKGROUND_COMPILES):
+        thread = runner._compile_thread
+        if thread is not None:
+            thread.join()
+
+
+def wait_for_background_compiles(timeout: float | None = None) -> bool:
+    """Block until every runner of this process has compiled all its buckets (tests that
+    assert "no compile after warm-up" wait here first). False on timeout."""
+    return all(runner.all_compiled.wait(timeout) for runner in list(_BACKGROUND_COMPILES))
+
+
+class StepCompilation:
+    """The bucket executables of a `ModelRunner` (see the module docstring)."""
+
+    def _init_compilation(self) -> None:
+        self._steps: dict[tuple[int, int], Any] = {}   # (T, S) -> compiled executable
+        # Set once every bucket is compiled (warmup); until then a step may run padded in the
+        # smallest compiled bucket that fits (see warmup(background=True)).
+        self.all_compiled = threading.Event()
+        self._stop_compiling = threading.Event()
+        self._compile_thread: threading.Thread | None = None
+        self._wanted: set[tuple[int, int]] = set()   # buckets steps ran padded for, meanwhile
+        self.executable_cache: Any = None     # runner/executable_cache.py, when enabled
+
+    def _jitted(self, layout: StepLayout):
+        return jax.jit(functools.partial(
+            step, model=self.model, model_constants=self.model_constants, layout=layout,
+            num_top_logprobs=self.num_top_logprobs, num_spec_tokens=self.num_spec_tokens,
+            num_spec_rows=min(layout.num_seqs, self.max_spec_rows),
+            logits_shardings=self.logits_shardings),
+            donate_argnums=(1, 2, 3))
+
+    def enable_executable_cache(self, directory: str) -> None:
+        """Load step executables serialized by an earlier start with the same key (no
+        tracing), and save the ones compiled here (runner/executable_cache.py)."""
+        from jaxserve.runner.executable_cache import ExecutableCache, executable_key
+
+        # The devices this runner's arrays live on: a sharding's repr names its mesh axes, not
+        # its devices, and data-parallel replicas differ only there.
+        specs = (self._param_specs, self._state_specs[0])
+        devices = sorted({d.id for x in jax.tree.leaves(specs) for d in x.sharding.device_set})
+        key = executable_key({**self._settings, "placement_devices": devices,
+                              "model_constants": jax.tree.map(
+                                  lambda x: (x.shape, x.dtype), self.model_constants)},
+                             self._param_specs)
+        self.executable_cache = ExecutableCache(directory, key)
+
+    def _compile(self, num_tokens: int, num_seqs: int):
+        """Ahead-of-time compile one bucket; returns the executable (called directly later)."""
+        cache = self.executable_cache
+        if cache is not None:
+            executable = cache.load((num_tokens, num_seqs))
+            if executable is not None:
+                return executable
+        with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
+            executable = self.lower_step(num_tokens, num_seqs).compile()
+            if cache is not None and not hit():
+                cache.store((num_tokens, num_seqs), executable)
+        return executable
+
+    def lower_step(self, num_tokens: int, num_seqs: int) -> Any:
+        """Bucket (T, S)'s step lowered against the shapes and shardings of its arguments
+        (`jax.stages.Lowered`); ahead-of-time compiles (engine/aot_compile.py) compile it with
+        their own options."""
+        layout = self._layout(num_tokens, num_seqs)
+        consts = self._constants(num_seqs)
+        return self._jitted(layout).lower(
+            self._param_specs, *self._state_specs,
+            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+            consts["bias_token_ids"], consts["bias_values"],
+            consts["grammar_bitmask"], self._lora_stacks())
+    def warmup(self, progress: bool = True, max_workers: int | None = None,
+               background: bool = False) -> float:
+        """Compile every bucket before serving, several at once (XLA compiles release the GIL;
+        tracing does not, but it is the small part). Returns seconds.
+
+        background: compile (or load, runner/executable_cache.py) only the largest bucket,
+        which serves any step by padding, and the one-token bucket (a lone decode) before
+        returning; compile the others smallest first in a background thread. Until a step's
+        own bucket is ready it runs in the smallest compiled bucket that fits (execute):
+        the same computation with more padding rows. ``all_compiled`` is set when every
+        bucket is ready; from then on a step never compiles."""
+        start = time.perf_counter()
+        shapes = [s for s in self.buckets.all_shapes() if s not in self._steps]
+        first, rest = shapes, []
+        if background and len(shapes) > 2:
+            first = [shapes[-1], shapes[0]]
+            rest = shapes[1:-1]
+        self._compile_all(first, progress, max_workers)
+        self._wait_kv_cache()       # zero-filled in a thread meanwhile (__init__)
+        self._wait_params()         # and restored, from an orbax checkpoint
+        elapsed = time.perf_counter() - start
+        cache = self.executable_cache
+        loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
+        logger.info("warm-up compiled %d step shapes in %.1f s%s%s", len(first), elapsed, loaded,
+                    f"; compiling {len(rest)} more in the background" if rest else "")
+        if not rest:
+            self.all_compiled.set()
+            return elapsed
+        self._compile_thread = threading.Thread(
+            target=self._compile_in_background, args=(rest,), daemon=True,
+            name="jaxserve-compile")
+        _BACKGROUND_COMPILES.add(self)
+        self._compile_thread.start()
+        return elapsed
+
+    def _compile_all(self, shapes: list[tuple[int, int]], progress: bool,
+                     max_workers: int | None) -> None:
+        if not shapes:
+            return
+        workers = max_workers or min(len(shapes), os.cpu_count() or 1) or 1
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(shapes), desc="Compiling step buckets", unit="bucket")
+        with ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(self._compile, t, s): (t, s) for t, s in shapes}
+            for future in as_completed(futures):
+                self._steps[futures[future]] = future.result()
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    def _compile_in_background(self, shapes: list[tuple[int, int]]) -> None:
+        start = time.perf_counter()
+        todo = list(shapes)
+        try:
+            while todo:
+                if self._stop_compiling.is_set():
+                    return
+                # A bucket a step has asked for (and ran padded) first, then smallest first.
+                wanted = [shape for shape in todo if shape in self._wanted]
+                shape = min(wanted) if wanted else todo[0]
+                todo.remove(shape)
+                if shape not in self._steps:
+                    self._steps[shape] = self._compile(*shape)
+            logger.info("background compile of %d more step shapes done in %.1f s",
+                        len(shapes), time.perf_counter() - start)
+        except Exception:   # keep serving: a missing bucket compiles when a step needs it
+            logger.exception("background compile failed; missing buckets compile on demand")
+        finally:
+            self.all_compiled.set()
+            self._compile_thread = None
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until warm-up has compiled every bucket (background compiles included)."""
+        return self.all_compiled.wait(timeout)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The compiled bucket a step runs in: its own (buckets.py), or while a background
+        warm-up is still compiling that one, the smallest compiled bucket that holds it."""
+        t, s = self.buckets.shape_for(num_tokens, num_seqs)
+        if self.all_compiled.is_set() or (t, s) in self._steps:
+            return t, s
+        fits = [shape for shape in list(self._steps) if shape[0] >= t and shape[1] >= s]
+        if not fits:
+            return t, s
+        self._wanted.add((t, s))        # the background compile takes it next
+        return min(fits)
+
+    def export_step(self, num_tokens: int, num_seqs: int, platform: str) -> Any:
+        """`jax.export` bucket (T, S) of the whole step (forward + sampler, donated caches,
+        shardings included) for `platform`, without a device of that kind: proves the step
+        lowers there (a CPU test exports it for cuda, so GPU lowering breakage fails CI)."""
+        from jax import export
+
+        layout = self._layout(num_tokens, num_seqs)
+        consts = self._constants(num_seqs)
+        args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
+                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+                consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"],
+                self._lora_stacks())
+        # Triton kernels are custom calls that jax.export does not vouch for by default.
+        checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        return export.export(self._jitted(layout), platforms=[platform],
+                             disabled_checks=checks)(*args)
+
+    @property
+    def compiled_shapes(self) -> list[tuple[int, int]]:
+        return sorted(self._steps)
