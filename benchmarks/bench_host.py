@@ -16,6 +16,8 @@ still means something.
     python benchmarks/bench_host.py --sizes 64 --steps 400 --sync
     python benchmarks/bench_host.py --by-position --sizes 16 --output-kind delta
         # engine-thread output processing per step at 100 and 1,000 tokens produced
+    python benchmarks/bench_host.py --by-position --sizes 16 --output-kind delta --penalties
+        # the same with repetition / frequency / presence penalties on every request
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ def no_op_device(runner, vocab: int, rng: np.random.Generator) -> None:
     k = runner.num_top_logprobs
     outs: dict[int, list] = {}
 
-    def fake(params, k_cache, v_cache, last_tokens, packed, *tables):
+    def fake(params, k_cache, v_cache, last_tokens, penalty_state, packed, *tables):
         s = runner._fake_s
         pool = outs[s]
         out = pool[runner._fake_i % len(pool)]
         runner._fake_i += 1
         # (samples, emitted counts: None without speculative decoding), no prompt logprobs
-        return k_cache, v_cache, last_tokens, (out, None), None
+        return k_cache, v_cache, last_tokens, penalty_state, (out, None), None
 
     for t, s in runner.buckets.all_shapes():
         outs[s] = [jax.device_put(SamplerOutput(
@@ -86,13 +88,17 @@ def no_op_device(runner, vocab: int, rng: np.random.Generator) -> None:
     runner.run_step = run_step
 
 
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
+
+
 def measure(engine, num_seqs: int, steps: int, prompt_len: int, output_kind: str,
-            profile: bool = False) -> dict:
+            profile: bool = False, penalties: bool = False) -> dict:
     from jaxserve import RequestOutputKind, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True,
                             stop=["\n\nUser:", "<|im_end|>"],
-                            output_kind=RequestOutputKind[output_kind.upper()])
+                            output_kind=RequestOutputKind[output_kind.upper()],
+                            **(PENALTIES if penalties else {}))
     rng = np.random.default_rng(num_seqs)
     for i in range(num_seqs):
         engine.add_request(f"host-{num_seqs}-{i}", None, params,
@@ -162,7 +168,7 @@ def timed_step(engine, timers: dict, per_step: dict) -> None:
 
 
 def measure_by_position(engine, num_seqs: int, positions: list[int], window: int,
-                        prompt_len: int, output_kind: str) -> dict:
+                        prompt_len: int, output_kind: str, penalties: bool = False) -> dict:
     """Per-step times while every sequence has produced about `position` tokens, for each
     position: the engine thread's output processing must not grow with it."""
     from jaxserve import RequestOutputKind, SamplingParams
@@ -170,7 +176,8 @@ def measure_by_position(engine, num_seqs: int, positions: list[int], window: int
     last = max(positions) + window
     params = SamplingParams(temperature=0.0, max_tokens=last + 64, ignore_eos=True,
                             stop=["\n\nUser:", "<|im_end|>"],
-                            output_kind=RequestOutputKind[output_kind.upper()])
+                            output_kind=RequestOutputKind[output_kind.upper()],
+                            **(PENALTIES if penalties else {}))
     rng = np.random.default_rng(num_seqs)
     ids = [f"pos-{num_seqs}-{i}" for i in range(num_seqs)]
     for request_id in ids:
@@ -210,6 +217,10 @@ def main() -> None:
                         help="time steps at 100 and 1,000 tokens produced (--positions)")
     parser.add_argument("--positions", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--window", type=int, default=50, help="steps timed per position")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="0: just enough for the steps")
+    parser.add_argument("--penalties", action="store_true",
+                        help="every request uses repetition, frequency and presence penalties")
     parser.add_argument("--profile", action="store_true",
                         help="print a cProfile of the measured steps (timings then include it)")
     args = parser.parse_args()
@@ -223,26 +234,29 @@ def main() -> None:
     steps = max(args.positions) + args.window if args.by_position else args.steps
     config = EngineConfig.from_kwargs(
         max_num_seqs=max_seqs, max_num_batched_tokens=max(512, max_seqs),
-        max_model_len=args.prompt_len + steps + 128, disable_log_stats=True,
+        max_model_len=args.max_model_len or args.prompt_len + steps + 128,
+        disable_log_stats=True,
         kv_cache_memory_bytes=(max_seqs * (args.prompt_len + steps + 96)) * 30 * 1536,
         async_scheduling=not args.sync)
     engine = LLMEngine(config)
     no_op_device(engine.runner, len(engine.tokenizer), np.random.default_rng(0))
     results = {"machine": {"platform": platform.platform(), "python": platform.python_version()},
                "async_scheduling": not args.sync, "steps": args.steps,
-               "output_kind": args.output_kind, "sizes": {}}
+               "output_kind": args.output_kind, "penalties": args.penalties, "sizes": {}}
     if args.by_position:
         print_by_position(engine, args)
         return
     for size in args.sizes:
-        stats = measure(engine, size, args.steps, args.prompt_len, args.output_kind, args.profile)
+        stats = measure(engine, size, args.steps, args.prompt_len, args.output_kind, args.profile,
+                        args.penalties)
         results["sizes"][str(size)] = stats
         print(f"\n{size} running sequences ({'sync' if args.sync else 'async'}, "
               f"{args.output_kind} outputs), ms per step:")
         for name, value in stats.items():
             print(f"  {name:44s} p50 {value['p50_ms']:7.3f}   mean {value['mean_ms']:7.3f}")
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"host-{args.tag}-{args.output_kind}{'-sync' if args.sync else ''}.json"
+    path = RESULTS / (f"host-{args.tag}-{args.output_kind}{'-sync' if args.sync else ''}"
+                      f"{'-penalties' if args.penalties else ''}.json")
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {path}")
 
@@ -250,9 +264,9 @@ def main() -> None:
 def print_by_position(engine, args) -> None:
     for size in args.sizes:
         results = measure_by_position(engine, size, args.positions, args.window,
-                                      args.prompt_len, args.output_kind)
-        print(f"\n{size} running sequences ({args.output_kind} outputs), p50 ms per step, "
-              f"by tokens produced:")
+                                      args.prompt_len, args.output_kind, args.penalties)
+        print(f"\n{size} running sequences ({args.output_kind} outputs"
+              f"{', penalties' if args.penalties else ''}), p50 ms per step, by tokens produced:")
         print(f"  {'':48s}" + "".join(f"{p:>10d}" for p in args.positions))
         for name in results[str(args.positions[0])]:
             print(f"  {name:48s}" + "".join(
@@ -261,6 +275,20 @@ def print_by_position(engine, args) -> None:
                      for p in (min(args.positions), max(args.positions)))
         print(f"  engine-thread output processing (the three above) at {max(args.positions)} / at "
               f"{min(args.positions)} tokens: {top / base:.3f}")
+        for name in ("execute (apply diffs, pack, put, dispatch)", "engine thread (step_core)"):
+            low, high = (results[str(p)][name]["p50_ms"]
+                         for p in (min(args.positions), max(args.positions)))
+            print(f"  {name} at {max(args.positions)} / at {min(args.positions)} tokens: "
+                  f"{high / low:.3f}")
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / (f"host-by-position-{args.tag}-{args.output_kind}-s{size}"
+                          f"{'-penalties' if args.penalties else ''}.json")
+        path.write_text(json.dumps({
+            "machine": {"platform": platform.platform(), "python": platform.python_version()},
+            "max_model_len": engine.runner.max_model_len,
+            "penalties": args.penalties, "output_kind": args.output_kind, "window": args.window,
+            "positions": results}, indent=2) + "\n")
+        print(f"  wrote {path}")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
     if engine == "jaxserve":
         cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port),
                "--served-model-name", "smol", "--max-num-seqs", "64",
-               "--dtype", args.jaxserve_dtype]
+               "--dtype", args.jaxserve_dtype, *args.jaxserve_flags.split()]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
     else:
         cmd = [args.vpy, args.vllm_cli, "serve", args.hfdir, "--port", str(port),
@@ -181,6 +181,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--serving", action="store_true")
     p.add_argument("--skip-offline", action="store_true", help="only the serving comparison")
+    p.add_argument("--jaxserve-flags", default="", help="extra `jaxserve serve` flags")
+    p.add_argument("--engines", nargs="+", default=["jaxserve", "vllm"],
+                   choices=["jaxserve", "vllm"], help="serving: which servers to measure")
     p.add_argument("--serving-rounds", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--jaxserve-dtype", default="auto")
@@ -227,13 +230,18 @@ def main() -> None:
             served: dict[str, list] = {"jaxserve": [], "vllm": []}
             for i in range(args.serving_rounds):
                 order = ("jaxserve", "vllm") if i % 2 == 0 else ("vllm", "jaxserve")
-                for n, engine in enumerate(order):
+                for n, engine in enumerate(e for e in order if e in args.engines):
                     print(f"serving round {i + 1}: {engine}", flush=True)
                     served[engine].append(serving_round(engine, args, 8100 + n, tmp))
             keys = ["output_throughput", "p99_tpot_ms", "p99_ttft_ms", "median_tpot_ms",
                     "median_ttft_ms"]
             out["serving"] = {e: {"median": medians(r, keys), "rounds": r}
-                              for e, r in served.items()}
+                              for e, r in served.items() if r}
+            if len(args.engines) < 2:
+                out["jaxserve_flags"] = args.jaxserve_flags
+                print(json.dumps({e: out["serving"][e]["median"] for e in args.engines}))
+                args.engines = []
+        if args.serving and args.engines:
             j, v = out["serving"]["jaxserve"]["median"], out["serving"]["vllm"]["median"]
             out["serving"]["ratio"] = {k: j[k] / v[k] for k in j}
             print(f"serving: output tok/s {out['serving']['ratio']['output_throughput']:.2f}x "

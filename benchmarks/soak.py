@@ -12,7 +12,9 @@ Every request must end with a response: a 200 (done), a 503 (rejected: queue ful
 shutting down; or failed: in a faulted step), a 4xx for hostile ones. "lost" counts
 requests that ended without one (connection dropped by the server, a stream without its
 [DONE] or final chunk), "hung" those past `--request-timeout`; both must be 0. RSS of the
-server process is read at the start (after `--warmup` s of traffic) and at the end.
+server process is read at the start (after `--warmup` s of traffic), at the warm point
+(the first overload burst and the first step fault are behind it: the heap has seen its
+high-water mark) and at the end; the flatness target is warm point to end.
 
     python benchmarks/soak.py                         # 30 minutes, 2 workers
     python benchmarks/soak.py --duration 120 --out /tmp/soak.json
@@ -150,9 +152,10 @@ async def streamed(client: httpx.AsyncClient, tally: Tally, rng: random.Random,
                 finish = choice.get("finish_reason") or finish
     if not done:
         tally.add("lost", "stream-without-done", f"finish={finish} error={error}")
-    elif error is not None:
-        tally.add("failed" if error == "engine_step_failed" else "unexpected",
-                  f"stream-{error}")
+    elif error is not None:                # the server's 503 codes, sent after the 200 headers
+        outcome = ("failed" if error == "engine_step_failed" else
+                   "rejected" if error in ("queue_timeout", "shutting_down") else "unexpected")
+        tally.add(outcome, f"stream-{error}")
     elif finish is None:
         tally.add("lost", "stream-without-finish")
     else:
@@ -206,7 +209,7 @@ async def worker(url: str, tally: Tally, seed: int, stop_at: float, timeout: flo
 
 
 async def bursts(url: str, tally: Tally, every: float, size: int, stop_at: float,
-                 timeout: float) -> None:
+                 timeout: float, first_done: asyncio.Event) -> None:
     limits = httpx.Limits(max_connections=size + 10)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         rng = random.Random(7)
@@ -215,6 +218,12 @@ async def bursts(url: str, tally: Tally, every: float, size: int, stop_at: float
             tally.add("burst", "started")
             await asyncio.gather(*[one(client, tally, rng, 8 * i, timeout)    # plain ones
                                    for i in range(size)])
+            first_done.set()
+
+
+async def engine_restarts(url: str) -> float:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        return metric((await client.get("/metrics")).text, "jaxserve:engine_restarts_total")
 
 
 async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
@@ -223,14 +232,28 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
     stop_at = start + args.duration
     tasks = [asyncio.ensure_future(worker(url, tally, i, stop_at, args.request_timeout))
              for i in range(args.concurrency)]
+    first_burst_done = asyncio.Event()
     tasks.append(asyncio.ensure_future(bursts(url, tally, args.burst_every, args.burst_size,
-                                              stop_at, args.request_timeout)))
+                                              stop_at, args.request_timeout, first_burst_done)))
     await asyncio.sleep(min(args.warmup, args.duration / 4))
     rss_start = rss_bytes(pid)
-    last_report = time.monotonic()
+    # The warm point: every kind of traffic has reached its peak once (an overload burst
+    # filled max_num_seqs and the queue; a step fault rebuilt the engine), so the heap
+    # has seen its high-water mark; growth after it is what a leak would show.
+    rss_warm, warm_at = None, None
+    rss_series: list[tuple[float, float]] = []
+    last_report = last_sample = time.monotonic()
     server_died = False
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1.0)
+        now = time.monotonic()
+        if now - last_sample >= 10:
+            last_sample = now
+            rss_series.append((round(now - start), round(rss_bytes(pid) / 2**20, 1)))
+            if rss_warm is None and first_burst_done.is_set() and await engine_restarts(url):
+                rss_warm, warm_at = rss_bytes(pid), round(now - start)
+                print(f"[{now - start:6.0f} s] warm point: rss {rss_warm / 2**20:.0f} MiB",
+                      flush=True)
         if not Path(f"/proc/{pid}").exists() or rss_bytes(pid) == 0:
             server_died = True            # killed from outside (e.g. the OOM killer)
             print("the server process is gone: stopping", flush=True)
@@ -239,7 +262,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
             await asyncio.gather(*tasks, return_exceptions=True)
             return {"tally": tally, "rss_start": rss_start, "rss_end": 0, "metrics": "",
                     "health_at_end": None, "seconds": time.monotonic() - start,
-                    "server_died": True}
+                    "server_died": True, "rss_warm": rss_warm, "warm_at": warm_at,
+                    "rss_series": rss_series}
         if time.monotonic() - last_report > 60:
             last_report = time.monotonic()
             print(f"[{time.monotonic() - start:6.0f} s] {dict(tally.outcomes)} "
@@ -251,7 +275,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
     rss_end = rss_bytes(pid)
     return {"tally": tally, "rss_start": rss_start, "rss_end": rss_end, "metrics": metrics,
             "health_at_end": health, "seconds": time.monotonic() - start,
-            "server_died": server_died}
+            "server_died": server_died, "rss_warm": rss_warm, "warm_at": warm_at,
+            "rss_series": rss_series}
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -263,7 +288,9 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", *args.model,
+    probe = ([str(ROOT / "benchmarks" / "memory_probe.py"), str(args.memory_probe), "60"]
+             if args.memory_probe else [])
+    cmd = [sys.executable, *probe, "-m", "jaxserve.entrypoints.cli", "serve", *args.model,
            "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning",
            "--disable-uvicorn-access-log", "--disable-log-requests",
            "--max-num-seqs", str(args.max_num_seqs),
@@ -312,6 +339,10 @@ def main() -> None:
                         help="seconds of traffic before the start RSS is read")
     parser.add_argument("--log", type=Path, default=Path("/tmp/jaxserve-soak-server.log"))
     parser.add_argument("--out", type=Path, default=RESULTS / "soak-cpu.json")
+    parser.add_argument("--memory-probe", type=Path, default=None,
+                        help="run the server under benchmarks/memory_probe.py, writing its "
+                        "per-minute RSS / malloc / tracemalloc / gc lines here (diagnosis: "
+                        "slows the server)")
     args = parser.parse_args()
 
     port = free_port()
@@ -329,8 +360,10 @@ def main() -> None:
     tally: Tally = run["tally"]
     lat = sorted(tally.latencies)
     p = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None)
-    rss_growth = run["rss_end"] / run["rss_start"] - 1 if run["rss_start"] else None
+    rss_growth_from_start = run["rss_end"] / run["rss_start"] - 1 if run["rss_start"] else None
+    rss_growth = run["rss_end"] / run["rss_warm"] - 1 if run["rss_warm"] else None
     result = {
+        "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
         "duration_s": round(run["seconds"], 1), "concurrency": args.concurrency,
         "server_flags": {"max_num_seqs": args.max_num_seqs,
                          "max_queued_requests": args.max_queued_requests,
@@ -350,8 +383,13 @@ def main() -> None:
             reason: metric(run["metrics"], "jaxserve:num_requests_rejected_total",
                            reason=reason) for reason in ("queue_full", "queue_timeout")},
         "rss_start_mib": round(run["rss_start"] / 2**20, 1),
+        "rss_warm_mib": run["rss_warm"] and round(run["rss_warm"] / 2**20, 1),
+        "warm_at_s": run["warm_at"],
         "rss_end_mib": round(run["rss_end"] / 2**20, 1),
         "rss_growth": None if rss_growth is None else round(rss_growth, 4),
+        "rss_growth_from_start": (None if rss_growth_from_start is None
+                                  else round(rss_growth_from_start, 4)),
+        "rss_series_mib": run["rss_series"],
         "health_at_end": run["health_at_end"], "server_exit_code": exit_code,
         "server_died": run["server_died"],
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
@@ -365,8 +403,9 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in (
         "requests", "done", "rejected", "failed", "hostile_answered_4xx", "lost", "hung",
-        "unexpected", "engine_restarts", "latency_s", "rss_start_mib", "rss_end_mib",
-        "rss_growth", "server_exit_code", "pass")}, indent=2))
+        "unexpected", "engine_restarts", "latency_s", "rss_start_mib", "rss_warm_mib",
+        "rss_end_mib", "rss_growth", "rss_growth_from_start", "server_exit_code", "pass")},
+        indent=2))
     print(f"wrote {args.out}")
     sys.exit(0 if ok else 1)
 

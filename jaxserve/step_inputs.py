@@ -5,6 +5,7 @@ fields travel as their int32 bit patterns, seeds as uint32 bits):
 
   token_ids[T] positions[T] slot_mapping[T]
   query_start_loc[S+1] kv_lens[S] logits_indices[S] batch_rows[S] num_seqs[1] num_drafts[S]
+  penalty_counted[S]
   top_k[S] seeds[S] num_logprobs[S] num_prompt_tokens[S]
   temperature[S] top_p[S] min_p[S] presence_penalty[S] frequency_penalty[S]
   repetition_penalty[S]
@@ -19,6 +20,9 @@ requests that ask so that a step never needs more than P.
 
 ``num_drafts[s]``: draft tokens of row s this step (speculative decoding): its query chunk
 is its newest token then the drafts, and ``logits_indices[s]`` is its last draft.
+
+``penalty_counted[s]``: 1 where row s samples and uses a penalty: the step adds the tokens
+it emits to the row's device-resident penalty history (jaxserve/runner/penalty_state.py).
 
 ``token_ids[t] < 0`` means "the token sampled last step for persistent row -1 - t":
 with async scheduling the host does not know it yet, so the step takes it from the
@@ -60,7 +64,7 @@ class StepLayout:
         P = min(T, prompt_logprobs_cap)
         sizes = {"token_ids": T, "positions": T, "slot_mapping": T, "query_start_loc": S + 1,
                  "kv_lens": S, "logits_indices": S, "batch_rows": S, "num_seqs": 1,
-                 "num_drafts": S,
+                 "num_drafts": S, "penalty_counted": S,
                  **{name: S for name in INT_FIELDS + FLOAT_FIELDS},
                  "block_tables": S * width,
                  "prompt_logprobs_indices": P, "prompt_logprobs_targets": P,

@@ -63,11 +63,16 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
         """From a request's ``structured_outputs`` object; unknown names are an error."""
+        cls.check_names(fields)
+        return cls(**fields)
+
+    @classmethod
+    def check_names(cls, fields: dict[str, Any]) -> None:
+        """ValueError naming every field of ``fields`` a request may not set."""
         known = set(cls.__slots__) - {"reasoning_end_token_id"}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
-        return cls(**fields)
 
     @property
     def kind(self) -> str:

@@ -3,6 +3,7 @@ of the HTTP layer, the async engine and the terminal chat."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from jaxserve.config import EngineConfig
@@ -50,6 +51,9 @@ class FakeEngine:
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
         self.step_delay = step_delay
+        # When set: a step with requests blocks until the test sets this event (a step that
+        # runs exactly as long as the test needs, whatever the machine's speed).
+        self.step_gate: threading.Event | None = None
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.finished_by_frontend: list[tuple[str, int]] = []
@@ -131,6 +135,8 @@ class FakeEngine:
             self.fault_hook()
         if self.step_delay:
             time.sleep(self.step_delay)
+        if self.step_gate is not None and self.requests:
+            self.step_gate.wait()
         now = time.time()
         outputs = []
         self.num_steps += 1

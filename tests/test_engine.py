@@ -335,3 +335,55 @@ def test_stats_line_averages_over_busy_time_not_idle_time(caplog):
         stats.maybe_log(Snapshot())
     [line] = [r.getMessage() for r in caplog.records if r.name == "jaxserve.stats"]
     assert "Avg generation throughput: 20.0 tokens/s" in line, line
+
+
+def _penalized_reference(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy decoding with vLLM's penalties, from a plain full forward per token:
+    repetition by HF's RepetitionPenaltyLogitsProcessor over prompt + output, then
+    frequency and presence over the output tokens' counts (numpy)."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+    tokens = list(prompt)
+    for _ in range(params.max_tokens):
+        ids = torch.tensor([tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].float()
+        logits = repetition(ids, logits)[0].numpy().astype(np.float32)
+        counts = np.bincount(tokens[len(prompt):], minlength=logits.shape[0])
+        logits = logits - np.float32(params.frequency_penalty) * counts.astype(np.float32)
+        logits = logits - np.float32(params.presence_penalty) * (counts > 0)
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):]
+
+
+def test_penalized_greedy_tokens_match_references_across_row_reuse_and_preemption(
+        make_tiny_model):
+    """The device-resident penalty history: rows are reused by requests with and without
+    penalties (3 rows, 6 requests) and a small cache preempts and recomputes some, yet
+    every request's tokens equal a from-scratch reference."""
+    import torch
+    import transformers
+
+    path = make_tiny_model("llama")
+    penalized = [dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
+                 dict(repetition_penalty=0.8, frequency_penalty=-0.2),
+                 dict(presence_penalty=1.5), {},
+                 dict(repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=-0.5),
+                 dict(frequency_penalty=2.0)]
+    prompts = _others(len(penalized), seed=21)
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **p)
+              for p in penalized]
+    small = LLM(str(path), max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64,
+                num_gpu_blocks_override=10)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # tiny forwards: threads cost more than they give
+    try:
+        for prompt, p, out in zip(prompts, params, outs, strict=True):
+            assert out.outputs[0].token_ids == _penalized_reference(model, prompt, p), p
+    finally:
+        torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
 """No request can hurt another: hostile inputs are a 400 (or a normal answer), never a crash,
-and while one is handled /health answers within a second and other streams keep flowing.
+and while one is handled /health answers within a second and other streams keep flowing
+(within a second, or three times the same measure without an attack on a loaded box).
 
 Three parts: hypothesis drives SamplingParams and the HTTP request models (through a server
 on the fake engine) with extremes; each reported attack runs against a live server of the
@@ -147,12 +148,16 @@ def live(make_tiny_model, tmp_path_factory):
     assert code == 0, f"server exited with {code}:\n{srv.log_tail()}"
 
 
-async def _streams_until(http: httpx.AsyncClient, done: asyncio.Event) -> list[float]:
-    """Run streaming completions back to back until ``done``; the gaps (s) between a request's
-    start and its first chunk and between its chunks."""
-    gaps: list[float] = []
+async def _streams_until(http: httpx.AsyncClient, done: asyncio.Event,
+                         second_started: asyncio.Event) -> list[tuple[float, float]]:
+    """Run streaming completions back to back until ``done``; (when, gap s) for each gap
+    between a request's start and its first chunk and between its chunks. Sets
+    ``second_started`` at the second request's first chunk (one whole stream measured)."""
+    gaps: list[tuple[float, float]] = []
+    num_requests = 0
     while not done.is_set():
         last = time.monotonic()
+        num_requests += 1
         body = {"model": MODEL_NAME, "prompt": "the quick brown fox", "max_tokens": 64,
                 "temperature": 0, "stream": True, "ignore_eos": True}
         async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -160,34 +165,50 @@ async def _streams_until(http: httpx.AsyncClient, done: asyncio.Event) -> list[f
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     now = time.monotonic()
-                    gaps.append(now - last)
+                    gaps.append((now, now - last))
                     last = now
+                    if num_requests == 2:
+                        second_started.set()
     return gaps
 
 
-async def _health_until(http: httpx.AsyncClient, done: asyncio.Event) -> list[float]:
-    """Ask /health every 50 ms until ``done``; each answer's latency (all must be 200)."""
+async def _health_until(http: httpx.AsyncClient, done: asyncio.Event
+                        ) -> list[tuple[float, float]]:
+    """Ask /health every 50 ms until ``done``, once more after it; (when, latency s) of each
+    answer (all 200)."""
     latencies = []
-    while not done.is_set():
+    while True:
         started = time.monotonic()
         response = await http.get("/health")
-        latencies.append(time.monotonic() - started)
+        now = time.monotonic()
+        latencies.append((now, now - started))
         assert response.status_code == 200, response.text
+        if done.is_set():
+            return latencies
         await asyncio.sleep(0.05)
-    return latencies
+
+
+def _stall_bound(baseline: list[float]) -> float:
+    """MAX_STALL_S, or on a box so loaded that the same measurement without an attack
+    (same run, just before it) already takes a third of that, three times its worst: an
+    attack handled on the hot threads stalls for many seconds (the reported ones 3-18 s),
+    which either bound catches, while a slow box's ordinary gaps pass."""
+    return max(MAX_STALL_S, 3 * max(baseline))
 
 
 def while_streaming(url: str, attack) -> list[httpx.Response]:
     """Run ``attack(http)`` (a coroutine giving responses) while streams and /health are
-    measured; assert neither stalled more than MAX_STALL_S; the attack's responses."""
+    measured; assert neither stalled during it beyond `_stall_bound` of the same measures
+    taken without an attack just before; the attack's responses."""
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             first = await http.post("/v1/completions", json={"prompt": "warm", "max_tokens": 2})
             assert first.status_code == 200
-            done = asyncio.Event()
-            streams = asyncio.create_task(_streams_until(http, done))
+            done, baseline_measured = asyncio.Event(), asyncio.Event()
+            streams = asyncio.create_task(_streams_until(http, done, baseline_measured))
             health = asyncio.create_task(_health_until(http, done))
-            await asyncio.sleep(0.3)             # the stream is flowing before the attack
+            await asyncio.wait_for(baseline_measured.wait(), 120)
+            attack_started = time.monotonic()
             try:
                 responses = await attack(http)
             finally:
@@ -195,10 +216,14 @@ def while_streaming(url: str, attack) -> list[httpx.Response]:
             gaps, latencies = await streams, await health
             after = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
             assert after.status_code == 200, after.text      # the engine still serves
-            return responses, gaps, latencies
-    responses, gaps, latencies = asyncio.run(run())
-    assert len(gaps) > 5 and max(gaps) < MAX_STALL_S, f"a stream stalled {max(gaps):.2f} s"
-    assert max(latencies) < MAX_STALL_S, f"/health took {max(latencies):.2f} s"
+            return responses, attack_started, gaps, latencies
+    responses, attack_started, gaps, latencies = asyncio.run(run())
+    for what, samples in (("a stream stalled", gaps), ("/health took", latencies)):
+        before = [seconds for when, seconds in samples if when < attack_started]
+        during = [seconds for when, seconds in samples if when >= attack_started]
+        assert before and during, (what, len(before), len(during))
+        bound = _stall_bound(before)
+        assert max(during) < bound, f"{what} {max(during):.2f} s (bound {bound:.2f} s)"
     return responses
 
 
@@ -311,8 +336,11 @@ def test_json_nested_10k_levels_and_10k_chat_turns_are_400s(live):
 
 
 # -- the step watchdog and the request log (fake engine) ----------------------------------------
-def test_health_reports_a_stalled_step_within_the_stall_timeout():
-    fake = FakeEngine(step_delay=3.0)
+def test_health_reports_a_stalled_step_while_it_is_still_running():
+    """The watchdog's verdict comes from the running step, not its end: the step is held
+    (an event) until /health has said 503, so no machine is too slow for the check."""
+    fake = FakeEngine()
+    fake.step_gate = threading.Event()
     srv = ServerThread(fake, step_stall_timeout=0.5)
     try:
         assert httpx.get(srv.url + "/health").status_code == 200       # idle: healthy
@@ -320,18 +348,21 @@ def test_health_reports_a_stalled_step_within_the_stall_timeout():
 
         def post() -> None:
             posted.append(httpx.post(srv.url + "/v1/completions",
-                                     json={"prompt": "a", "max_tokens": 1}, timeout=30))
+                                     json={"prompt": "a", "max_tokens": 1}, timeout=120))
         thread = threading.Thread(target=post)
         thread.start()
-        started = time.monotonic()
-        while True:
-            response = httpx.get(srv.url + "/health", timeout=5)
-            if response.status_code == 503:
-                break
-            assert time.monotonic() - started < 2.5, "the stall was not reported"
-            time.sleep(0.05)
-        assert "step has been running" in response.json()["error"]["message"]
-        thread.join(30)
+        try:
+            # Polled until the watchdog speaks; the bound only ends a test that would
+            # otherwise hang (the old watchdog took 600 s), not a slow one.
+            deadline = time.monotonic() + 60
+            while (response := httpx.get(srv.url + "/health", timeout=30)).status_code != 503:
+                assert time.monotonic() < deadline, "the stall was never reported"
+                time.sleep(0.05)
+            assert "step has been running" in response.json()["error"]["message"]
+            assert not posted and thread.is_alive()       # reported while the step runs
+        finally:
+            fake.step_gate.set()
+        thread.join(60)
         assert posted[0].status_code == 200
         assert httpx.get(srv.url + "/health").status_code == 200          # recovered
     finally:

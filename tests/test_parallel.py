@@ -532,8 +532,10 @@ def protocol(rank: int, coordinator: str) -> None:
     if rank == 0:
         channel = distributed.StepBroadcaster()
         for step in range(2):
-            inputs = batch.empty_inputs(4, 2, penalties=step == 1)
+            inputs = batch.empty_inputs(4, 2, penalty_chunks=step)
             inputs.packed[:] = step + 7
+            if step == 1:
+                inputs.penalty_admissions.chunks[0, 1, :3] = [11, 12, 13]
             channel.send(inputs)
         print("sent", flush=True)
         time.sleep(600)                                       # until killed
@@ -544,7 +546,9 @@ def protocol(rank: int, coordinator: str) -> None:
 
         def run_step(self, inputs) -> None:
             print(f"step t={inputs.num_tokens} s={inputs.num_seqs} value={int(inputs.packed[0])}"
-                  f" penalties={inputs.penalty_token_ids is not None}", flush=True)
+                  f" penalties={inputs.penalty_admissions is not None}"
+                  + (f" history={inputs.penalty_admissions.chunks[0, 1, :3].tolist()}"
+                     if inputs.penalty_admissions is not None else ""), flush=True)
 
     distributed.follow(Runner())
 
@@ -562,7 +566,8 @@ def test_killing_the_leader_ends_the_follower_within_seconds(tmp_path):
             assert time.monotonic() < deadline and follower.poll() is None, logs[1].read_text()
             time.sleep(0.2)
         assert "step t=4 s=2 value=7 penalties=False" in logs[1].read_text()
-        assert "step t=4 s=2 value=8 penalties=True" in logs[1].read_text()
+        assert "step t=4 s=2 value=8 penalties=True history=[11, 12, 13]" \
+            in logs[1].read_text()
         leader.kill()
         start = time.monotonic()
         assert follower.wait(timeout=60) != 0

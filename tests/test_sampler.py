@@ -385,30 +385,50 @@ def test_batch_rows_padding_and_sampling_fields():
     np.testing.assert_array_equal(v["kv_lens"] - v["num_prompt_tokens"], [0, 0, 0, 0])
     assert v["seeds"].dtype == np.uint32 and v["seeds"][0] == 11 and v["seeds"][1] != 3
     np.testing.assert_array_equal(v["token_ids"][:2], [4, 9])     # the newest known tokens
-    assert inputs.penalty_token_ids is None and inputs.bias_token_ids is None
+    assert inputs.penalty_admissions is None and inputs.bias_token_ids is None
     # Padding rows of a smaller batch do not keep the old rows' values.
     _, v, _ = prepare(batch, [b], 4)
     np.testing.assert_allclose(v["temperature"], 0.0)
     np.testing.assert_array_equal(v["num_logprobs"], -1)
 
 
-def test_batch_penalty_history_grows_with_recorded_samples():
+def history_of(inputs) -> dict[int, tuple[list[int], list[int]]]:
+    """The admissions of a step: row -> (prompt tokens, output tokens) it loads."""
+    entries = inputs.penalty_admissions.chunks.transpose(1, 0, 2).reshape(3, -1)
+    loaded = {}
+    for row, token, is_prompt in entries.T.tolist():
+        if row >= 0:
+            loaded.setdefault(row, ([], []))[0 if is_prompt else 1].append(token)
+    return loaded
+
+
+def test_batch_loads_a_penalty_rows_history_once_and_marks_its_samples():
     batch = InputBatch(4, 16, 16, 1, num_bias_slots=4)
     pen = new_seq([3, 4, 5], temperature=1.0, repetition_penalty=1.2)
     plain = new_seq([6, 7])
     inputs, v, rows = prepare(batch, [plain, pen], 2, new=[plain, pen])
-    np.testing.assert_array_equal(inputs.penalty_token_ids[1, :4], [3, 4, 5, -1])
-    np.testing.assert_array_equal(v["num_prompt_tokens"], [2, 3])
+    # Admission: the penalty row (only) is reset and its prompt loaded, once.
+    resets = inputs.penalty_admissions.resets
+    assert resets[0] == rows[1] and np.all(resets[1:] == -1)
+    assert history_of(inputs) == {int(rows[1]): ([3, 4, 5], [])}
+    np.testing.assert_array_equal(v["penalty_counted"], [0, 1])
     batch.record_sampled([plain.seq_id, pen.seq_id], rows, v["kv_lens"][:2].copy(),
                          [True, True], [9, 9])
-    inputs, v, rows = prepare(batch, [pen, plain], 2, computed=[3, 2])
-    np.testing.assert_array_equal(inputs.penalty_token_ids[0, :5], [3, 4, 5, 9, -1])
-    np.testing.assert_array_equal(v["token_ids"][:2], [9, 9])
-    np.testing.assert_array_equal(v["kv_lens"] - v["num_prompt_tokens"], [1, 1])
-    # With async scheduling the next decode's token is not known yet: the device feeds it.
-    inputs, v, _ = prepare(batch, [pen], 2, computed=[4])
-    assert v["token_ids"][0] == -1 - rows[0]
-    np.testing.assert_array_equal(inputs.penalty_token_ids[0, :5], [3, 4, 5, 9, -1])
+    inputs, v, _ = prepare(batch, [pen, plain], 2, computed=[3, 2])
+    assert inputs.penalty_admissions is None        # later samples are counted on the device
+    np.testing.assert_array_equal(v["penalty_counted"], [1, 0])
+    # A preempted sequence resumes in a fresh row: its earlier outputs load as outputs.
+    batch.apply(SchedulerOutput(preempted_seq_ids=[pen.seq_id]))
+    resumed = NewSeqData(pen.seq_id, [3, 4, 5, 9, 8], 3, [0], 0,
+                         SamplingParams(repetition_penalty=1.2), 0)
+    inputs, v, rows = prepare(batch, [resumed], 2, new=[resumed])
+    assert history_of(inputs) == {int(rows[0]): ([3, 4, 5], [9, 8])}
+    # A partial prefill chunk samples nothing: its junk sample is not counted.
+    out = SchedulerOutput(seq_ids=[resumed.seq_id], num_scheduled_tokens=[1],
+                          num_computed_tokens=[4], is_sampling=[False],
+                          total_num_scheduled_tokens=1)
+    inputs = batch.prepare(out, batch.apply(out), 2, 2)
+    assert StepLayout(2, 2, batch.width).views(inputs.packed)["penalty_counted"][0] == 0
 
 
 def test_batch_min_tokens_bans_eos_and_stop_tokens_until_reached():

@@ -9,6 +9,7 @@ max_tokens must still be a prefix the grammar accepts, and enough outputs must f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -154,6 +155,60 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(llm, monkey
     outs = llm.generate([PROMPTS[0], PROMPTS[1]], [broken, _free(4)], use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and not outs[0].outputs[0].token_ids
     assert outs[1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["fill_bitmask", "accept"])
+def test_one_requests_matcher_fault_ends_it_alone_without_an_engine_restart(llm, monkeypatch,
+                                                                              method):
+    """A matcher raising while the step's bitmask is built (fill_bitmask) or while its
+    token is accepted (accept) is that request's fault: it ends with "error"; a constrained
+    and a free request in the same steps finish exactly as they do alone, and the engine
+    never restarts."""
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.structured_outputs.matcher import SeqGrammar
+
+    choice = SamplingParams(temperature=0.0, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    [ref_constrained, ref_free] = llm.generate([PROMPTS[1], PROMPTS[2]], [choice, _free(12)],
+                                               use_tqdm=False)
+    core = llm.llm_engine
+    original = getattr(SeqGrammar, method)
+    faults = []
+
+    def faulty(self, *args):
+        victim = core.outputs.requests.get("victim")
+        if victim is not None and self is victim.seqs[0].grammar:
+            faults.append(method)
+            raise RuntimeError(f"injected {method} fault")
+        return original(self, *args)
+
+    monkeypatch.setattr(SeqGrammar, method, faulty)
+    engine = AsyncLLMEngine(core, start=False)
+
+    async def scenario():
+        streams = [engine.submit(rid, None, params, prompt_token_ids=prompt)
+                   for rid, prompt, params in (("victim", PROMPTS[0], choice),
+                                               ("constrained", PROMPTS[1], choice),
+                                               ("free", PROMPTS[2], _free(12)))]
+        engine.start()                    # all three are in its inbox: one first step
+        await engine.wait_accepted(streams)
+        return [await _final(engine, stream) for stream in streams]
+
+    try:
+        victim, constrained, free = asyncio.run(scenario())
+        assert faults, "the injected fault never fired"
+        assert victim.finished and victim.outputs[0].finish_reason == "error"
+        for out, ref in ((constrained, ref_constrained), (free, ref_free)):
+            assert (list(out.outputs[0].token_ids), out.outputs[0].finish_reason) == \
+                (list(ref.outputs[0].token_ids), ref.outputs[0].finish_reason)
+        assert engine.num_restarts == 0 and engine.is_healthy
+        assert core.scheduler.num_constrained == 0 and core.block_manager.usage == 0.0
+    finally:
+        engine.shutdown()
+
+
+async def _final(engine, stream):
+    return [out async for out in engine.stream_outputs(stream)][-1]
 
 
 def test_params_need_exactly_one_constraint_and_guided_decoding_is_an_alias():

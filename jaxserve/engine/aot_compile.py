@@ -40,6 +40,7 @@ from jaxserve.runner import aot_executables as aot
 from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS, load_target, topology_mesh
 from jaxserve.runner.memory import KVCacheDoesNotFit, KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.penalty_state import PenaltyState
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     if config.lora_config.enable_lora:
         lora = _abstract_lora(config, family, placement, dtype)
         weight_bytes += lora.nbytes      # as at startup (model_setup): the slots, whole
+    # The runner's penalty history tables, as at startup (model_setup): with the weights.
+    weight_bytes += PenaltyState.nbytes(sc.max_num_seqs + 1, placement.arch.vocab_size)
     backend = placement.shard_backend(get_attention_backend(
         config.runner_config.attention_backend, platform))
     blocks = num_blocks or -(-max_model_len // cc.block_size)

@@ -242,10 +242,15 @@ class LLMEngine:
             now = time.time()
             for new in out.new_seqs:
                 self.outputs.mark_scheduled(self.scheduler.get_seq(new.seq_id), now)
+            matcher_faults: dict[int, Exception] = {}
             if self._grammars is not None:
-                out.grammar_bitmask = grammar_bitmask(out, self.scheduler.get_seq,
-                                                      self.vocab_size)
+                out.grammar_bitmask, matcher_faults = grammar_bitmask(
+                    out, self.scheduler.get_seq, self.vocab_size)
             pending = self.runner.execute(out)      # applies the diffs even with no tokens
+            # Ended after the dispatch, as a client abort with a step in flight: their rows'
+            # tokens are dropped when the step is collected.
+            for seq_id, exc in matcher_faults.items():
+                self._fail_seq(seq_id, exc)
             if pending is not None:
                 self._in_flight.append((out, pending, time.perf_counter()))
                 dispatched = True
@@ -346,6 +351,12 @@ class LLMEngine:
             - sum(map(len, out.draft_token_ids.values())),
             num_generation_tokens=num_generated, num_preempted=len(out.preempted_seq_ids),
             dispatch_time=dispatch_time, collect_time=time.perf_counter())
+
+    def _fail_seq(self, seq_id: int, exc: Exception) -> None:
+        """End a sequence's request with finish_reason "error" (its own data raised)."""
+        seq = self.scheduler.get_seq(seq_id)
+        if seq is not None and not seq.is_finished:
+            self._finish_seq(seq, self.outputs.fail(seq, exc))
 
     def _finish_seq(self, seq: Any, status: SequenceStatus) -> None:
         """A failed sequence ends its whole request (every sibling); others end alone."""

@@ -27,6 +27,7 @@ from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.penalty_state import PenaltyState
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +283,9 @@ def _plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any
         spec_rows.max_rows * (spec_rows.num_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
+    # The runner's device-resident penalty history lives as long as the weights (counted
+    # with them, as jaxserve compile's plan does: aot_compile.abstract_engine).
+    weight_bytes += PenaltyState.nbytes(sc.max_num_seqs + 1, arch.vocab_size)
     lora_targets = None
     if config.lora_config.enable_lora:   # the adapter slots come out of the weights' share
         from jaxserve.lora.peft_loader import supported_targets

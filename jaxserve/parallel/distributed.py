@@ -15,7 +15,8 @@ followers learn each step's inputs from the leader through a JAX collective
     runner.run_step(...)                      (STOP → leave the loop, exit 0)
 
 Every process runs the same executables on the same inputs, so the device-resident
-state a step carries (the KV cache, the last sampled token of each row) evolves the
+state a step carries (the KV cache, the last sampled token of each row, the penalty
+history, loaded from the admissions a step's inputs carry) evolves the
 same way everywhere, and async scheduling needs nothing extra here.
 
 At exit the leader broadcasts STOP, so followers leave cleanly (exit 0). If
@@ -42,7 +43,7 @@ from jaxserve.runner.input_batch import StepInputs
 logger = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
-_HEADER = 8            # int32 [command, T, S, has_penalties, has_bias, has_grammar, 0, 0]
+_HEADER = 8   # int32 [command, T, S, penalty history chunks, has_bias, has_grammar, 0, 0]
 
 
 def initialize(parallel: ParallelConfig) -> bool:
@@ -102,7 +103,9 @@ class StepBroadcaster:
     def send(self, inputs: StepInputs) -> None:
         if self._stopped:
             raise RuntimeError("the followers were already told to stop")
-        penalties, bias = inputs.penalty_token_ids is not None, inputs.bias_token_ids is not None
+        admissions = inputs.penalty_admissions
+        penalties = 0 if admissions is None else len(admissions.chunks)
+        bias = inputs.bias_token_ids is not None
         grammar = inputs.grammar_bitmask is not None
         header = np.zeros(_HEADER, np.int32)
         header[:6] = (STEP, inputs.num_tokens, inputs.num_seqs, penalties, bias, grammar)
@@ -133,8 +136,9 @@ def lead(runner: Any) -> StepBroadcaster:
 def _payload(inputs: StepInputs) -> dict[str, np.ndarray]:
     """The arrays of a step that travel (the optional tables only when present)."""
     payload = {"packed": inputs.packed}
-    if inputs.penalty_token_ids is not None:
-        payload["penalty_token_ids"] = inputs.penalty_token_ids
+    if inputs.penalty_admissions is not None:
+        payload["penalty_resets"] = inputs.penalty_admissions.resets
+        payload["penalty_chunks"] = inputs.penalty_admissions.chunks
     if inputs.bias_token_ids is not None:
         payload["bias_token_ids"] = inputs.bias_token_ids
         payload["bias_values"] = inputs.bias_values
@@ -162,9 +166,13 @@ def follow(runner: Any) -> int:
                 return 0
             if command != STEP:
                 raise RuntimeError(f"unknown command {command} from the leader")
-            template = runner.empty_inputs(t, s, penalties=bool(penalties), bias=bool(bias),
+            template = runner.empty_inputs(t, s, penalty_chunks=penalties, bias=bool(bias),
                                            grammar=bool(grammar))
             payload = _broadcast(_payload(template))
+            if penalties:
+                payload["penalty_admissions"] = dataclasses.replace(
+                    template.penalty_admissions, resets=payload.pop("penalty_resets"),
+                    chunks=payload.pop("penalty_chunks"))
             runner.run_step(dataclasses.replace(template, **payload))
             num_steps += 1
     except Exception:

@@ -18,6 +18,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
+from jaxserve.runner.penalty_state import history_chunk_size, history_entries
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_contract import NewSeqData, SchedulerOutput
 from jaxserve.step_inputs import FLOAT_FIELDS, FLOAT_NEUTRAL, StepLayout
@@ -30,13 +31,21 @@ def seed_to_u32(seed: int) -> int:
 
 
 @dataclass
+class PenaltyAdmissions:
+    """The penalty rows admitted since the last step, for the device's `load_history`: the
+    rows to zero, then their known tokens (prompt and earlier outputs) in chunks."""
+    resets: np.ndarray      # i32[R]: rows first, -1 padded
+    chunks: np.ndarray      # i32[N, 3, C]: (row, token, is_prompt) entries, row -1 = unused
+
+
+@dataclass
 class StepInputs:
     """Host inputs of one step: the packed int32 buffer, plus the big per-row sampling
     tables only when some row needs them (None: the runner's device-resident constants)."""
     num_tokens: int                       # bucket T
     num_seqs: int                         # bucket S
     packed: np.ndarray                    # i32[StepLayout(T, S, W).size]
-    penalty_token_ids: np.ndarray | None  # i32[S, P]: known tokens, -1 padded
+    penalty_admissions: PenaltyAdmissions | None   # rows whose penalty history to load
     bias_token_ids: np.ndarray | None     # i32[S, NB]: -1 padded
     bias_values: np.ndarray | None        # f32[S, NB]: additive, -inf bans
     grammar_bitmask: np.ndarray | None = None   # i32[S, ceil(V/32)]: structured outputs
@@ -110,6 +119,9 @@ class InputBatch:
         self.row_of: dict[int, int] = {}
         self._bias: dict[int, _Bias] = {}                    # rows with a bias or min_tokens
         self._free_rows = list(range(R - 1, -1, -1))         # pop() hands out row 0 first
+        # Penalty rows added since the last prepare: their history is not on the device yet.
+        self._unloaded_penalty_rows: list[int] = []
+        self.history_chunk = history_chunk_size(L)
         self._buffers: dict[tuple[int, int], tuple[StepLayout, np.ndarray]] = {}
         self._next_buffer = 0
         self._constants: dict[int, dict[str, np.ndarray]] = {}
@@ -169,6 +181,8 @@ class InputBatch:
         self.lora_slot[row] = new.adapter_slot
         self.needs_penalties[row] = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                                      or p.repetition_penalty != 1.0)
+        if self.needs_penalties[row]:
+            self._unloaded_penalty_rows.append(row)
         bias = _Bias(p, self.eos_token_ids, self.num_bias_slots)
         if bias.plain is not None or bias.banned is not None:
             self._bias[row] = bias
@@ -182,6 +196,9 @@ class InputBatch:
         self.seq_of_row[row] = -1
         self.lora_slot[row] = 0
         self.wants_prompt_logprobs[row] = False
+        if self.needs_penalties[row] and row in self._unloaded_penalty_rows:
+            self._unloaded_penalty_rows.remove(row)
+        self.needs_penalties[row] = False
         self._bias.pop(row, None)
         self._free_rows.append(row)
 
@@ -243,6 +260,8 @@ class InputBatch:
         unknown = positions >= self.num_known[token_rows]
         tokens[unknown] = -1 - token_rows[unknown]
         v["num_drafts"][:] = 0
+        v["penalty_counted"][:n] = np.asarray(out.is_sampling, bool) & self.needs_penalties[rows]
+        v["penalty_counted"][n:] = 0
         if out.draft_token_ids:     # a row's drafts follow its newest token on the token axis
             for i, seq_id in enumerate(out.seq_ids):
                 drafts = out.draft_token_ids.get(seq_id)
@@ -285,9 +304,6 @@ class InputBatch:
         prompt_logprobs_rows = self._prompt_logprobs_slots(v, rows, computed, counts, ends,
                                                            layout.num_prompt_logprobs)
 
-        penalty_ids = None
-        if self.needs_penalties[rows].any():
-            penalty_ids = self.token_ids[padded]          # [S, P]: known tokens, -1 beyond
         bias_ids = bias_values = None
         if self._bias:
             bias_ids, bias_values = self._bias_tables(rows, kv_lens, S)
@@ -295,8 +311,22 @@ class InputBatch:
         if out.grammar_bitmask is not None:     # padding rows: all tokens allowed
             bitmask = np.full((S, self.bitmask_words), -1, np.int32)
             bitmask[:n] = out.grammar_bitmask
-        return StepInputs(T, S, buf, penalty_ids, bias_ids, bias_values, bitmask,
-                          prompt_logprobs_rows)
+        return StepInputs(T, S, buf, self._penalty_admissions(), bias_ids, bias_values,
+                          bitmask, prompt_logprobs_rows)
+
+    def _penalty_admissions(self) -> PenaltyAdmissions | None:
+        """Once per admitted penalty row: its reset and the tokens the host knows of it
+        (later tokens are counted on the device as they are sampled)."""
+        if not self._unloaded_penalty_rows:
+            return None
+        rows = np.asarray(self._unloaded_penalty_rows, np.int64)
+        self._unloaded_penalty_rows = []
+        resets = np.full(self.max_num_seqs, -1, np.int32)
+        resets[:len(rows)] = rows
+        tokens = [self.token_ids[row, :self.num_known[row]] for row in rows.tolist()]
+        chunks = history_entries(rows, tokens, self.num_prompt[rows].tolist(),
+                                 self.history_chunk)
+        return PenaltyAdmissions(resets, np.stack(chunks))
 
     def _prompt_logprobs_slots(self, v: dict[str, np.ndarray], rows: np.ndarray,
                                computed: np.ndarray, counts: np.ndarray, ends: np.ndarray,
@@ -350,27 +380,30 @@ class InputBatch:
             entry = self._buffers[(T, S)] = (layout, layout.empty(self.padding_row))
         return entry
 
-    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
+    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalty_chunks: int = 0,
                      bias: bool = False, grammar: bool = False) -> StepInputs:
         """An all-padding step of bucket (T, S), with the optional tables when asked (the
         shapes a multi-host follower receives into)."""
         consts = self.constants(num_seqs)
+        admissions = None
+        if penalty_chunks:
+            admissions = PenaltyAdmissions(
+                np.full(self.max_num_seqs, -1, np.int32),
+                np.full((penalty_chunks, 3, self.history_chunk), -1, np.int32))
         return StepInputs(
             num_tokens, num_seqs, StepLayout(num_tokens, num_seqs, self.width,
                                              self.prompt_logprobs_cap,
                                              self.lora).empty(self.padding_row),
-            consts["penalty_token_ids"].copy() if penalties else None,
+            admissions,
             consts["bias_token_ids"].copy() if bias else None,
             consts["bias_values"].copy() if bias else None,
             consts["grammar_bitmask"].copy() if grammar else None)
 
     def constants(self, num_seqs: int) -> dict[str, np.ndarray]:
-        """The tables a step uses when no row needs penalties / bias / a grammar (one set
-        per S)."""
+        """The tables a step uses when no row needs bias / a grammar (one set per S)."""
         consts = self._constants.get(num_seqs)
         if consts is None:
             consts = self._constants[num_seqs] = {
-                "penalty_token_ids": np.full((num_seqs, self.max_model_len), -1, np.int32),
                 "bias_token_ids": np.full((num_seqs, self.num_bias_slots), -1, np.int32),
                 "bias_values": np.zeros((num_seqs, self.num_bias_slots), np.float32),
                 "grammar_bitmask": np.full((num_seqs, self.bitmask_words), -1, np.int32)}

@@ -11,6 +11,7 @@ read this step's samples from ``last_tokens`` on the device.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -31,7 +32,8 @@ from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
 from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
-from jaxserve.runner.input_batch import InputBatch, StepInputs
+from jaxserve.runner.input_batch import InputBatch, PenaltyAdmissions, StepInputs
+from jaxserve.runner.penalty_state import PenaltyState, empty_penalty_state, load_history
 from jaxserve.runner.step_compilation import StepCompilation, wait_for_background_compiles
 from jaxserve.runner.step_function import StepOutputs
 from jaxserve.step_contract import (
@@ -96,10 +98,12 @@ class ModelRunner(StepCompilation):
         kv_dtype = kv_cache_dtype or dtype
         cache_spec = self._init_kv_cache(cache_shape, kv_dtype, kv_sharding)
         self.last_tokens = self._put(np.zeros(max_num_seqs + 1, np.int32))
+        penalty_spec = self._init_penalty_state(max_num_seqs + 1, arch.vocab_size)
         # What the step is lowered against: the donated arrays' shapes and shardings, never
         # the arrays (a background compile must not read a buffer a step has just donated).
         self._state_specs = (cache_spec, cache_spec, jax.ShapeDtypeStruct(
-            self.last_tokens.shape, self.last_tokens.dtype, sharding=self.last_tokens.sharding))
+            self.last_tokens.shape, self.last_tokens.dtype, sharding=self.last_tokens.sharding),
+            penalty_spec)
         self._prompt_logits_fns: dict = {}   # padded length -> jitted forward (prompt_logits)
         self._device_constants: dict[int, dict[str, jax.Array]] = {}
         self._init_compilation()
@@ -196,6 +200,40 @@ class ModelRunner(StepCompilation):
         self._k_cache = self._zeros()
         self._v_cache = jax.block_until_ready(self._zeros())
         self.last_tokens = self._put(np.zeros(self.batch.max_num_seqs + 1, np.int32))
+        self.penalty_state = None
+        self.penalty_state = self._empty_penalty_state()
+
+    # -- the penalty history (runner/penalty_state.py) -----------------------------------------
+    def _init_penalty_state(self, num_rows: int, vocab: int) -> Any:
+        """The [R + 1, V] tables, zeroed on the device and replicated like the step's inputs;
+        returns their spec."""
+        self._empty_penalty_state = jax.jit(
+            functools.partial(empty_penalty_state, num_rows, vocab),
+            out_shardings=self.input_sharding)
+        self.penalty_state: PenaltyState | None = \
+            None if self.abstract else self._empty_penalty_state()
+        self._history_loader: Any = None     # compiled by warmup (or the first admission)
+        self._no_resets: Any = None
+        return self._spec(jax.eval_shape(self._empty_penalty_state), self.input_sharding)
+
+    def _compile_history_loader(self) -> None:
+        """`load_history` for one chunk shape, the tables donated."""
+        if self._history_loader is not None or self.abstract:
+            return
+        self._no_resets = self._put(np.full(self.batch.max_num_seqs, -1, np.int32))
+        entries = self._put(np.full((3, self.batch.history_chunk), -1, np.int32))
+        self._history_loader = jax.jit(load_history, donate_argnums=0).lower(
+            self._state_specs[3], self._no_resets, entries).compile()
+
+    def _load_penalty_history(self, admissions: PenaltyAdmissions) -> None:
+        """Reset the admitted rows' tables and count their known tokens, one dispatch per
+        chunk, ordered before the step by the donated tables."""
+        self._compile_history_loader()
+        resets = self._put(admissions.resets)
+        for chunk in admissions.chunks:
+            self.penalty_state = self._history_loader(self.penalty_state, resets,
+                                                      self._put(chunk))
+            resets = self._no_resets
 
     def _wait_params(self) -> None:
         if self._params_pending is not None:
@@ -270,8 +308,8 @@ class ModelRunner(StepCompilation):
         if fn is None:   # only before warm-up (or for a shape warm-up skipped): compile now
             fn = self._steps[(t, s)] = self._compile(t, s)
         consts = self._constants(s)
-        penalty = consts["penalty_token_ids"] if inputs.penalty_token_ids is None \
-            else self._put(inputs.penalty_token_ids)
+        if inputs.penalty_admissions is not None:   # before the step that first reads them
+            self._load_penalty_history(inputs.penalty_admissions)
         if inputs.bias_token_ids is None:
             bias_ids, bias_values = consts["bias_token_ids"], consts["bias_values"]
         else:
@@ -279,24 +317,25 @@ class ModelRunner(StepCompilation):
         # No constrained row: the device-resident all-ones mask, no transfer.
         bitmask = consts["grammar_bitmask"] if inputs.grammar_bitmask is None \
             else self._put(inputs.grammar_bitmask)
-        self.k_cache, self.v_cache, self.last_tokens, out, prompt_out = fn(
-            self.params, self.k_cache, self.v_cache, self.last_tokens,
+        (self.k_cache, self.v_cache, self.last_tokens, self.penalty_state, out,
+         prompt_out) = fn(
+            self.params, self.k_cache, self.v_cache, self.last_tokens, self.penalty_state,
             # A copy (a few KB): `jax.device_put` may alias numpy memory on CPU and the host
             # rewrites this bucket's buffer for its next step, while any number of earlier
             # steps may still be in flight (the draft proposer dispatches several before
             # collecting): each step must own the inputs it was given.
             self._put(inputs.packed.copy()),
-            penalty, bias_ids, bias_values, bitmask, self._lora_stacks())
+            bias_ids, bias_values, bitmask, self._lora_stacks())
         out[0].next_tokens.copy_to_host_async()
         return out, prompt_out
 
-    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalties: bool = False,
+    def empty_inputs(self, num_tokens: int, num_seqs: int, *, penalty_chunks: int = 0,
                      bias: bool = False, grammar: bool = False) -> StepInputs:
-        return self.batch.empty_inputs(num_tokens, num_seqs, penalties=penalties, bias=bias,
-                                       grammar=grammar)
+        return self.batch.empty_inputs(num_tokens, num_seqs, penalty_chunks=penalty_chunks,
+                                       bias=bias, grammar=grammar)
 
     def _constants(self, num_seqs: int) -> dict[str, jax.Array]:
-        """Device-resident penalty / bias / grammar tables for steps where no row needs them."""
+        """Device-resident bias / grammar tables for steps where no row needs them."""
         consts = self._device_constants.get(num_seqs)
         if consts is None:
             consts = self._device_constants[num_seqs] = self._put(self.batch.constants(num_seqs))

@@ -43,6 +43,7 @@ from jax import lax
 
 from jaxserve.runner import sampling_ops as ops
 from jaxserve.runner.grammar_mask import apply_token_bitmask
+from jaxserve.runner.penalty_state import PenaltyHistory
 from jaxserve.runner.sampling_tensors import SamplingTensors
 
 __all__ = ["SamplerOutput", "SamplingTensors", "process_logits", "sample", "sampling_probs"]
@@ -67,16 +68,18 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, t: SamplingTensors, num_top_logprobs: int, *,
-           num_candidates: int = 64, grammar_bitmask: jax.Array | None = None) -> SamplerOutput:
+           num_candidates: int = 64, grammar_bitmask: jax.Array | None = None,
+           penalty_history: PenaltyHistory | None = None) -> SamplerOutput:
     """Sample one token per row. logits: [S, V]; ``num_top_logprobs`` (K) is static.
-    grammar_bitmask: i32[S, ceil(V/32)] of allowed tokens (structured outputs), or None."""
+    grammar_bitmask: i32[S, ceil(V/32)] of allowed tokens (structured outputs), or None.
+    penalty_history: the device-resident history, added to ``t``'s token ids (or None)."""
     logits = logits.astype(_F32)
     num_rows, vocab = logits.shape
     k = num_top_logprobs
     need = _needs(t, vocab, num_candidates)
     allowed = logits if grammar_bitmask is None else apply_token_bitmask(logits,
                                                                          grammar_bitmask)
-    processed = process_logits(allowed, t, need(_PROCESS))
+    processed = process_logits(allowed, t, need(_PROCESS), penalty_history)
     xb = ops.blocked(processed, ops.block_width(vocab))      # [S, V/B, B] view
     block_max = jnp.max(xb, -1)
     row_max = jnp.max(block_max, -1)
@@ -122,18 +125,23 @@ def _needs_processing(t: SamplingTensors) -> jax.Array:
 
 
 # -- stage 2: bias, bans and penalties ----------------------------------------------------
-def process_logits(logits: jax.Array, t: SamplingTensors, needed=None) -> jax.Array:
+def process_logits(logits: jax.Array, t: SamplingTensors, needed=None,
+                   penalty_history: PenaltyHistory | None = None) -> jax.Array:
     """Logit bias / min_tokens bans, then vLLM's penalties. [S, V] → [S, V]. ``needed``:
-    whether any row needs it (computed if None)."""
+    whether any row needs it (computed if None). The history's tables are read only when
+    it is (inside the cond: an unpenalized step gathers nothing)."""
     if needed is None:
         needed = jnp.any(_needs_processing(t))
-    return lax.cond(needed, _apply_bias_and_penalties, lambda lg, t: lg, logits, t)
+    return lax.cond(needed, _apply_bias_and_penalties, lambda lg, t, h: lg, logits, t,
+                    penalty_history)
 
 
-def _apply_bias_and_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def _apply_bias_and_penalties(logits: jax.Array, t: SamplingTensors,
+                              history: PenaltyHistory | None) -> jax.Array:
     """One scatter-add into [S, 3V]: bias values in [0, V), prompt-token counts in
-    [V, 2V), output-token counts in [2V, 3V). vLLM: repetition over prompt+output
-    tokens, frequency/presence over output tokens, all after the bias."""
+    [V, 2V), output-token counts in [2V, 3V); plus the device-resident history's rows.
+    vLLM: repetition over prompt+output tokens, frequency/presence over output tokens, all
+    after the bias."""
     num_rows, vocab = logits.shape
     num_bias = t.bias_token_ids.shape[1]
     # The newest token (when the host did not know it) goes last: past any prompt position,
@@ -152,7 +160,12 @@ def _apply_bias_and_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Arra
     acc = jnp.zeros((num_rows, 3 * vocab), _F32).at[row, cols].add(updates, mode="drop")
     logits = logits + acc[:, :vocab]
     output_counts = acc[:, 2 * vocab:]
-    seen = (acc[:, vocab:2 * vocab] > 0) | (output_counts > 0)
+    prompt_seen = acc[:, vocab:2 * vocab] > 0
+    if history is not None:
+        table_counts, table_seen = history.gather()
+        output_counts = output_counts + table_counts
+        prompt_seen = prompt_seen | table_seen
+    seen = prompt_seen | (output_counts > 0)
     rep = t.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - t.frequency_penalty[:, None] * output_counts

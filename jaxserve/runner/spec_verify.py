@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.runner.penalty_state import PenaltyHistory
 from jaxserve.runner.rejection_sampler import num_emitted_tokens
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
@@ -38,23 +39,25 @@ def widen(out: SamplerOutput, width: int) -> SamplerOutput:
 def sample_with_drafts(hidden: jax.Array, logits_of: Callable[[jax.Array], jax.Array],
                        token_ids: jax.Array, logits_indices: jax.Array, num_drafts: jax.Array,
                        sampling: SamplingTensors, grammar_bitmask: jax.Array, *,
-                       num_spec_tokens: int, num_spec_rows: int,
-                       num_top_logprobs: int) -> tuple[SamplerOutput, jax.Array]:
+                       num_spec_tokens: int, num_spec_rows: int, num_top_logprobs: int,
+                       penalty_history: PenaltyHistory | None = None
+                       ) -> tuple[SamplerOutput, jax.Array]:
     """Sample every row's next token(s). hidden: [T, H]; token_ids: i32[T] (resolved);
     logits_indices, num_drafts: i32[S] (the row's last position, its draft count; rows at or
-    past num_spec_rows have none); sampling: [S] tensors for the rows' first new token.
+    past num_spec_rows have none); sampling: [S] tensors for the rows' first new token;
+    penalty_history: the device-resident penalty history of the S rows (or None).
 
     Returns (SamplerOutput with fields [S * (k + 1), ...], num_emitted i32[S])."""
     k, rows = num_spec_tokens, num_spec_rows
     num_seqs = logits_indices.shape[0]
     width = k + 1
 
-    def plain(hidden, token_ids, sampling, grammar_bitmask):
+    def plain(hidden, token_ids, sampling, grammar_bitmask, history):
         out = sample(logits_of(hidden[logits_indices]), sampling, num_top_logprobs,
-                     grammar_bitmask=grammar_bitmask)
+                     grammar_bitmask=grammar_bitmask, penalty_history=history)
         return widen(out, width), jnp.ones(num_seqs, jnp.int32)
 
-    def speculative(hidden, token_ids, sampling, grammar_bitmask):
+    def speculative(hidden, token_ids, sampling, grammar_bitmask, history):
         drafts_n = num_drafts[:rows]
         first = logits_indices[:rows] - drafts_n                 # the row's newest token
         column = jnp.arange(width)
@@ -75,8 +78,10 @@ def sample_with_drafts(hidden: jax.Array, logits_of: Callable[[jax.Array], jax.A
         step_index = expand(sampling.step_index - num_drafts) + jnp.tile(column, rows)
         expanded = replace(jax.tree.map(expand, sampling), newest_token_ids=newest,
                            step_index=step_index)
+        if history is not None:     # the rows' table rows, repeated; the tables as they are
+            history = replace(history, rows=expand(history.rows))
         out = sample(logits, expanded, num_top_logprobs,
-                     grammar_bitmask=expand(grammar_bitmask))
+                     grammar_bitmask=expand(grammar_bitmask), penalty_history=history)
         num_emitted = num_emitted_tokens(out.next_tokens.reshape(rows, width), drafts,
                                          drafts_n)
 
@@ -85,7 +90,7 @@ def sample_with_drafts(hidden: jax.Array, logits_of: Callable[[jax.Array], jax.A
         return jax.tree.map(pad, out), jnp.ones(num_seqs, jnp.int32).at[:rows].set(num_emitted)
 
     return lax.cond(jnp.any(num_drafts > 0), speculative, plain, hidden, token_ids, sampling,
-                    grammar_bitmask)
+                    grammar_bitmask, penalty_history)
 
 
 def last_emitted(out: SamplerOutput, num_emitted: jax.Array) -> jax.Array:

@@ -69,7 +69,7 @@ class StepCompilation:
             num_top_logprobs=self.num_top_logprobs, num_spec_tokens=self.num_spec_tokens,
             num_spec_rows=min(layout.num_seqs, self.max_spec_rows),
             logits_shardings=self.logits_shardings),
-            donate_argnums=(1, 2, 3))
+            donate_argnums=(1, 2, 3, 4))
 
     def enable_executable_cache(self, directory: str) -> None:
         """Load step executables serialized by an earlier start with the same key (no
@@ -107,7 +107,7 @@ class StepCompilation:
         consts = self._constants(num_seqs)
         return self._jitted(layout).lower(
             self._param_specs, *self._state_specs,
-            self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
+            self._put(layout.empty(self.batch.padding_row)),
             consts["bias_token_ids"], consts["bias_values"],
             consts["grammar_bitmask"], self._lora_stacks())
     def warmup(self, progress: bool = True, max_workers: int | None = None,
@@ -128,6 +128,7 @@ class StepCompilation:
             first = [shapes[-1], shapes[0]]
             rest = shapes[1:-1]
         self._compile_all(first, progress, max_workers)
+        self._compile_history_loader()
         self._wait_kv_cache()       # zero-filled in a thread meanwhile (__init__)
         self._wait_params()         # and restored, from an orbax checkpoint
         elapsed = time.perf_counter() - start
@@ -208,10 +209,9 @@ class StepCompilation:
 
         layout = self._layout(num_tokens, num_seqs)
         consts = self._constants(num_seqs)
-        args = (self.params, self.k_cache, self.v_cache, self.last_tokens,
-                self._put(layout.empty(self.batch.padding_row)), consts["penalty_token_ids"],
-                consts["bias_token_ids"], consts["bias_values"], consts["grammar_bitmask"],
-                self._lora_stacks())
+        args = (self.params, self.k_cache, self.v_cache, self.last_tokens, self.penalty_state,
+                self._put(layout.empty(self.batch.padding_row)), consts["bias_token_ids"],
+                consts["bias_values"], consts["grammar_bitmask"], self._lora_stacks())
         # Triton kernels are custom calls that jax.export does not vouch for by default.
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
         return export.export(self._jitted(layout), platforms=[platform],

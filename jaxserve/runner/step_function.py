@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.lora.stacks import with_lora
+from jaxserve.runner.penalty_state import PenaltyHistory, count_emitted
 from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
@@ -20,14 +21,16 @@ from jaxserve.step_inputs import StepLayout, resolve_token_ids
 StepOutputs = tuple[tuple[SamplerOutput, jax.Array | None], PromptLogprobsOutput | None]
 
 
-def step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_token_ids,
-          bias_values, grammar_bitmask, lora_stacks=None, *, model: Any, model_constants, layout: StepLayout,
-          num_top_logprobs: int, num_spec_tokens: int = 0, num_spec_rows: int = 0,
-          logits_shardings: tuple = ()):
+def step(params, k_cache, v_cache, last_tokens, penalty_state, packed, bias_token_ids,
+         bias_values, grammar_bitmask, lora_stacks=None, *, model: Any, model_constants,
+         layout: StepLayout, num_top_logprobs: int, num_spec_tokens: int = 0,
+         num_spec_rows: int = 0, logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token
     (and the prompt logprobs of the positions that ask, when the bucket has slots for them).
 
     last_tokens: i32[R + 1], the latest sample of every persistent row (donated, updated).
+    penalty_state: the rows' penalty history (runner/penalty_state.py; donated, updated
+    with the tokens the rows marked ``penalty_counted`` emit).
     grammar_bitmask: i32[S, ceil(V/32)], allowed tokens per row (all ones: unconstrained).
     num_spec_tokens (k > 0: speculative decoding on): the sampler's outputs are [S * (k+1)]
     and ``num_emitted`` [S] says how many tokens each row emits (jaxserve/spec_decode).
@@ -48,28 +51,37 @@ def step(params, k_cache, v_cache, last_tokens, packed, penalty_token_ids, bias_
         return logits                                                      # then gather
 
     last = f["logits_indices"]
+    num_seqs = layout.num_seqs
+    # The whole penalty history is in the tables: every token sampled before this step was
+    # added to them by its own step.
+    history = PenaltyHistory(f["batch_rows"], penalty_state)
     sampling = SamplingTensors(
         temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
         presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
         repetition_penalty=f["repetition_penalty"], seeds=f["seeds"],
         step_index=f["kv_lens"] - f["num_prompt_tokens"], num_logprobs=f["num_logprobs"],
-        penalty_token_ids=penalty_token_ids, num_prompt_tokens=f["num_prompt_tokens"],
-        bias_token_ids=bias_token_ids, bias_values=bias_values,
-        newest_token_ids=jnp.where(f["token_ids"][last] < 0, token_ids[last], -1))
+        penalty_token_ids=jnp.zeros((num_seqs, 0), jnp.int32),
+        num_prompt_tokens=f["num_prompt_tokens"], bias_token_ids=bias_token_ids,
+        bias_values=bias_values, newest_token_ids=jnp.full(num_seqs, -1, jnp.int32))
     num_emitted = None
     if num_spec_tokens:
         out, num_emitted = sample_with_drafts(
             hidden, logits_of, token_ids, last, f["num_drafts"], sampling, grammar_bitmask,
             num_spec_tokens=num_spec_tokens, num_spec_rows=num_spec_rows,
-            num_top_logprobs=num_top_logprobs)
+            num_top_logprobs=num_top_logprobs, penalty_history=history)
         newest = last_emitted(out, num_emitted)
+        emitted = out.next_tokens.reshape(num_seqs, num_spec_tokens + 1)
+        counted = jnp.arange(num_spec_tokens + 1)[None, :] < num_emitted[:, None]
     else:
         out = sample(logits_of(hidden[last]), sampling, num_top_logprobs,
-                     grammar_bitmask=grammar_bitmask)
+                     grammar_bitmask=grammar_bitmask, penalty_history=history)
         newest = out.next_tokens
+        emitted, counted = newest[:, None], jnp.ones((num_seqs, 1), jnp.bool_)
     last_tokens = last_tokens.at[f["batch_rows"]].set(newest, mode="drop")
+    penalty_state = count_emitted(penalty_state, f["batch_rows"], emitted,
+                                  counted & (f["penalty_counted"][:, None] > 0))
     prompt_out = None
     if layout.num_prompt_logprobs:
         prompt_out = prompt_logprobs(logits_of, hidden, f["prompt_logprobs_indices"],
                                      f["prompt_logprobs_targets"], num_top_logprobs)
-    return k_cache, v_cache, last_tokens, (out, num_emitted), prompt_out
+    return k_cache, v_cache, last_tokens, penalty_state, (out, num_emitted), prompt_out

@@ -50,6 +50,10 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
                        f"{request.guided_decoding_backend!r}", param="guided_decoding_backend")
     if not sources:
         if options:
+            try:                          # a misspelt constraint is named as such
+                StructuredOutputsParams.check_names(options)
+            except ValueError as exc:
+                raise APIError(str(exc), param="structured_outputs") from None
             raise APIError("structured_outputs sets options but no constraint (json, regex, "
                            "choice, grammar or json_object), nor does response_format",
                            param="structured_outputs")
