@@ -335,22 +335,27 @@ class _EventWriter:
         events.append(self.send("response.output_item.done", output_index=index, item=item))
         return events
 
+    def _text_delta(self, kind: str, new_item: Any, event: str, delta: str,
+                    **extra: Any) -> list[str]:
+        """Append `delta` to the open item of `kind` (opening one first if another kind, or
+        none, is open) and the event that streams it."""
+        events: list[str] = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._open(new_item())
+        self.open["content"][0]["text"] += delta
+        events.append(self.send(event, item_id=self.open["id"], output_index=len(self.items) - 1,
+                                content_index=0, delta=delta, **extra))
+        return events
+
     def deltas(self, reasoning: str, text: str, calls: list[dict[str, Any]]) -> list[str]:
         events: list[str] = []
         if reasoning:
-            if self.open is None or self.open["type"] != "reasoning":
-                events += self._open(reasoning_item(_id("rs"), "", "in_progress"))
-            self.open["content"][0]["text"] += reasoning
-            events.append(self.send("response.reasoning_text.delta", item_id=self.open["id"],
-                                    output_index=len(self.items) - 1, content_index=0,
-                                    delta=reasoning))
+            events += self._text_delta("reasoning", lambda: reasoning_item(
+                _id("rs"), "", "in_progress"), "response.reasoning_text.delta", reasoning)
         if text:
-            if self.open is None or self.open["type"] != "message":
-                events += self._open(message_item(_id("msg"), "", "in_progress"))
-            self.open["content"][0]["text"] += text
-            events.append(self.send("response.output_text.delta", item_id=self.open["id"],
-                                    output_index=len(self.items) - 1, content_index=0,
-                                    delta=text, logprobs=[]))
+            events += self._text_delta("message", lambda: message_item(
+                _id("msg"), "", "in_progress"), "response.output_text.delta", text,
+                logprobs=[])
         for call in calls:
             function = call.get("function", {})
             if "id" in call:                        # a new call: its item opens
