@@ -82,3 +82,51 @@ def test_int8_weights_and_quantized_kv_step_exports_for_cuda_with_the_pallas_ker
     assert mlir.count(TRITON) >= 1
     if kv == "fp8":
         assert "f8E4M3FN" in mlir
+
+
+def test_steps_traced_on_several_threads_never_build_flax_modules_at_once(make_tiny_model,
+                                                                          monkeypatch):
+    """flax's per-`setup` `nn.scan` class build edits the base Module's dataclass fields in
+    place; two threads tracing at once failed with KeyError: 'parent' (CI, warmup's pool).
+    The probe holds each scan build open until another thread enters one too, or 1 s
+    passes: with tracing serialized (models/tracing.py) no two are ever inside together."""
+    import threading
+
+    import flax.linen as nn
+
+    config = EngineConfig.from_kwargs(model=str(make_tiny_model("llama")), max_model_len=256,
+                                      max_num_seqs=8, max_num_batched_tokens=64,
+                                      kv_cache_memory_bytes=4 << 20, load_format="dummy")
+    runner = setup_model(config, warmup=False).runner
+    shapes = runner.buckets.all_shapes()[:3]
+    real_scan, guard, inside, peak, entered = nn.scan, threading.Lock(), [0], [0], \
+        threading.Event()
+
+    def probe(*args, **kwargs):
+        with guard:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+            if inside[0] > 1:
+                entered.set()
+        entered.wait(1.0)           # the overlap window: ends early once two are inside
+        try:
+            return real_scan(*args, **kwargs)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    monkeypatch.setattr(nn, "scan", probe)
+    errors: list[BaseException] = []
+
+    def lower(shape):
+        try:
+            runner.lower_step(*shape)
+        except BaseException as e:          # reported by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=lower, args=(s,)) for s in shapes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and peak[0] == 1

@@ -30,6 +30,7 @@ from jaxserve.mesh import put_replicated
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
 from jaxserve.models.registry import family_for
+from jaxserve.models.tracing import apply_model
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, PenaltyAdmissions, StepInputs
@@ -386,9 +387,10 @@ class ModelRunner(StepCompilation):
             f = layout.unpack(packed)
             if lora_stacks is not None:
                 params = with_lora(params, lora_stacks)
-            return self.model.apply(params, f["token_ids"], f["positions"], layout.metadata(f),
-                                    k_cache, v_cache, jnp.arange(t, dtype=jnp.int32),
-                                    self.model_constants, method="forward_logits")
+            return apply_model(self.model, params, f["token_ids"], f["positions"],
+                               layout.metadata(f), k_cache, v_cache,
+                               jnp.arange(t, dtype=jnp.int32), self.model_constants,
+                               method="forward_logits")
 
         # One jitted function per padded length: a fresh closure each call would trace and
         # compile again for every prompt (parity tests call this once per prompt).

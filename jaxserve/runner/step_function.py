@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.lora.stacks import with_lora
+from jaxserve.models.tracing import apply_model
 from jaxserve.runner.penalty_state import PenaltyHistory, count_emitted
 from jaxserve.runner.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
 from jaxserve.runner.sampler import SamplerOutput, sample
@@ -41,11 +42,11 @@ def step(params, k_cache, v_cache, last_tokens, penalty_state, packed, bias_toke
     if lora_stacks is not None:
         params = with_lora(params, lora_stacks)
     token_ids = resolve_token_ids(f["token_ids"], last_tokens)
-    hidden, k_cache, v_cache = model.apply(params, token_ids, f["positions"],
+    hidden, k_cache, v_cache = apply_model(model, params, token_ids, f["positions"],
                                            layout.metadata(f), k_cache, v_cache, model_constants)
 
     def logits_of(rows):
-        logits = model.apply(params, rows, method="logits")
+        logits = apply_model(model, params, rows, method="logits")
         for sharding in logits_shardings:   # tensor parallel: keep the lm_head local (logits
             logits = jax.lax.with_sharding_constraint(logits, sharding)   # split on vocab),
         return logits                                                      # then gather
