@@ -103,8 +103,10 @@ class SchedulerConfig:
     prefill_budget_while_decoding: int | None = opt(
         None, "While decodes run, the most prompt tokens a step may prefill, so a prefill "
         "cannot stall every stream's next token. Default: what fills the step to the token "
-        "bucket of max(2 x decodes, 32), which keeps such a step near twice a decode step; "
-        "0 = no cap (best throughput for offline batch jobs, worst inter-token latency).")
+        "bucket of max(2 x decodes, 32), which keeps such a step near twice a decode step, "
+        "while at most one prompt waits; when several wait (a burst), the whole step "
+        "budget, as vLLM does. 0 = never capped (best throughput, worst inter-token "
+        "latency).")
     max_prompt_logprobs_per_step: int | None = opt(
         None, "Most prompt positions per step whose prompt logprobs are computed: the fixed "
         "size of the step's prompt-logprobs gather, so a request that asks for prompt_logprobs "

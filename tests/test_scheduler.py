@@ -284,6 +284,24 @@ def test_auto_prefill_budget_fills_the_step_to_a_token_bucket(num_decodes, expec
     assert sum(plan.values()) == next_power_of_2(max(2 * num_decodes, 32))
 
 
+def test_auto_prefill_budget_steps_aside_while_several_prompts_wait():
+    """A wave of clients waiting for their first token gets the whole step budget (vLLM's
+    policy); the bucket cap comes back once at most one prompt waits."""
+    scheduler = make_scheduler(max_num_batched_tokens=128, max_model_len=256, num_blocks=256,
+                               max_num_seqs=32)
+    for i in range(4):
+        scheduler.add_seq(make_seq([i], f"d{i}"))
+    step(scheduler)                               # four streams decode from now on
+    for name in "abc":
+        scheduler.add_seq(make_seq(range(100, 160), name))
+    plan = dict(planned(step(scheduler)))         # three wait: a, b whole, c's first 4
+    assert (plan["a"], plan["b"], plan["c"]) == (60, 60, 4) and sum(plan.values()) == 128
+    scheduler.add_seq(make_seq(range(200, 300), "p"))  # only p waits (c is running)
+    plan = dict(planned(step(scheduler)))
+    assert sum(plan.values()) == 32 and "p" not in plan   # c's rest fills the capped step
+    assert plan["c"] == 32 - 6                     # of its 56 left; 6 decodes: d0-d3, a, b
+
+
 def test_long_prefill_threshold_and_partial_prefill_limit():
     scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=128, num_blocks=64,
                                long_prefill_token_threshold=10, max_num_partial_prefills=1)
