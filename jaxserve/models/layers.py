@@ -45,14 +45,19 @@ class RMSNorm(nn.Module):
     weight_offset: float = 0.0
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
+        """out_dtype: the result's dtype (default: the module's)."""
         init = nn.initializers.zeros if self.weight_offset else nn.initializers.ones
         weight = self.param("weight", init, (x.shape[-1],), self.dtype)
+        out_dtype = out_dtype or self.dtype
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         if self.weight_offset:
-            return (xf * (self.weight_offset + weight.astype(jnp.float32))).astype(self.dtype)
-        return weight * xf.astype(self.dtype)
+            return (xf * (self.weight_offset + weight.astype(jnp.float32))).astype(out_dtype)
+        if self.dtype == jnp.float32:
+            return (weight * xf).astype(out_dtype)
+        # bf16 / f16: scale in f32, round once (HF rounds x first, then the product).
+        return (weight.astype(jnp.float32) * xf).astype(out_dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -185,6 +190,9 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
         q = RMSNorm(cfg.qk_norm_eps, dtype, cfg.norm_offset, name="q_norm")(q)
         k = RMSNorm(cfg.qk_norm_eps, dtype, cfg.norm_offset, name="k_norm")(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # The projections return float32 (models/linear_method.py); the cache and the attention
+    # kernels take the compute dtype: one rounding, after RoPE.
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     # int8 / fp8 caches hold K and V rotated over the head dim (q.k and the attention are
     # unchanged; the quantization error averages over the head): jaxserve/quantization/kv.py
     rotation = head_rotation(cfg.head_dim) if isinstance(k_cache, QuantizedKV) else None
@@ -216,5 +224,5 @@ def gated_mlp(h: jax.Array, intermediate_size: int, hidden_size: int, activation
     (meta.lora_slots) when LoRA is on."""
     gate = dense(intermediate_size, "gate_proj", dtype)(h, lora_slots)
     up = dense(intermediate_size, "up_proj", dtype)(h, lora_slots)
-    return dense(hidden_size, "down_proj", dtype)(ACTIVATIONS[activation](gate) * up,
-                                                  lora_slots)
+    act = ACTIVATIONS[activation](gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    return dense(hidden_size, "down_proj", dtype)(act.astype(dtype), lora_slots)
