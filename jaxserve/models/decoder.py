@@ -98,11 +98,6 @@ class CausalLM(nn.Module):
         # top-1 97.4 %, KL 3.0e-3 with everything bf16; 99.0 %, 9.0e-4 with this residual, the
         # projections' f32 outputs (models/linear_method.py) and the f32 logits below.
         x = x.astype(jnp.float32)
-        # The residual stream stays float32 whatever the compute dtype: each layer adds its
-        # bf16 outputs to it (x + out promotes), the norms read it in f32 and hand bf16 to
-        # the projections. Measured on SmolLM2 (benchmarks/bench_quant_accuracy.py):
-        # teacher-forced top-1 vs float32 97.4 % with a bf16 residual, RESULT with this.
-        x = x.astype(jnp.float32)
         freqs = positions.astype(jnp.float32)[None, :, None] * constants["inv_freq"][:, None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)          # [R, T, D/2]
         # Windows are traced per layer only when some layer has one; otherwise the
