@@ -356,3 +356,28 @@ def test_auto_backend_is_cpu_when_it_builds_else_reference_with_one_warning(monk
             assert resolve_backend_name("auto", "cpu") == "reference"
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_cpu_write_kv_equals_the_xla_scatter_and_writes_bf16_caches_in_place(dtype):
+    """XLA:CPU's bf16 / f16 scatter rewrites the whole cache on every write (2 s per SmolLM2
+    step with a 256 MiB cache); the CPU backend's write goes through the library instead,
+    its results aliasing the donated caches: same values, same buffers."""
+    from jaxserve.attention.cpu import write_kv as cpu_write_kv
+
+    rng = np.random.default_rng(5)
+    shape, hkv, d = (6, 4, 2, 8), 2, 8
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((5, hkv, d)), jnp.float32) for _ in range(2))
+    slots = jnp.asarray([7, -1, 0, 23, 40], jnp.int32)    # -1 and out of range: skipped
+    expected = jax.jit(write_kv)(k_cache, v_cache, k, v, slots)
+    pointers = (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer())
+    got = jax.jit(cpu_write_kv, donate_argnums=(0, 1))(k_cache, v_cache, k, v, slots)
+    for g, e in zip(got, expected):
+        assert g.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    assert tuple(g.unsafe_buffer_pointer() for g in got) == pointers
+    if dtype != jnp.float32:      # the library checks what it is given
+        with pytest.raises(Exception, match="write_kv"):
+            cpu_write_kv(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                         jnp.zeros((2, 3, d)), jnp.zeros((2, 3, d)), jnp.zeros((2,), jnp.int32))

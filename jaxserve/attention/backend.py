@@ -60,8 +60,7 @@ def get_attention_backend(name: str, platform: str | None = None) -> AttentionBa
         if platform != "cpu":
             raise ValueError(f"attention backend 'cpu' runs on the CPU platform only, not "
                              f"{platform!r}; use 'auto', 'pallas' or 'reference'")
-        from jaxserve.attention.cpu import paged_attention, register
-        from pallas_kernels import write_kv
+        from jaxserve.attention.cpu import paged_attention, register, write_kv
 
         register()  # build now: a missing compiler fails here, with advice, not mid-trace
         return AttentionBackend("cpu", write_kv, paged_attention)

@@ -43,6 +43,9 @@ LIBRARY = KernelLibrary(name="paged_attention",
                         sources=(SOURCE, kernel_build.HERE / "parallel_for.h"),
                         fallback_hint=_FALLBACK_HINT, error=CpuAttentionBuildError)
 _FFI_TARGET = FfiTarget(TARGET_NAME, HANDLER_SYMBOL, lambda: LIBRARY, "the CPU attention kernel")
+WRITE_KV_TARGET = "jaxserve_write_kv"
+_WRITE_KV = FfiTarget(WRITE_KV_TARGET, "JaxserveWriteKV", lambda: LIBRARY,
+                      "the CPU KV-cache write")
 
 
 def build(force: bool = False) -> Path:
@@ -51,7 +54,9 @@ def build(force: bool = False) -> Path:
 
 
 def register() -> Path:
-    """Build (if needed), load and register the FFI target with XLA; idempotent."""
+    """Build (if needed), load and register the FFI targets (attention, KV write) with XLA;
+    idempotent."""
+    _WRITE_KV.register()
     return _FFI_TARGET.register()
 
 
