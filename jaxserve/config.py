@@ -49,9 +49,11 @@ class ModelConfig:
         "config.json's quantization_config when unset. Default: weights in --dtype.",
         choices=["int8", "gguf", "awq", "gptq"])
     matrix_units: str = opt(
-        "auto", "CPU matrix units dtype=auto may use: auto (detected from the CPU's flags: AMX, "
-        "AVX512-BF16), none (serve as on a CPU without bf16 units: float32).",
-        choices=["auto", "none"])
+        "auto", "The CPU matrix units dtype=auto and the int8 path assume: auto (detected from "
+        "the CPU's flags), none (as an AVX2-only CPU: float32), avx512 (AVX512-BF16 + VNNI: "
+        "bfloat16) or amx (AMX-BF16/INT8: bfloat16). A kind this CPU lacks is emulated by "
+        "oneDNN: the same numbers, slower (to test another kind's path on this box).",
+        choices=["auto", "none", "avx512", "amx"])
     max_model_len: int | None = opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")

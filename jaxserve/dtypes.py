@@ -1,7 +1,9 @@
-"""Model dtype names (vLLM's ``--dtype``) and the platform default for ``auto``.
+"""Model dtype names (vLLM's ``--dtype``), without ``auto``.
 
-A leaf module: the engine's setup and its model sources both resolve the same name to the
-same dtype, and neither has to import the other to do it."""
+A leaf module: a converted checkpoint's recorded dtype and the KV cache's name resolve here.
+What ``auto`` means depends on the machine (the CPU's matrix units): that is the one rule in
+`jaxserve.engine.compute_dtype.resolve_dtype`, which every entry point uses.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +13,8 @@ DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16
           "bf16": jnp.bfloat16, "float16": jnp.float16, "half": jnp.float16}
 
 
-def resolve_dtype(name: str, platform: str):
-    """``auto`` is float32 on CPU (the exact mode) and bfloat16 elsewhere."""
-    if name == "auto":
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+def dtype_by_name(name: str):
+    """The jnp dtype a named dtype means (``auto`` is not a name here)."""
     try:
         return DTYPES[name]
     except KeyError:

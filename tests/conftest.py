@@ -153,9 +153,10 @@ def default_gguf_path() -> Path:
 def default_llm(default_gguf_path):
     """The embedded SmolLM2-135M-Instruct with a small, test-sized configuration."""
     from jaxserve import LLM
+    from tests import precision
 
     return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128,
-               kv_cache_memory_bytes=64 << 20)
+               kv_cache_memory_bytes=64 << 20, **precision.EXACT)
 
 
 # ---------------------------------------------------------------------------
@@ -209,3 +210,52 @@ def tools_server(make_tiny_model, tmp_path_factory):
     assert code == 0, f"server exited with {code}:\n{server.log_tail()}"
 
 # --- end of structured outputs fixtures ---------------------------------------
+
+
+# ---------------------------------------------------------------------------
+# The CPU kind the suite runs as (owner: engine). `pytest --matrix-units avx512` (or amx,
+# none) runs every test as on a CPU of that kind: in this process the detected matrix units
+# are replaced by the kind's (dtype=auto, the int8 path and the startup log follow), and the
+# servers the tests start get `--matrix-units KIND`. On a box without those units oneDNN
+# emulates them (the same numbers, slower), so one box proves the suite on every kind;
+# .ci/run runs the fast tier that way. Default `auto`: the box as it is.
+# ---------------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--matrix-units", default="auto", choices=["auto", "none", "avx512", "amx"],
+                     help="run the suite as on a CPU with these matrix units (see conftest)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import precision
+
+    precision.FORCED_KIND = config.getoption("--matrix-units")
+    # The tests' own jnp references: float32 means float32 on GPUs too (TF32 otherwise).
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from jaxserve.kernels.cpu import matmul
+
+    kind = config.getoption("--matrix-units")
+    return (f"CPU matrix units: {matmul.detect_matrix_units().describe()}"
+            + ("" if kind == "auto" else f"; running as matrix_units={kind}"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kind(pytestconfig: pytest.Config):
+    """Replace the detected matrix units by the forced kind's for the whole session."""
+    kind = pytestconfig.getoption("--matrix-units")
+    if kind == "auto":
+        yield
+        return
+    from jaxserve.kernels.cpu import matmul
+
+    detect = matmul.detect_matrix_units
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matmul, "detect_matrix_units", lambda cpuinfo=None: detect(cpuinfo)
+                      if cpuinfo is not None else matmul.MATRIX_UNIT_KINDS[kind])
+        yield
+
+# --- end of CPU kind fixtures -------------------------------------------------

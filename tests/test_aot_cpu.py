@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import precision
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_KWARGS = {"max_model_len": 64, "max_num_batched_tokens": 4, "max_num_seqs": 2,
                  "kv_cache_memory_bytes": 2 << 20, "compilation_cache_dir": "off",
@@ -66,6 +68,7 @@ def worker(model: str, kwargs: dict) -> None:
 def _fresh_process(model: Path, **kwargs) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)
+    kwargs = {**precision.forced_kwargs(), **kwargs}    # the CPU kind the session runs as
     out = subprocess.run([sys.executable, __file__, str(model), json.dumps(kwargs)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -118,8 +121,8 @@ def _check_aot_dir(model, directory, caplog, **overrides):
     from types import SimpleNamespace
 
     from jaxserve.config import EngineConfig
-    from jaxserve.dtypes import resolve_dtype
     from jaxserve.engine.aot_manifest import aot_dir_for_engine
+    from jaxserve.engine.compute_dtype import resolve_dtype
     from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
     from jaxserve.loader import read_model_config
     from jaxserve.models.registry import read_arch
@@ -130,7 +133,7 @@ def _check_aot_dir(model, directory, caplog, **overrides):
     arch = read_arch(read_model_config(str(model))[0])
     max_model_len = resolve_max_model_len(config.model_config.max_model_len, arch)
     settle_batch_limits(config, max_model_len)
-    dtype = resolve_dtype(config.model_config.dtype, "cpu")
+    dtype = resolve_dtype(config.model_config.dtype, "cpu", config.model_config.matrix_units)
     placed = SimpleNamespace(source_arch=arch, placement=SimpleNamespace(tp=1))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
@@ -150,6 +153,18 @@ def test_a_config_mismatch_falls_back_to_compiling_with_one_warning(compiled, ca
     model, out, _ = compiled
     chosen, _, warnings = _check_aot_dir(model, out, caplog, max_num_seqs=4)  # other buckets
     assert chosen is None and len(warnings) == 1 and "engine_config_hash" in warnings[0]
+
+
+def test_dtype_auto_resolved_for_another_cpu_kind_falls_back_naming_the_dtype(compiled, caplog):
+    """The manifest records the dtype dtype=auto resolved to and the matrix units it was
+    compiled for: an engine whose auto means another dtype says so, in one warning."""
+    from jaxserve.kernels.cpu.matmul import current_matrix_units
+
+    model, out, summary = compiled
+    other = "none" if current_matrix_units().bf16 else "avx512"
+    chosen, _, warnings = _check_aot_dir(model, out, caplog, matrix_units=other)
+    assert chosen is None and len(warnings) == 1
+    assert f"dtype: compiled for {summary['dtype']!r}" in warnings[0], warnings
 
 
 def test_manifest_check_names_the_first_difference():

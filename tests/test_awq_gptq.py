@@ -29,6 +29,7 @@ from jaxserve.quantization.awq_gptq import (
     parse_quantization_config,
     repack,
 )
+from tests import precision
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -37,7 +38,7 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=True)
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
-              kv_cache_memory_bytes=2 << 20)
+              kv_cache_memory_bytes=2 << 20, **precision.EXACT)
 PROMPTS = ["Hello, world!", "The quick brown fox", "def add(a, b):"]
 
 
@@ -313,8 +314,8 @@ def _tp2_worker(path: str) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.models.llama import FAMILY
     from jaxserve.mesh import MODEL_AXIS, make_mesh
+    from jaxserve.models.llama import FAMILY
 
     cases = dict(np.load(path))
     mesh = make_mesh(2, 1)

@@ -15,6 +15,7 @@ import pytest
 
 from jaxserve.attention.cpu import loader, paged_attention
 from pallas_kernels import ragged_paged_attention_reference, write_kv
+from tests import precision
 from tests.test_kernels import SWEEPS, Batch, make_batch, random_batch
 
 
@@ -289,7 +290,7 @@ def test_engine_cpu_backend_gives_the_reference_backends_greedy_tokens(make_tiny
     outputs = {}
     for backend in ("reference", "cpu"):
         llm = LLM(model, attention_backend=backend, max_model_len=64, max_num_seqs=4,
-                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
+                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, **precision.EXACT)
         runner = llm.llm_engine.runner
         assert runner.model.backend.name == backend
         # The CPU backend's steps (all of them here: <= layer_matmul.MAX_ROWS tokens) also read

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests import precision
 
 PROMPT = [11, 23, 98, 421, 77, 310, 248, 9, 150, 42, 61, 331, 88, 12, 7, 91, 64, 5]
 
@@ -30,7 +31,7 @@ def _tokens_and_logprobs(out):
 @pytest.fixture(scope="module")
 def llm(make_tiny_model):
     return LLM(str(make_tiny_model("llama")), max_model_len=256, max_num_seqs=32,
-               max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
+               max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20, **precision.EXACT)
 
 
 def test_greedy_request_is_identical_alone_in_a_batch_and_after_a_prefix_hit(llm):
@@ -53,7 +54,7 @@ def test_preempted_request_resumes_with_identical_tokens(make_tiny_model, llm):
     # 12 blocks of 16 tokens: 6 sequences of ~60 tokens cannot all fit, so the newest are
     # preempted and recomputed.
     small = LLM(str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=8,
-                max_num_batched_tokens=64, num_gpu_blocks_override=12)
+                max_num_batched_tokens=64, num_gpu_blocks_override=12, **precision.EXACT)
     engine = small.llm_engine
     for i, prompt in enumerate(_others(5, seed=3)):
         engine.add_request(f"other-{i}", None, _greedy(40), prompt_token_ids=prompt)
@@ -146,7 +147,7 @@ def wide_llm(make_tiny_model):
     """A token budget above the 200-token prompt: before n > 1 prefilled once, the first
     child's step also took the start of the second's prefill (no cache hit possible)."""
     return LLM(str(make_tiny_model("llama")), max_model_len=224, max_num_seqs=4,
-               max_num_batched_tokens=256, kv_cache_memory_bytes=8 << 20)
+               max_num_batched_tokens=256, kv_cache_memory_bytes=8 << 20, **precision.EXACT)
 
 
 def test_n_children_prefill_a_long_shared_prompt_once(wide_llm):
@@ -288,7 +289,8 @@ def test_async_and_sync_scheduling_give_identical_tokens_on_a_mixed_workload(mak
     runs = {}
     for mode in (True, False):
         llm = LLM(str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=8,
-                  max_num_batched_tokens=64, num_gpu_blocks_override=14, async_scheduling=mode)
+                  max_num_batched_tokens=64, num_gpu_blocks_override=14, async_scheduling=mode,
+                  **precision.EXACT)
         assert llm.llm_engine.max_steps_in_flight == (2 if mode else 1)
         runs[mode] = _mixed_workload(llm.llm_engine)
     on, off = runs[True], runs[False]
@@ -376,7 +378,7 @@ def test_penalized_greedy_tokens_match_references_across_row_reuse_and_preemptio
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **p)
               for p in penalized]
     small = LLM(str(path), max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64,
-                num_gpu_blocks_override=10)
+                num_gpu_blocks_override=10, **precision.EXACT)     # against a float32 torch loop
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

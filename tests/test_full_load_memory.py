@@ -49,7 +49,8 @@ def worker(model: str) -> dict:
     bytes_per_block = 2 * 2 * BLOCK * 2 * 16 * 4     # tiny llama: K+V, 2 layers, 2 heads, D 16
     blocks = MAX_SEQS * MAX_LEN // BLOCK
     llm = LLM(model, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS, max_num_batched_tokens=32,
-              kv_cache_memory_bytes=blocks * bytes_per_block, enable_prefix_caching=False)
+              kv_cache_memory_bytes=blocks * bytes_per_block, enable_prefix_caching=False,
+              dtype="float32")     # bytes_per_block above counts float32 K and V
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     plan = engine.setup.kv_plan
     calls = {shape: 0 for shape in runner.buckets.all_shapes()}

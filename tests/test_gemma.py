@@ -43,7 +43,7 @@ def gemma(request, make_tiny_model):
     model_dir = make_tiny_model(config_class, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              kv_cache_memory_bytes=2 << 20)
+              kv_cache_memory_bytes=2 << 20, **precision.EXACT)
     return request.param, model_dir, hf, llm
 
 
@@ -192,12 +192,13 @@ def test_gemma2_step_with_traced_windows_and_soft_caps_exports_for_cuda(make_tin
 _TP_SCRIPT = """
 import json, sys
 from jaxserve import LLM, SamplingParams
+from tests import precision
 model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 tokens = {}
 for tp in (1, 2):
     llm = LLM(model_dir, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=16, kv_cache_memory_bytes=2 << 20)
+              max_num_batched_tokens=16, kv_cache_memory_bytes=2 << 20, dtype="float32")
     tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 print("TOKENS" + json.dumps(tokens))
 """
@@ -235,7 +236,7 @@ def test_gemma2_greedy_tokens_equal_on_every_cpu_runnable_backend(make_tiny_mode
     outputs = {}
     for backend in ("cpu", "reference", "pallas-interpret"):
         llm = LLM(model, attention_backend=backend, max_model_len=64, max_num_seqs=4,
-                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
+                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, **precision.EXACT)
         outputs[backend] = [o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["reference"] == outputs["cpu"]

@@ -15,6 +15,7 @@ import pytest
 import transformers
 
 from jaxserve import LLM, LoRARequest, SamplingParams
+from tests import precision
 from tests.hf_reference import hf_greedy, hf_logits
 from tests.lora_adapters import ALL_TARGETS, ATTENTION_TARGETS, make_peft_adapter
 from tests.test_parity import TEXTS
@@ -42,7 +43,8 @@ def _greedy(n: int = NEW_TOKENS) -> SamplingParams:
 
 def _tiny_llm(model_dir, **kwargs) -> LLM:
     options = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
-                   kv_cache_memory_bytes=2 << 20, enable_lora=True, max_lora_rank=16)
+                   kv_cache_memory_bytes=2 << 20, enable_lora=True, max_lora_rank=16,
+                   **precision.EXACT)       # against PEFT / numpy: float32 on every box
     return LLM(str(model_dir), **(options | kwargs))
 
 
@@ -260,7 +262,7 @@ def test_tensor_parallel_mixed_batch_equals_one_device(served, tmp_path):
 def _tp_worker(spec: dict) -> None:
     llm = LLM(spec["model"], max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
               kv_cache_memory_bytes=2 << 20, enable_lora=True, max_lora_rank=16, max_loras=2,
-              tensor_parallel_size=2)
+              tensor_parallel_size=2, **precision.EXACT)
     adapters = {n: LoRARequest(n, i, p) for n, (i, p) in spec["adapters"].items()}
     outs = llm.generate(spec["prompts"], _greedy(12), use_tqdm=False,
                         lora_request=[adapters[n] if n else None for n in spec["names"]])

@@ -25,6 +25,7 @@ import transformers
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import moe
 from jaxserve.models.layers import ACTIVATIONS
+from tests import precision
 from tests.test_parity import TEXTS, _check_parity
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def moe_model(request, make_tiny_model):
     model_dir = make_tiny_model(config_class, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8,
-              kv_cache_memory_bytes=2 << 20)
+              kv_cache_memory_bytes=2 << 20, **precision.EXACT)
     return request.param, hf, llm
 
 
@@ -353,7 +354,7 @@ def test_mixtral_gguf_logits_and_greedy_tokens_match_hf(mixtral_gguf):
     model_dir, path = mixtral_gguf
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(path), tokenizer=str(model_dir), max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=8, kv_cache_memory_bytes=2 << 20)
+              max_num_batched_tokens=8, kv_cache_memory_bytes=2 << 20, **precision.EXACT)
     arch = llm.llm_engine.setup.arch
     assert arch.architecture == "MixtralForCausalLM"
     assert (arch.options.moe.num_experts, arch.options.moe.top_k) == (4, 2)
@@ -407,7 +408,7 @@ def test_mixtral_gguf_with_quantized_experts_matches_hf_on_the_dequantized_weigh
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype="float32").eval()
     llm = LLM(str(path), tokenizer=str(model_dir), quantization=quantization,
               max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8,
-              kv_cache_memory_bytes=2 << 20)
+              kv_cache_memory_bytes=2 << 20, **precision.EXACT)
     assert llm.llm_engine.setup.arch.architecture == "MixtralForCausalLM"
     tok = llm.get_tokenizer()
     worst = _check_parity(llm, hf, [tok.encode(t) for t in TEXTS], logits_tol=1e-4)
@@ -450,7 +451,7 @@ def _run(model_dir: str, tp: int, ep: bool) -> dict:
     # engines' compiles are most of this module's time.
     llm = LLM(model_dir, tensor_parallel_size=tp, enable_expert_parallel=ep,
               max_model_len=128, max_num_batched_tokens=2, max_num_seqs=2,
-              kv_cache_memory_bytes=4 << 20)
+              kv_cache_memory_bytes=4 << 20, **precision.EXACT)
     built = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             logprobs=1)

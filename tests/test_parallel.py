@@ -31,8 +31,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import precision
+
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_KWARGS = {"max_model_len": 128, "max_num_batched_tokens": 4, "max_num_seqs": 4}
+ENGINE_KWARGS = {"max_model_len": 128, "max_num_batched_tokens": 4, "max_num_seqs": 4,
+                 **precision.EXACT}       # tp = N equals one device: float32 on every box
 TINY_KV_BYTES = 4 << 20
 SMOL_KV_BYTES = 24 << 20        # SmolLM2: 720 KiB per 16-token block at tp = 1
 TINY_MAX_TOKENS, SMOL_MAX_TOKENS = 12, 8
@@ -490,7 +493,7 @@ def test_two_processes_serve_like_one_and_the_follower_ends_with_the_leader(
               "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
               "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(TINY_KV_BYTES),
               "--max-model-len", "128", "--max-num-batched-tokens", "4", "--max-num-seqs", "4",
-              "--disable-log-stats"]
+              "--disable-log-stats", "--dtype", precision.EXACT["dtype"]]
     logs = [tmp_path / "leader.log", tmp_path / "follower.log"]
     procs = []
     for rank, log in enumerate(logs):

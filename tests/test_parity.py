@@ -9,6 +9,7 @@ import pytest
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from tests import precision
 from tests.conftest import TINY_ARCHS
 from tests.hf_reference import hf_greedy, hf_logits, torch_model_from_weights
 
@@ -51,7 +52,7 @@ def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch, ove
     model_dir = make_tiny_model(arch, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              kv_cache_memory_bytes=2 << 20)
+              kv_cache_memory_bytes=2 << 20, **precision.EXACT)
     window = overrides.get("sliding_window")
     if window:
         windows = llm.llm_engine.setup.arch.layer_windows
@@ -59,7 +60,7 @@ def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch, ove
         assert llm.llm_engine.setup.max_model_len == 128
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
-    worst = _check_parity(llm, hf, prompts, logits_tol=1e-4)
+    worst = _check_parity(llm, hf, prompts, logits_tol=precision.LOGITS_TOL_TINY)
     logger.warning("%s: max |logits - HF| = %.2e", arch, worst)
 
 
@@ -73,5 +74,5 @@ def test_default_smollm2_logits_and_greedy_tokens_match_hf(default_llm):
                                        add_generation_prompt=True, tokenize=True)
                for t in TEXTS]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    worst = _check_parity(default_llm, hf, prompts, logits_tol=2e-3)
+    worst = _check_parity(default_llm, hf, prompts, logits_tol=precision.LOGITS_TOL_DEFAULT)
     logger.warning("SmolLM2-135M: max |logits - HF| = %.2e", worst)

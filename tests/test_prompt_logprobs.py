@@ -19,12 +19,14 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from tests import precision
 from tests.hf_reference import hf_logits
 from tests.test_server import ServerProcess
 
 # The server below runs the same configuration, so it reuses the compiled steps.
 ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-                     max_prompt_logprobs_per_step=16, kv_cache_memory_bytes=4 << 20)
+                     max_prompt_logprobs_per_step=16, kv_cache_memory_bytes=4 << 20,
+                     **precision.EXACT)
 NUM_TOP = 5
 MAX_LOGPROBS = 20      # the engine default
 

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from tests import precision
+
 REPO = Path(__file__).resolve().parents[1]
 # Two step buckets per engine: compiling is nearly all of this file's cost.
 ENGINE_KWARGS = {"max_model_len": 64, "max_num_batched_tokens": 2, "max_num_seqs": 2,
-                 "kv_cache_memory_bytes": 2 << 20}
+                 "kv_cache_memory_bytes": 2 << 20, **precision.EXACT}
 PROMPTS = [[11, 23, 98], [7] + list(range(40, 52)), [250]]
 MAX_TOKENS = 6
 

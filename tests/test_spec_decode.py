@@ -21,13 +21,14 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.runner.rejection_sampler import num_emitted_tokens
 from jaxserve.spec_decode.ngram import NgramProposer
+from tests import precision
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2}
 # Six step buckets (1..32 tokens): every engine compiles each at start, most of the
 # module's time; 32 still fits a draft-model decode of 8 rows x (1 + 3 drafts).
 COMMON = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=32,
-              num_gpu_blocks_override=24, block_size=16)
+              num_gpu_blocks_override=24, block_size=16, **precision.EXACT)
 
 
 @pytest.fixture(scope="module")

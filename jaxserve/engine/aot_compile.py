@@ -28,9 +28,15 @@ import numpy as np
 
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
-from jaxserve.dtypes import resolve_dtype
-from jaxserve.engine.aot_manifest import engine_fingerprint, expected_manifest, target_device_kind
+from jaxserve.engine.aot_manifest import (
+    compiled_for_units,
+    engine_fingerprint,
+    expected_manifest,
+    target_device_kind,
+)
+from jaxserve.engine.compute_dtype import resolve_dtype
 from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
+from jaxserve.kernels.cpu.matmul import use_matrix_units
 from jaxserve.models import partition
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization import check_mode
@@ -87,6 +93,8 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
 
     platform = "cuda" if target else "cpu"
     config.finalize(platform)
+    if platform == "cpu":   # as the engine's setup: what dtype=auto and int8 assume
+        use_matrix_units(config.model_config.matrix_units)
     mc, cc, sc, pc = (config.model_config, config.cache_config, config.scheduler_config,
                       config.parallel_config)
     if config.spec_decode is not None and config.spec_decode.method == "draft_model":
@@ -99,7 +107,7 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     hf_config, model_path = read_model_config(mc.model)
     source_arch = read_arch(hf_config)
     family = family_for(source_arch.architecture)
-    dtype = resolve_dtype(mc.dtype, platform)
+    dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
     kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     max_model_len = resolve_max_model_len(mc.max_model_len, source_arch)
     settle_batch_limits(config, max_model_len)
@@ -271,7 +279,8 @@ def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
     engine = probe      # the same fingerprint, weights and devices as the compiled engine
     summary = _summary(engine, plan, target, buckets, activation, output)
     aot.write_manifest(output, {**summary, "engine_flags": flags, **expected_manifest(
-        target_device_kind(target), engine.fingerprint, engine.devices, target)})
+        target_device_kind(target), engine.fingerprint, engine.devices, target,
+        engine.info["dtype"], compiled_for_units(config, target))})
     return summary
 
 

@@ -50,14 +50,25 @@ def target_device_kind(target: str | None) -> str:
     return load_target(target).device_kind if target else jax.devices()[0].device_kind
 
 
-def expected_manifest(device_kind: str, fingerprint: str, devices: int, target: str | None
-                      ) -> dict[str, Any]:
-    """The manifest fields a start with --aot-dir must match (aot.mismatch)."""
+def compiled_for_units(config: EngineConfig, target: str | None) -> str | None:
+    """The CPU matrix units a step for `target` is compiled for (None on a GPU target): the
+    same `ModelConfig.matrix_units` rule that chose dtype=auto's meaning."""
+    from jaxserve.kernels.cpu.matmul import matrix_units_for
+
+    return None if target else matrix_units_for(config.model_config.matrix_units).describe()
+
+
+def expected_manifest(device_kind: str, fingerprint: str, devices: int, target: str | None,
+                      dtype: Any, matrix_units: str | None) -> dict[str, Any]:
+    """The manifest fields a start with --aot-dir must match (aot.mismatch), in the order a
+    mismatch is reported: the resolved dtype and matrix units come before the config hash
+    (which covers them too) so a dtype=auto that resolves differently here says so."""
     import jaxlib
 
     return {"format": aot.FORMAT, "device_kind": device_kind, "devices": devices,
             "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "plugin": plugin_version() if target else None,
+            "dtype": np.dtype(dtype).name, "matrix_units": matrix_units,
             "engine_config_hash": fingerprint}
 
 
@@ -74,10 +85,11 @@ def aot_dir_for_engine(config: EngineConfig, placed: Any, dtype: Any, kv_dtype: 
         logger.warning("--aot-dir not used, compiling instead: %s", e)
         return None, cc
     target = manifest.get("target")
+    target = None if target in (None, "cpu") else target
     expected = expected_manifest(
         jax.devices()[0].device_kind,
         engine_fingerprint(config, placed.source_arch, dtype, kv_dtype, max_model_len),
-        placed.placement.tp, None if target in (None, "cpu") else target)
+        placed.placement.tp, target, dtype, compiled_for_units(config, target))
     reason = aot.mismatch(manifest, expected)
     if reason is not None:
         logger.warning("--aot-dir %s not used, compiling instead: %s", directory, reason)

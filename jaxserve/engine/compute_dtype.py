@@ -1,7 +1,9 @@
-"""The compute dtype for ``--dtype auto`` on this machine, and its reason for the startup log.
+"""What ``--dtype`` means on this machine, and why, for the startup log: the one rule.
 
-Above the kernels layer because the answer depends on what the CPU can do (its matrix units)
-and whether the oneDNN matmul library loads; named dtypes resolve in the leaf `jaxserve.dtypes`.
+`serve`, `LLM`, `jaxserve compile` and the model sources all call `resolve_dtype`, so an
+executable compiled ahead of time has the dtype the engine that loads it would choose.
+Above the kernels layer because ``auto`` depends on what the CPU can do (its matrix units,
+or the kind `ModelConfig.matrix_units` names) and whether the oneDNN matmul library loads.
 """
 
 from __future__ import annotations
@@ -10,31 +12,31 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxserve.dtypes import resolve_dtype as resolve_named_dtype
+from jaxserve.dtypes import dtype_by_name
 
 
 def resolve_dtype(name: str, platform: str, matrix_units: str = "auto"):
-    """The jnp dtype for ``--dtype name`` (``auto``: `auto_compute_dtype`)."""
+    """The jnp dtype for ``--dtype name`` on ``platform`` (``auto``: `auto_compute_dtype`)."""
     if name == "auto":
         return auto_compute_dtype(platform, matrix_units)[0]
-    return resolve_named_dtype(name, platform)
+    return dtype_by_name(name)
 
 
 def auto_compute_dtype(platform: str, matrix_units: str = "auto") -> tuple[Any, str]:
     """dtype="auto": (dtype, why). On CPU bfloat16 where the CPU computes bf16 products in
-    hardware (AMX-BF16 or AVX512-BF16) and the oneDNN matmul library loads -- several times
-    float32's speed at batch sizes above a few rows there; float32 elsewhere (bf16 converted
-    to f32 for every product is slower than float32). vLLM's CPU build chooses alike."""
+    hardware (AMX-BF16 or AVX512-BF16; or ``matrix_units`` names such a kind) and the oneDNN
+    matmul library loads -- several times float32's speed at batch sizes above a few rows
+    there; float32 elsewhere (bf16 converted to f32 for every product is slower than
+    float32). vLLM's CPU build chooses alike. bfloat16 on every accelerator."""
     if platform != "cpu":
         return jnp.bfloat16, f"{platform}: bfloat16"
-    if matrix_units == "none":
-        return jnp.float32, "float32: matrix_units=none (as on a CPU without bf16 units)"
     from jaxserve.kernels.cpu import matmul
 
-    units = matmul.detect_matrix_units()
+    units = matmul.matrix_units_for(matrix_units)
+    source = "this CPU" if matrix_units == "auto" else f"matrix_units={matrix_units}"
     if not units.bf16:
-        return jnp.float32, (f"float32: this CPU has no bf16 matrix units (AMX-BF16 / "
+        return jnp.float32, (f"float32: {source} has no bf16 matrix units (AMX-BF16 / "
                              f"AVX512-BF16; found: {units.describe()})")
     if not matmul.available():
         return jnp.float32, "float32: the oneDNN matmul library is unavailable (see warning)"
-    return jnp.bfloat16, f"bfloat16 on the CPU's matrix units ({units.describe()}) via oneDNN"
+    return jnp.bfloat16, f"bfloat16 on {source}'s matrix units ({units.describe()}) via oneDNN"

@@ -20,6 +20,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine.compute_dtype import auto_compute_dtype
+from jaxserve.kernels.cpu.matmul import use_matrix_units
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization.cost import measured_cost
@@ -178,6 +179,8 @@ def _prepare_process(config: EngineConfig, platform: str) -> str | None:
     """Finalize the config for `platform`, turn on the compilation cache (returns its
     directory, None when off) and, on CPU, keep freed memory in the heap."""
     config.finalize(platform)
+    if platform == "cpu":   # what dtype=auto and the int8 path assume, before any trace
+        use_matrix_units(config.model_config.matrix_units)
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
     if jax.default_backend() == "cpu":
         keep_freed_memory_in_heap()

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.dtypes import dtype_by_name
 from jaxserve.engine.compute_dtype import resolve_dtype
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
@@ -142,7 +143,7 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
     if mc.load_format != "auto":
         raise ValueError(f"{path} is a converted checkpoint; load_format={mc.load_format!r} "
                          "does not apply to it (use auto)")
-    dtype = resolve_dtype(info.dtype, platform)
+    dtype = dtype_by_name(info.dtype)
     if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform, mc.matrix_units) != dtype:
         raise ValueError(f"{path} was converted in {info.dtype}; dtype={mc.dtype!r} needs "
                          f"`jaxserve convert --dtype {mc.dtype}`")

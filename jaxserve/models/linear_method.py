@@ -42,9 +42,9 @@ class LinearMethod(Protocol):
 
 def _int8_units() -> bool:
     """Whether this CPU multiplies int8 in hardware (VNNI / AMX-INT8): W8A8 above 8 rows."""
-    from jaxserve.kernels.cpu.matmul import detect_matrix_units
+    from jaxserve.kernels.cpu.matmul import current_matrix_units
 
-    return detect_matrix_units().int8
+    return current_matrix_units().int8
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -34,7 +34,6 @@ SYMBOL = "JaxserveMatmul"
 MAX_GEMV_ROWS = 8
 
 
-
 class CpuMatmulBuildError(CpuKernelBuildError):
     """The oneDNN matmul library could not be built or loaded."""
 
@@ -111,6 +110,42 @@ class MatrixUnits:
         names = [n for n in ("amx_bf16", "avx512_bf16", "amx_int8", "avx512_vnni", "avx_vnni")
                  if getattr(self, n)]
         return ", ".join(names) if names else "none"
+
+
+# The CPU kinds a deployment meets, by what their matrix units compute: `matrix_units=KIND`
+# serves as on that kind (where this CPU lacks the units oneDNN emulates them: the same
+# numbers, slower), so one box tests every kind's path.
+MATRIX_UNIT_KINDS = {
+    "none": MatrixUnits(),                                           # AVX2-only
+    "avx512": MatrixUnits(avx512_bf16=True, avx512_vnni=True),       # AVX512-BF16 + VNNI
+    "amx": MatrixUnits(amx_bf16=True, avx512_bf16=True, amx_int8=True, avx512_vnni=True),
+}
+_chosen: MatrixUnits | None = None
+
+
+def use_matrix_units(setting: str) -> MatrixUnits:
+    """Set what this process's steps assume the CPU computes on (`ModelConfig.matrix_units`:
+    auto = the detected units, else a `MATRIX_UNIT_KINDS` name) and return it. Process-wide,
+    as the CPU is: the engine's setup calls it before any step is traced."""
+    global _chosen
+    _chosen = matrix_units_for(setting)
+    return _chosen
+
+
+def matrix_units_for(setting: str) -> MatrixUnits:
+    """The units a `matrix_units` setting means on this machine (auto: detected)."""
+    if setting == "auto":
+        return detect_matrix_units()
+    try:
+        return MATRIX_UNIT_KINDS[setting]
+    except KeyError:
+        raise ValueError(f"matrix_units={setting!r}: choose auto, "
+                         f"{', '.join(MATRIX_UNIT_KINDS)}") from None
+
+
+def current_matrix_units() -> MatrixUnits:
+    """What the last `use_matrix_units` chose, else the detected units."""
+    return _chosen if _chosen is not None else detect_matrix_units()
 
 
 def detect_matrix_units(cpuinfo: str | None = None) -> MatrixUnits:
