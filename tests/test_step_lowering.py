@@ -130,3 +130,21 @@ def test_steps_traced_on_several_threads_never_build_flax_modules_at_once(make_t
     for t in threads:
         t.join()
     assert errors == [] and peak[0] == 1
+
+
+def test_float32_means_float32_dots_on_a_gpu(make_tiny_model):
+    """XLA's default precision for float32 dots on recent GPUs is TF32: a float32 model's
+    step asks for full precision in every dot itself, whatever the process default is."""
+    import re
+
+    import jax
+
+    _, runner = cuda_runner(make_tiny_model("llama"), dtype="float32",
+                            attention_backend="reference")
+    t, s = runner.buckets.all_shapes()[-1]
+    with jax.default_matmul_precision("default"):     # the session's own default is highest
+        mlir = runner.export_step(t, s, "cuda").mlir_module()
+    dots = [line for line in mlir.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) >= 7          # q, k, v, o, gate, up, down per layer at least
+    lowered = [d for d in dots if not re.search(r"precision = \[HIGHEST, HIGHEST\]", d)]
+    assert lowered == [], lowered[:2]

@@ -238,6 +238,13 @@ def _log_model(config: EngineConfig, placed: Any, num_params: int, platform: str
     if mc.dtype == "auto":
         logger.info("compute dtype (dtype=auto): %s", auto_compute_dtype(platform,
                                                                          mc.matrix_units)[1])
+    if platform == "cpu" and mc.matrix_units != "auto":
+        from jaxserve.kernels.cpu.matmul import detect_matrix_units, matrix_units_for
+
+        wanted, found = matrix_units_for(mc.matrix_units), detect_matrix_units()
+        if (wanted.bf16 and not found.bf16) or (wanted.int8 and not found.int8):
+            logger.warning("matrix_units=%s on a CPU with %s: oneDNN emulates the missing "
+                           "units (the same numbers, slower)", mc.matrix_units, found.describe())
     logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
                 "weights, %.2fx %s), on %d %s device(s) (%s) [%.1f s]",
                 placed.model_path, placed.arch.architecture, num_params / 1e6,
