@@ -12,6 +12,9 @@ import pytest
 from jax import export
 
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, write_kv
+from tests import precision
+
+ATOL, ATOL_BF16 = precision.KERNEL_ATOL_F32, precision.KERNEL_ATOL_BF16
 
 pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
@@ -264,7 +267,7 @@ def sweep_batches(name: str, count: int = BATCHES_PER_SWEEP):
 def test_reference_matches_naive_dense_attention_on_random_ragged_batches(name):
     for batch in sweep_batches(name):
         out = reference(*batch.args(), **REFERENCE_KNOBS[name])
-        assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+        assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=ATOL)
 
 
 def test_reference_takes_num_seqs_as_a_traced_value_and_zeroes_padding_rows():
@@ -281,13 +284,13 @@ def test_reference_takes_num_seqs_as_a_traced_value_and_zeroes_padding_rows():
         pad_tokens=6,
     )
     out = reference(*batch.args())
-    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=ATOL)
     # Fewer live sequences under the same compiled function: sequence 1 turns into padding.
     args = list(batch.args())
     args[-1] = jnp.int32(1)
     out = np.asarray(reference(*args))
     batch.num_seqs = 1
-    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=ATOL)
     assert not out[batch.num_valid_tokens :].any(), "padding rows must be 0"
 
 
@@ -304,7 +307,7 @@ def test_reference_bfloat16_close_to_float64_oracle():
     batch = sweep_batches("gqa3to1_d128_bs32", 1)[0]
     out = reference(*batch.args(jnp.bfloat16))
     assert out.dtype == jnp.bfloat16
-    assert_close_on_valid_rows(out, naive_attention(round_to_bfloat16(batch)), batch, atol=2e-2)
+    assert_close_on_valid_rows(out, naive_attention(round_to_bfloat16(batch)), batch, atol=ATOL_BF16)
 
 
 # ---- the Pallas kernel: interpret mode on CPU, compiled (Triton) on a GPU ------------------
@@ -321,8 +324,8 @@ def test_kernel_matches_reference_on_random_ragged_batches(name):
         out = kernel(batch)
         assert out.shape == batch.q.shape and out.dtype == jnp.float32
         expected = reference(*batch.args(), **REFERENCE_KNOBS[name])  # compiled above
-        assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
-        assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+        assert_close_on_valid_rows(out, expected, batch, atol=ATOL)
+        assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=ATOL)
 
 
 @pytest.mark.parametrize(
@@ -337,13 +340,13 @@ def test_kernel_matches_reference_on_random_ragged_batches(name):
 def test_kernel_tuning_knobs_do_not_change_results(name, knobs):
     for batch in sweep_batches(name, 3):
         expected = naive_attention(batch, knobs.get("sm_scale"))
-        assert_close_on_valid_rows(kernel(batch, **knobs), expected, batch, atol=1e-5)
+        assert_close_on_valid_rows(kernel(batch, **knobs), expected, batch, atol=ATOL)
 
 
 def test_reference_applies_custom_sm_scale():
     batch = sweep_batches("mha_d64_bs16", 1)[0]
     out = reference(*batch.args(), sm_scale=0.3, **REFERENCE_KNOBS["mha_d64_bs16"])
-    assert_close_on_valid_rows(out, naive_attention(batch, 0.3), batch, atol=1e-5)
+    assert_close_on_valid_rows(out, naive_attention(batch, 0.3), batch, atol=ATOL)
 
 
 def test_kernel_never_reads_cache_rows_past_kv_lens():
@@ -353,7 +356,7 @@ def test_kernel_never_reads_cache_rows_past_kv_lens():
     rng = np.random.default_rng(3)
     for _ in range(3):
         batch = random_batch(rng, garbage=np.nan, **SWEEPS["gqa3to1_d128_bs32"])
-        assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=1e-5)
+        assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=ATOL)
 
 
 def test_reference_ignores_finite_garbage_past_kv_lens():
@@ -362,16 +365,16 @@ def test_reference_ignores_finite_garbage_past_kv_lens():
     rng = np.random.default_rng(4)
     batch = random_batch(rng, garbage=1e4, **SWEEPS["gqa3to1_d128_bs32"])
     out = reference(*batch.args(), **REFERENCE_KNOBS["gqa3to1_d128_bs32"])
-    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=ATOL)
 
 
 def test_kernel_takes_num_seqs_as_a_traced_value():
     batch = sweep_batches("gqa3to1_d128_bs32", 1)[0]
-    assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=1e-5)
+    assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=ATOL)
     # Same compiled kernel, one live sequence fewer: it becomes padding.
     batch.num_seqs -= 1
     out = kernel(batch)
-    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=1e-5)
+    assert_close_on_valid_rows(out, naive_attention(batch), batch, atol=ATOL)
     assert not np.asarray(out)[batch.num_valid_tokens :].any(), "padding rows must be 0"
 
 
@@ -379,7 +382,7 @@ def test_kernel_bfloat16_close_to_float64_oracle():
     for batch in sweep_batches("gqa8to1_d64_bs16", 2):
         out = kernel(batch, jnp.bfloat16)
         assert out.dtype == jnp.bfloat16
-        assert_close_on_valid_rows(out, naive_attention(round_to_bfloat16(batch)), batch, atol=2e-2)
+        assert_close_on_valid_rows(out, naive_attention(round_to_bfloat16(batch)), batch, atol=ATOL_BF16)
 
 
 def test_kernel_pads_non_power_of_two_head_dim():
@@ -395,7 +398,7 @@ def test_kernel_pads_non_power_of_two_head_dim():
         pad_seqs=1,
         pad_tokens=3,
     )
-    assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=1e-5)
+    assert_close_on_valid_rows(kernel(batch), naive_attention(batch), batch, atol=ATOL)
 
 
 @pytest.mark.parametrize(
@@ -460,10 +463,10 @@ def test_sliding_window_reference_and_kernel_match_dense_oracle(window):
     # kv_chunk_blocks 4: whole chunks of 4 pages, then tail chunks of 1 page
     for knobs in ({}, {"kv_chunk_blocks": 1, "block_q": 2}, {"kv_chunk_blocks": 4}):
         out = reference(*batch.args(), sliding_window=w, **knobs)
-        assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
-    assert_close_on_valid_rows(kernel(batch, sliding_window=w), expected, batch, atol=1e-5)
+        assert_close_on_valid_rows(out, expected, batch, atol=ATOL)
+    assert_close_on_valid_rows(kernel(batch, sliding_window=w), expected, batch, atol=ATOL)
     assert_close_on_valid_rows(kernel(batch, sliding_window=w, num_kv_splits=3, block_kv=16),
-                               expected, batch, atol=1e-5)
+                               expected, batch, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", ["mha_d64_bs16", "gqa4to1_d128_bs16_long"])
@@ -473,9 +476,9 @@ def test_sliding_window_on_random_ragged_batches(name):
         window = int(rng.integers(1, 60))
         expected = naive_attention(batch, sliding_window=window)
         out = reference(*batch.args(), sliding_window=jnp.int32(window), **REFERENCE_KNOBS[name])
-        assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+        assert_close_on_valid_rows(out, expected, batch, atol=ATOL)
         assert_close_on_valid_rows(kernel(batch, sliding_window=jnp.int32(window)), expected,
-                                   batch, atol=1e-5)
+                                   batch, atol=ATOL)
 
 
 def test_kernel_never_reads_keys_before_the_window():
@@ -483,11 +486,11 @@ def test_kernel_never_reads_keys_before_the_window():
     # cost follows the window), not read and mask them.
     expected = naive_attention(windowed_batch(np.random.default_rng(9), 24), sliding_window=24)
     batch = windowed_batch(np.random.default_rng(9), 24, garbage_before_window=np.nan)
-    assert_close_on_valid_rows(kernel(batch, sliding_window=24), expected, batch, atol=1e-5)
+    assert_close_on_valid_rows(kernel(batch, sliding_window=24), expected, batch, atol=ATOL)
     # The reference reads whole pages and masks: finite garbage must not leak into it.
     batch = windowed_batch(np.random.default_rng(9), 24, garbage_before_window=1e4)
     out = reference(*batch.args(), sliding_window=24, kv_chunk_blocks=1)
-    assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+    assert_close_on_valid_rows(out, expected, batch, atol=ATOL)
 
 
 @pytest.mark.parametrize("window, cap", [(0, 5.0), (24, 30.0)])
@@ -498,9 +501,9 @@ def test_logits_soft_cap_reference_and_kernel_match_dense_oracle(window, cap):
     assert np.abs(expected - naive_attention(batch, sliding_window=window)).max() > 1e-3
     out = ragged_paged_attention_reference(*batch.args(), sliding_window=window,
                                            logits_soft_cap=cap)
-    assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+    assert_close_on_valid_rows(out, expected, batch, atol=ATOL)
     out = kernel(batch, sliding_window=window, logits_soft_cap=cap)
-    assert_close_on_valid_rows(out, expected, batch, atol=1e-5)
+    assert_close_on_valid_rows(out, expected, batch, atol=ATOL)
 
 
 # ---- write_kv ---------------------------------------------------------------------------
