@@ -15,6 +15,7 @@ import pytest
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from tests import precision
 from tests.hf_reference import hf_logits
 from tests.test_parity import TEXTS, _check_parity
 
@@ -192,7 +193,6 @@ def test_gemma2_step_with_traced_windows_and_soft_caps_exports_for_cuda(make_tin
 _TP_SCRIPT = """
 import json, sys
 from jaxserve import LLM, SamplingParams
-from tests import precision
 model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 tokens = {}
