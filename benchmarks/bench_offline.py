@@ -101,7 +101,7 @@ cache = llm.llm_engine.runner.executable_cache
 phases = {{"import_jaxserve": imported - start, "import_jax_and_backend": jax_ready - imported,
           **setup.phases}}
 # Sequential phases: load (restore_weights + the tokenizer in a thread alongside), runner,
-# warmup (kv_fill runs in a thread alongside; kv_wait is the part of warmup spent waiting on it)
+# warmup (compiles, then kv_fill: allocating the KV cache after them)
 accounted = phases["import_jaxserve"] + phases["import_jax_and_backend"] + sum(
     setup.phases.get(k, 0.0) for k in ("load", "runner", "warmup"))
 phases["engine_rest"] = ready - start - accounted

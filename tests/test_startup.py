@@ -82,12 +82,30 @@ def test_steps_run_padded_until_their_bucket_compiles_then_nothing_compiles(
     assert (4, 4) in used                            # exact buckets now
 
 
-def test_the_kv_cache_is_zero_filled_in_a_thread_and_waited_for(make_tiny_model):
-    llm = LLM(str(make_tiny_model("llama")), **ENGINE_KWARGS)
+def test_the_kv_cache_is_allocated_only_after_every_warmup_bucket_compiled(make_tiny_model,
+                                                                         monkeypatch):
+    """On a GPU the compiler's autotuner needs free memory: no cache buffer may exist while
+    any warm-up bucket compiles (runner warmup's order)."""
+    events: list[tuple[str, object, bool]] = []
+    compile_step, allocate = ModelRunner._compile, ModelRunner.allocate_kv_cache
+
+    def compiling(self, num_tokens, num_seqs):
+        events.append(("compile", (num_tokens, num_seqs), self.kv_cache_allocated))
+        return compile_step(self, num_tokens, num_seqs)
+
+    def allocating(self):
+        if not self.kv_cache_allocated:
+            events.append(("allocate", tuple(self.compiled_shapes), False))
+        allocate(self)
+
+    monkeypatch.setattr(ModelRunner, "_compile", compiling)
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocating)
+    llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **ENGINE_KWARGS)
     runner = llm.llm_engine.runner
-    assert runner.wait_until_compiled(timeout=300)
-    assert runner._kv_thread is None and set(runner.startup_timings) == {"kv_fill", "kv_wait"}
+    assert [kind for kind, _, _ in events] == ["compile"] * 4 + ["allocate"]
+    assert not any(allocated for _, _, allocated in events)
+    assert events[-1][1] == ((1, 1), (2, 2), (4, 4), (8, 4))
+    assert runner.kv_cache_allocated and set(runner.startup_timings) == {"kv_fill"}
     # Zeros, not uninitialized memory (no request has written a block yet).
     assert float(abs(runner.k_cache).max()) == 0.0 == float(abs(runner.v_cache).max())
-    phases = llm.llm_engine.setup.phases
-    assert {"load", "runner", "warmup", "kv_fill", "kv_wait"} <= set(phases)
+    assert {"load", "runner", "warmup", "kv_fill"} <= set(llm.llm_engine.setup.phases)
