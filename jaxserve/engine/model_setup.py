@@ -83,9 +83,11 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
 
 
 def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
+    """generation_config's EOS ids and the tokenizer's (None under skip_tokenizer_init)."""
     ids = generation_config.get("eos_token_id")
     ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+    if tokenizer is not None and tokenizer.eos_token_id is not None and \
+            tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return [int(i) for i in ids]
 
