@@ -43,7 +43,7 @@ log="$out/gpu_check.log"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD"
 if compgen -G ".whl/*.whl" > /dev/null; then    # the image has no fastapi, gguf, aiohttp...
-  $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  timeout 60 $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     >> "$log" 2>&1 && export PYTHONPATH="/tmp/site:$PWD"
 fi
 
@@ -79,7 +79,7 @@ else
   serve_prompt_args=(--random-input-len 128 --token-id-low 1000 --token-id-high 20000)
   kernel_args=(--batch 1,16,64,256 --context 512,2048,8192 --iters 10)
   peer_args=(--batch-sizes 1,64,256 --output-len 128)
-  scan_args=(--batch-sizes 1,64,256 --iters 20)
+  scan_args=(--batch-sizes 1,64,256 --iters 10)
   tests_k=()
 fi
 
@@ -114,9 +114,9 @@ tail -n 40 "$work/server.log" >> "$log"
 
 step kernels 40 $py benchmarks/bench_kernels.py --mode decode --skip-reference \
   "${kernel_args[@]}" --json "$work/kernels.json"
-step hf_peer 40 $py benchmarks/hf_peer.py "$model" "$work/hf_peer.json" "${peer_args[@]}"
+step hf_peer 50 $py benchmarks/hf_peer.py "$model" "$work/hf_peer.json" "${peer_args[@]}"
 step scan 30 $py benchmarks/scan_vs_unrolled.py "$work/scan.json" "${scan_args[@]}"
-step tests 120 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_parity.py \
+step tests 110 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_parity.py \
   "${tests_k[@]}"
 
 # One JSON: each step's status and its results (missing when the step wrote none).
