@@ -42,7 +42,9 @@ log="$out/gpu_check.log"
 : > "$log"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD"
-if compgen -G ".whl/*.whl" > /dev/null; then    # the image has no fastapi, gguf, aiohttp...
+# The GPU image has no fastapi, gguf, aiohttp...: cp312 wheels (elsewhere the local env has them)
+if compgen -G ".whl/*.whl" > /dev/null && \
+    $py -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
   timeout 60 $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     >> "$log" 2>&1 && export PYTHONPATH="/tmp/site:$PWD"
 fi
