@@ -38,7 +38,12 @@ SENTENCES = [
 ]
 
 
-def make_prompts(tokenizer, count: int) -> list[list[int]]:
+def make_prompts(tokenizer, count: int, vocab_size: int = 0) -> list[list[int]]:
+    """Chat prompts of a few sentences; without a tokenizer (skip_tokenizer_init) random ids
+    below vocab_size, 16 to 48 tokens, the same every run."""
+    if tokenizer is None:
+        rng = np.random.default_rng(0)
+        return [rng.integers(1, vocab_size, 16 * (1 + i % 3)).tolist() for i in range(count)]
     prompts = []
     for i in range(count):
         text = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(1 + i % 3))
@@ -54,15 +59,18 @@ def bench_jaxserve(llm, prompts, output_len: int, batch: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:batch], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     stats = llm.llm_engine.stats
-    steps0, time0 = stats.num_steps, stats.step_time_total
+    steps0, time0, busy0 = stats.num_steps, stats.step_time_total, stats.busy_time_total
     start = time.perf_counter()
     outs = llm.generate(prompts[:batch], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = stats.num_steps - steps0
+    # mean_step_ms: dispatch to collection per step (async scheduling overlaps two of them);
+    # busy_step_ms: wall time with a step on the device, per step: the device's pace.
     return {"system": "jaxserve", "batch": batch, "output_tokens": tokens, "seconds": elapsed,
             "tok_s": tokens / elapsed, "steps": steps,
-            "mean_step_ms": 1000 * (stats.step_time_total - time0) / max(steps, 1)}
+            "mean_step_ms": 1000 * (stats.step_time_total - time0) / max(steps, 1),
+            "busy_step_ms": 1000 * (stats.busy_time_total - busy0) / max(steps, 1)}
 
 
 def bench_hf(model, prompts, output_len: int, batch: int, pad_id: int) -> dict:
@@ -101,7 +109,7 @@ cache = llm.llm_engine.runner.executable_cache
 phases = {{"import_jaxserve": imported - start, "import_jax_and_backend": jax_ready - imported,
           **setup.phases}}
 # Sequential phases: load (restore_weights + the tokenizer in a thread alongside), runner,
-# warmup (kv_fill runs in a thread alongside; kv_wait is the part of warmup spent waiting on it)
+# warmup (compiles, then kv_fill: allocating the KV cache after them)
 accounted = phases["import_jaxserve"] + phases["import_jax_and_backend"] + sum(
     setup.phases.get(k, 0.0) for k in ("load", "runner", "warmup"))
 phases["engine_rest"] = ready - start - accounted
@@ -171,6 +179,14 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="no tokenizer (a config.json-only --load-format dummy model): "
+                        "random token-id prompts")
+    parser.add_argument("--engine-defaults", action="store_true",
+                        help="pass no --max-num-seqs / --max-num-batched-tokens: the engine's "
+                        "own defaults for the platform")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the results here (default benchmarks/results/offline_TAG)")
     args = parser.parse_args()
     if args.load_format == "dummy" and not args.skip_hf:
         parser.error("--load-format dummy has no weights for HF to load: add --skip-hf")
@@ -184,23 +200,35 @@ def main() -> None:
                                  "python": platform.python_version()},
                      "output_len": args.output_len, "runs": []}
 
+    limits = {} if args.engine_defaults else {
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    start = time.perf_counter()
     llm = LLM(args.model, tokenizer=args.tokenizer, load_format=args.load_format,
               dtype=args.dtype, max_model_len=args.max_model_len,
               attention_backend=args.attention_backend,
-              async_scheduling=not args.no_async_scheduling, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
+              async_scheduling=not args.no_async_scheduling,
+              skip_tokenizer_init=args.skip_tokenizer_init, **limits,
               compile_in_background=False)   # time the steady state, never a padded step
+    setup = llm.llm_engine.setup
+    results["startup"] = {"seconds": time.perf_counter() - start,
+                          "phases_s": {k: round(v, 3) for k, v in setup.phases.items()},
+                          "kv_cache_blocks": setup.kv_plan.num_blocks,
+                          "kv_cache_tokens": setup.kv_plan.capacity_tokens,
+                          "memory_plan": setup.kv_plan.describe(),
+                          "engine_config": llm.llm_engine.config.to_flat_dict()}
     results["engine"] = {"model": args.model or "SmolLM2-135M-Instruct (embedded)",
                          "load_format": args.load_format,
                          "attention_backend": llm.llm_engine.runner.model.backend.name,
                          "async_scheduling": not args.no_async_scheduling}
-    prompts = make_prompts(llm.get_tokenizer(), max(args.batch_sizes))
+    prompts = make_prompts(llm.get_tokenizer(), max(args.batch_sizes),
+                           llm.llm_engine.runner.arch.vocab_size)
     results["mean_prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
     for batch in args.batch_sizes:
         run = bench_jaxserve(llm, prompts, args.output_len, batch)
         results["runs"].append(run)
         print(f"jaxserve  batch {batch:3d}: {run['tok_s']:7.1f} tok/s "
-              f"(mean step {run['mean_step_ms']:.1f} ms)", flush=True)
+              f"(mean step {run['mean_step_ms']:.1f} ms, busy {run['busy_step_ms']:.1f} ms)",
+              flush=True)
 
     if not args.skip_hf:
         import torch
@@ -225,11 +253,15 @@ def main() -> None:
             ours["ratio_vs_hf"] = ours["tok_s"] / hf["tok_s"]
             print(f"batch {batch:3d}: jaxserve / HF = {ours['ratio_vs_hf']:.2f}x")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"offline_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json and {stem}.png")
+    path = args.json or RESULTS / f"offline_{args.tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {path}")
+    try:
+        plot(results, path.with_suffix(".png"))
+        print(f"wrote {path.with_suffix('.png')}")
+    except ImportError:          # matplotlib: not on every machine (the GPU image has none)
+        print("matplotlib not installed: no plot")
 
 
 def plot(results: dict, path: Path) -> None:

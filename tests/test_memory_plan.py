@@ -42,8 +42,9 @@ def test_gpu_devices_each_plan_from_their_own_memory(monkeypatch):
     plan = memory.plan_kv_cache(CacheConfig(), ARCH, "float32", 0, 100 << 20, 2048,
                                 tp_size=3, device=gpu)
     assert plan.pool_devices == 1
-    # 90 % of a 10 GiB GPU is the 9 GiB pool: all of it, less what is in use
-    assert plan.budget_bytes == (9 << 30) - (1 << 30) - (100 << 20)
+    # 90 % of a 10 GiB GPU is the 9 GiB pool: all of it, less what is in use and the room
+    # kept for compiles
+    assert plan.budget_bytes == (9 << 30) - (1 << 30) - (100 << 20) - plan.compile_headroom_bytes
     assert "headroom" in plan.describe()
 
 
@@ -68,7 +69,48 @@ def test_gpu_memory_utilization_is_a_share_of_the_device_not_of_jax_pool(monkeyp
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")   # JAX's default pool: 75 %
     stats["bytes_limit"] = int(0.75 * device_bytes)
-    assert plan().budget_bytes == int(0.75 * device_bytes)
+    headroom = plan().compile_headroom_bytes
+    assert plan().budget_bytes == int(0.75 * device_bytes) - headroom
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     stats["bytes_limit"] = int(0.95 * device_bytes)
-    assert abs(plan().budget_bytes - 0.9 * device_bytes) < 2
+    assert abs(plan().budget_bytes - (0.9 * device_bytes - headroom)) < 2
+
+
+LLAMA_8B = ModelArch("LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                     intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                     head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def test_a_gpu_plan_keeps_room_for_the_autotuner_of_a_late_compile():
+    """The cache is allocated after warm-up's compiles; a bucket compiled later autotunes
+    its GEMMs on fresh operand copies, the largest the LM head (128256 x 4096 bf16, about
+    1 GiB), beside a running step's activations: an H200 plan keeps that free."""
+    from jaxserve.runner.gpu_targets import load_target
+
+    device_bytes = load_target("h200").device_memory_bytes
+    weights, peak = 16 << 30, 805 << 20
+    plan = memory.plan_kv_cache(CacheConfig(), LLAMA_8B, "bfloat16", weights, peak, 8192,
+                                device_memory_bytes=device_bytes)
+    lm_head = 128256 * 4096 * 2
+    assert plan.compile_headroom_bytes == lm_head + peak + memory.GPU_COMPILE_SLACK
+    assert plan.budget_bytes == int(0.9 * device_bytes) - weights - peak - \
+        plan.compile_headroom_bytes
+    assert plan.total_bytes <= plan.budget_bytes
+    assert "compile headroom" in plan.describe()
+    # the weights' dtype sizes the copy, not an fp8 cache's
+    fp8 = memory.plan_kv_cache(CacheConfig(), LLAMA_8B, "float8_e4m3fn", weights, peak, 8192,
+                               device_memory_bytes=device_bytes, compute_dtype="bfloat16")
+    assert fp8.compile_headroom_bytes == plan.compile_headroom_bytes
+    # tensor parallel: each device holds 1/tp of the LM head
+    tp2 = memory.plan_kv_cache(CacheConfig(), LLAMA_8B, "bfloat16", weights // 2, peak, 8192,
+                               tp_size=2, device_memory_bytes=device_bytes)
+    assert tp2.compile_headroom_bytes == lm_head // 2 + peak + memory.GPU_COMPILE_SLACK
+
+
+def test_cpu_plans_and_explicit_budgets_keep_no_compile_headroom(monkeypatch):
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 24 << 30)
+    cpu = memory.plan_kv_cache(CacheConfig(), ARCH, "float32", 0, 0, 2048, device=CPU)
+    explicit = memory.plan_kv_cache(CacheConfig(kv_cache_memory_bytes=1 << 30), LLAMA_8B,
+                                    "bfloat16", 0, 0, 8192, device_memory_bytes=150 << 30)
+    assert cpu.compile_headroom_bytes == 0 == explicit.compile_headroom_bytes
+    assert explicit.budget_bytes == 1 << 30

@@ -8,6 +8,7 @@ holds it: the same greedy tokens as an engine that compiled everything first; on
 
 from __future__ import annotations
 
+import re
 import threading
 
 import jax
@@ -82,12 +83,64 @@ def test_steps_run_padded_until_their_bucket_compiles_then_nothing_compiles(
     assert (4, 4) in used                            # exact buckets now
 
 
-def test_the_kv_cache_is_zero_filled_in_a_thread_and_waited_for(make_tiny_model):
-    llm = LLM(str(make_tiny_model("llama")), **ENGINE_KWARGS)
+def test_the_kv_cache_is_allocated_only_after_every_warmup_bucket_compiled(make_tiny_model,
+                                                                         monkeypatch):
+    """On a GPU the compiler's autotuner needs free memory: no cache buffer may exist while
+    any warm-up bucket compiles (runner warmup's order)."""
+    events: list[tuple[str, object, bool]] = []
+    compile_step, allocate = ModelRunner._compile, ModelRunner.allocate_kv_cache
+
+    def compiling(self, num_tokens, num_seqs):
+        events.append(("compile", (num_tokens, num_seqs), self.kv_cache_allocated))
+        return compile_step(self, num_tokens, num_seqs)
+
+    def allocating(self):
+        if not self.kv_cache_allocated:
+            events.append(("allocate", tuple(self.compiled_shapes), False))
+        allocate(self)
+
+    monkeypatch.setattr(ModelRunner, "_compile", compiling)
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocating)
+    llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **ENGINE_KWARGS)
     runner = llm.llm_engine.runner
-    assert runner.wait_until_compiled(timeout=300)
-    assert runner._kv_thread is None and set(runner.startup_timings) == {"kv_fill", "kv_wait"}
+    assert [kind for kind, _, _ in events] == ["compile"] * 4 + ["allocate"]
+    assert not any(allocated for _, _, allocated in events)
+    assert events[-1][1] == ((1, 1), (2, 2), (4, 4), (8, 4))
+    assert runner.kv_cache_allocated and set(runner.startup_timings) == {"kv_fill"}
     # Zeros, not uninitialized memory (no request has written a block yet).
     assert float(abs(runner.k_cache).max()) == 0.0 == float(abs(runner.v_cache).max())
-    phases = llm.llm_engine.setup.phases
-    assert {"load", "runner", "warmup", "kv_fill", "kv_wait"} <= set(phases)
+    assert {"load", "runner", "warmup", "kv_fill"} <= set(llm.llm_engine.setup.phases)
+
+
+def test_steps_needing_more_than_the_planned_activations_shrink_the_cache_before_it_exists(
+        make_tiny_model, monkeypatch, caplog):
+    """The plan reserves an estimate of the step's activations; when the compiled steps
+    report more (memory_analysis), the same rule plans again with their figure and the
+    runner is rebuilt and compiled for the smaller cache, before any cache is allocated."""
+    from jaxserve.runner import memory
+
+    measured = 16 << 20                   # far above the tiny model's estimate
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 64 << 20)
+    monkeypatch.setattr(ModelRunner, "compiled_temp_bytes", lambda self: measured)
+    runners, allocate = [], ModelRunner.allocate_kv_cache
+
+    def allocating(self):
+        runners.append(self)
+        allocate(self)
+
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocating)
+    kwargs = {k: v for k, v in ENGINE_KWARGS.items() if k != "kv_cache_memory_bytes"}
+    with caplog.at_level("WARNING", logger="jaxserve.engine.model_setup"):
+        llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **kwargs)
+    setup = llm.llm_engine.setup
+    runner = llm.llm_engine.runner
+    warnings = [r.getMessage() for r in caplog.records if "compiling again" in r.getMessage()]
+    assert len(warnings) == 1
+    replanned, planned = map(int, re.search(r"(\d+) KV blocks, not (\d+)", warnings[0]).groups())
+    assert replanned < planned and setup.kv_plan.num_blocks == replanned == runner.num_blocks
+    assert setup.kv_plan.activation_bytes == measured
+    assert set(runners) == {runner}       # only the rebuilt runner ever allocated a cache
+    assert runner.k_cache.shape[0] == runner.arch.num_layers * replanned
+    assert runner.compiled_shapes == [(1, 1), (2, 2), (4, 4), (8, 4)]
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)

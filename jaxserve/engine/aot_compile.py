@@ -59,6 +59,7 @@ class AbstractEngine:
     arch: Any                       # the sharded model's ModelArch
     weight_bytes_per_device: int
     kv_dtype: Any
+    dtype: Any                      # the weights' compute dtype
     max_model_len: int
     fingerprint: str                # engine_fingerprint(...)
     devices: int
@@ -139,7 +140,7 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
         logits_shardings=placement.logits_shardings, lora=lora, abstract=True)
     return AbstractEngine(
         runner=runner, arch=placement.arch, weight_bytes_per_device=int(weight_bytes),
-        kv_dtype=kv_dtype, max_model_len=max_model_len,
+        kv_dtype=kv_dtype, dtype=dtype, max_model_len=max_model_len,
         fingerprint=engine_fingerprint(config, source_arch, dtype, kv_dtype, max_model_len),
         devices=tp, info={"model": model_path, "architecture": source_arch.architecture,
                           "dtype": np.dtype(dtype).name, "kv_cache_dtype": np.dtype(kv_dtype).name,
@@ -199,7 +200,7 @@ def plan_from_compiled(engine: AbstractEngine, config: EngineConfig, target: str
     return plan_kv_cache(config.cache_config, engine.arch, engine.kv_dtype,
                          engine.weight_bytes_per_device, activation_bytes,
                          engine.max_model_len, tp_size=engine.devices,
-                         device_memory_bytes=memory)
+                         device_memory_bytes=memory, compute_dtype=engine.dtype)
 
 
 def check_weights_fit(engine: AbstractEngine, config: EngineConfig, target: str) -> None:

@@ -91,7 +91,10 @@ class AsyncLLMEngine(EngineThreadLoop):
         self._failure_observers: list[Callable[[list[str]], None]] = []
         self.snapshot: EngineSnapshot = engine.snapshot()
         self.inputs = InputProcessor(engine.tokenizer, engine.max_model_len,
-                                     engine.config.model_config.max_logprobs)
+                                     engine.config.model_config.max_logprobs,
+                                     # the model's: bounds prompt ids when no tokenizer is loaded
+                                     None if engine.tokenizer is not None
+                                     else engine.setup.arch.vocab_size)
         self._token_texts = TokenTexts(engine.tokenizer)
         self.last_step_time = time.monotonic()
         self.watchdog = StepWatchdog()       # how long the current iteration has run (/health)

@@ -63,11 +63,16 @@ class EngineCoreOutput:
 class InputProcessor:
     """A prompt and its SamplingParams → an `EngineRequest`, validated once."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, max_logprobs: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, max_logprobs: int,
+                 vocab_size: int | None = None) -> None:
+        """tokenizer: None under skip_tokenizer_init (prompts must be token ids, checked
+        against the model's `vocab_size`)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
-        self.vocab_size = len(tokenizer)
+        if tokenizer is None and vocab_size is None:
+            raise ValueError("without a tokenizer the model's vocab_size bounds prompt ids")
+        self.vocab_size = len(tokenizer) if tokenizer is not None else vocab_size
 
     def process(self, request_id: str, prompt: str | list[int] | None,
                 params: SamplingParams | None = None, *,
@@ -80,11 +85,18 @@ class InputProcessor:
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("a request needs a prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError(f"You cannot pass text prompts when `skip_tokenizer_init` is "
+                                 f"True: no tokenizer is loaded to encode {prompt[:40]!r}; "
+                                 "pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         if not isinstance(prompt_token_ids, list) or not all(
                 type(t) is int for t in prompt_token_ids):
             prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.check_prompt(prompt_token_ids)
+        if self.tokenizer is None and params.stop:
+            raise ValueError(f"stop strings {params.stop!r} need the text, and "
+                             "`skip_tokenizer_init` is True: use stop_token_ids")
         params.verify(self.max_logprobs, self.max_model_len, self.vocab_size)
         return EngineRequest(request_id, prompt, prompt_token_ids, params,
                              arrival_time or time.time(), lora_request)

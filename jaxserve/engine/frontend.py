@@ -20,10 +20,13 @@ logger = logging.getLogger(__name__)
 
 
 class Frontend:
-    def __init__(self, core: Any, tokenizer: Any, max_model_len: int, max_logprobs: int) -> None:
+    def __init__(self, core: Any, tokenizer: Any, max_model_len: int, max_logprobs: int,
+                 vocab_size: int | None = None) -> None:
+        """tokenizer: None under skip_tokenizer_init (token-id prompts, outputs without
+        text); vocab_size: the model's, which bounds prompt ids then."""
         self.core = core
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, max_model_len, max_logprobs)
+        self.inputs = InputProcessor(tokenizer, max_model_len, max_logprobs, vocab_size)
         self.token_texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestText] = {}
 

@@ -115,7 +115,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(s.eos_token_ids, s.max_model_len,
                                        s.default_sampling_overrides, seed=config.model_config.seed)
         self.frontend = Frontend(self, self.tokenizer, s.max_model_len,
-                                 config.model_config.max_logprobs)
+                                 config.model_config.max_logprobs, s.arch.vocab_size)
 
     def recover(self) -> None:
         """Rebuild after a failed step: every request is dropped (their outputs are never
@@ -147,6 +147,10 @@ class LLMEngine:
         """Grammar compilation for structured outputs (xgrammar), created when first needed."""
         if self._grammars is None:
             from jaxserve.structured_outputs.compiler import GrammarService
+
+            if self.tokenizer is None:
+                raise ValueError("structured outputs compile grammars over the tokenizer's "
+                                 "vocabulary, and `skip_tokenizer_init` is True")
 
             self._grammars = GrammarService(self.tokenizer, self.vocab_size,
                                             self.setup.eos_token_ids)

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -50,8 +50,8 @@ class ModelSetup:
     draft_proposer: Any = None       # speculative decoding's draft model (DraftModelProposer)
     # Seconds per startup phase, for bench_offline.py --startup: load (an orbax restart's
     # tokenizer, with restore_weights in a thread alongside), runner (attention backend,
-    # model), warmup (with kv_wait / params_wait: what it waited for the kv_fill and
-    # restore_weights threads).
+    # model), warmup (compiles, then kv_fill: allocating the KV cache; params_wait: what it
+    # waited for the restore_weights thread).
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
 
@@ -84,9 +84,11 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
 
 
 def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
+    """generation_config's EOS ids and the tokenizer's (None under skip_tokenizer_init)."""
     ids = generation_config.get("eos_token_id")
     ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+    if tokenizer is not None and tokenizer.eos_token_id is not None and \
+            tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return [int(i) for i in ids]
 
@@ -151,14 +153,23 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if memory.lora_targets is not None:
         lora_stacks, lora_registry = _setup_lora(config, family, placement, memory.lora_targets,
                                                  dtype)
-    runner = _build_runner(config, placed, backend, kv_plan, kv_dtype, max_model_len, eos,
-                           spec_rows, lora_stacks)
-    _attach_executable_cache(runner, placement, aot_dir, cache_dir)
+    def build(kv_plan: KVCachePlan) -> ModelRunner:
+        runner = _build_runner(config, placed, backend, kv_plan, kv_dtype, max_model_len, eos,
+                               spec_rows, lora_stacks)
+        _attach_executable_cache(runner, placement, aot_dir, cache_dir)
+        return runner
+
+    runner = build(kv_plan)
     phases["runner"] = time.perf_counter() - t_runner
     logger.info("attention backend %s; %d step buckets (tokens %s); compilation cache %s",
                 backend.name, len(runner.buckets.all_shapes()), runner.buckets.token_buckets,
                 cache_dir or "off")
-    warmup_seconds = _warm_up(config, runner, placed, phases, warmup)
+    warmup_seconds = 0.0
+    if warmup:
+        runner, kv_plan, warmup_seconds = _warm_up(config, runner, kv_plan, memory, build)
+    phases["warmup"] = warmup_seconds
+    phases.update(runner.startup_timings)
+    phases.update(placed.phases)     # restore_weights and tokenizer: their threads are done
     draft_proposer = None
     if memory.draft is not None:
         draft_proposer, draft_warmup = _draft_proposer(config, memory.draft, backend, dtype,
@@ -216,18 +227,32 @@ def _attach_executable_cache(runner: ModelRunner, placement: Any, aot_dir: str |
         runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
 
 
-def _warm_up(config: EngineConfig, runner: ModelRunner, placed: Any,
-             phases: dict[str, float], warmup: bool) -> float:
-    """Compile the step buckets (the rest in the background if configured; none unless
-    `warmup`); record the startup phases. The KV cache zero-fills (and an orbax checkpoint
-    restores) in a thread during warm-up: "kv_fill" overlaps "warmup", which includes
-    "kv_wait" and "params_wait" (the parts warm-up waited for them)."""
-    seconds = runner.warmup(progress=True, background=config.runner_config.compile_in_background
-                            and jax.process_count() == 1) if warmup else 0.0
-    phases["warmup"] = seconds
-    phases.update(runner.startup_timings)
-    phases.update(placed.phases)     # restore_weights and tokenizer: their threads are done
-    return seconds
+def _warm_up(config: EngineConfig, runner: ModelRunner, kv_plan: KVCachePlan,
+             memory: _MemoryPlan, build: Callable[[KVCachePlan], ModelRunner]
+             ) -> tuple[ModelRunner, KVCachePlan, float]:
+    """Compile the warm-up buckets, then allocate the KV cache (runner warmup's order: the
+    compiler and its GEMM autotuner run while memory holds only the weights); the rest
+    compile in the background if configured. Returns (runner, plan, seconds).
+
+    The plan reserved an estimate of the step's activations; the compiled steps report
+    their real temporaries (memory_analysis). Where those are larger, the same rule plans
+    again with them, and if that leaves fewer blocks the runner is rebuilt for them and
+    compiled again (the step's signature holds the cache's shape) before any cache exists."""
+    start = time.perf_counter()
+    background = config.runner_config.compile_in_background and jax.process_count() == 1
+    rest = runner.compile_warmup_buckets(progress=True, background=background)
+    peak = runner.compiled_temp_bytes()
+    if peak > kv_plan.activation_bytes:
+        replanned = memory.replan(peak)
+        if replanned.num_blocks < kv_plan.num_blocks:
+            logger.warning("the compiled steps need %.1f MiB of temporaries, more than the "
+                           "%.1f MiB planned: %d KV blocks, not %d; compiling again for them",
+                           peak / 2**20, kv_plan.activation_bytes / 2**20,
+                           replanned.num_blocks, kv_plan.num_blocks)
+            kv_plan, runner = replanned, build(replanned)
+            rest = runner.compile_warmup_buckets(progress=True, background=background)
+    runner.finish_warmup(rest, start)
+    return runner, kv_plan, time.perf_counter() - start
 
 
 def _log_model(config: EngineConfig, placed: Any, num_params: int, platform: str,
@@ -273,6 +298,8 @@ class _MemoryPlan:
     kv_plan: KVCachePlan
     lora_targets: dict | None        # None: LoRA off
     draft: dict[str, Any] | None     # _load_draft's (None: no draft model)
+    # The same plan for another activation peak (the compiled steps' measured one).
+    replan: Callable[[int], KVCachePlan]
 
 
 def _plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
@@ -311,24 +338,29 @@ def _plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any
     if spec is not None and spec.method == "draft_model":
         draft = _load_draft(config, arch, dtype, platform, max_model_len, spec_rows.max_rows)
         weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
-    kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation_bytes,
-                                            max_model_len, tp_size=placement.tp,
-                                            device=placement.device))
-    if draft is not None and cc.kv_cache_memory_bytes and not cc.num_gpu_blocks_override:
-        # An explicit KV budget is the target's and the draft's together.
-        taken = -(-draft["kv_bytes"] // kv_plan.bytes_per_block)
-        kv_plan = dataclasses.replace(kv_plan, num_blocks=max(
-            kv_plan.num_blocks - taken, -(-max_model_len // kv_plan.block_size)))
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens in %s (%.2f GiB; budget from %s); "
-                "max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
-                kv_plan.block_size, kv_plan.capacity_tokens, np.dtype(kv_dtype).name,
-                kv_plan.total_bytes / 2**30,
-                kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
-    logger.info(kv_plan.describe())
+
+    def plan(activation: int) -> KVCachePlan:
+        kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation,
+                                                max_model_len, tp_size=placement.tp,
+                                                device=placement.device, compute_dtype=dtype))
+        if draft is not None and cc.kv_cache_memory_bytes and not cc.num_gpu_blocks_override:
+            # An explicit KV budget is the target's and the draft's together.
+            taken = -(-draft["kv_bytes"] // kv_plan.bytes_per_block)
+            kv_plan = dataclasses.replace(kv_plan, num_blocks=max(
+                kv_plan.num_blocks - taken, -(-max_model_len // kv_plan.block_size)))
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens in %s (%.2f GiB; budget from "
+                    "%s); max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
+                    kv_plan.block_size, kv_plan.capacity_tokens, np.dtype(kv_dtype).name,
+                    kv_plan.total_bytes / 2**30,
+                    kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
+        logger.info(kv_plan.describe())
+        return kv_plan
+
+    kv_plan = plan(activation_bytes)
     cost = measured_cost(placed.quantization, cc.kv_cache_dtype)
     if cost:
         logger.warning(cost)
-    return _MemoryPlan(kv_plan, lora_targets, draft)
+    return _MemoryPlan(kv_plan, lora_targets, draft, plan)
 
 
 def _draft_proposer(config: EngineConfig, draft: dict[str, Any], backend: Any, dtype: Any,

@@ -99,7 +99,8 @@ def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedMod
     dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
     quantization = check_mode(mc.quantization)
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
-                        load_format=mc.load_format, quantization=quantization)
+                        load_format=mc.load_format, quantization=quantization,
+                        skip_tokenizer_init=mc.skip_tokenizer_init)
     quantization = loaded.quantization     # awq / gptq: the checkpoint's own
     source_arch = read_arch(loaded.hf_config)
     family = family_for(source_arch.architecture)
@@ -171,7 +172,7 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
         return restore_params(info, placement.mesh, param_spec, target)
 
     # One process: orbax restores in a thread while the tokenizer loads here and the engine
-    # plans its memory, zero-fills the KV cache and compiles (or loads) the steps against
+    # plans its memory and compiles (or loads) the steps against
     # the params' shapes (ModelRunner waits for the arrays at the end of warm-up). Several
     # processes restore collectively, in order, here.
     if jax.process_count() == 1:
@@ -181,8 +182,9 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
         params = restore()
         phases["restore_weights"] = time.perf_counter() - start
     start = time.perf_counter()
-    tokenizer = (load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
-                 else load_checkpoint_tokenizer(path))
+    tokenizer = None if mc.skip_tokenizer_init else (
+        load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
+        else load_checkpoint_tokenizer(path))
     phases["tokenizer"] = time.perf_counter() - start
     return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,
                        params=params, resident_bytes=resident_bytes, dtype=dtype,

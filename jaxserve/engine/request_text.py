@@ -34,7 +34,9 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
 
-    def __call__(self, token_id: int) -> str:
+    def __call__(self, token_id: int) -> str | None:
+        if self.tokenizer is None:     # skip_tokenizer_init: vLLM's decoded_token None
+            return None
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self.tokenizer.decode([token_id])
@@ -112,7 +114,8 @@ class RequestText:
         self.stops = StopChecker(params.stop, params.include_stop_str_in_output)
         self.seqs = [SeqText(i, IncrementalDetokenizer(
             tokenizer, request.prompt_token_ids, params.skip_special_tokens,
-            params.spaces_between_special_tokens) if params.detokenize else None,
+            params.spaces_between_special_tokens)
+            if params.detokenize and tokenizer is not None else None,
             params.logprobs is not None) for i in range(params.n)]
         self.finished = False
         self.metrics = None

@@ -50,6 +50,20 @@ class LoadedModel:
     quantization: str | None = None   # the mode the weights are in (awq / gptq: the checkpoint's)
 
 
+# Files any Hugging Face tokenizer directory holds at least one of.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def require_tokenizer_files(model_dir: str) -> str:
+    """`model_dir`, if it holds a tokenizer; else a ValueError saying what to pass."""
+    if not any((Path(model_dir) / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{model_dir} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): pass "
+            "tokenizer=DIR (--tokenizer), or skip_tokenizer_init=True (--skip-tokenizer-init) "
+            "to run on prompt token ids (outputs then carry token ids and empty text)")
+    return model_dir
+
+
 def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     """Defaults from ``generation_config.json`` (temperature, top_p, eos_token_id ...), or {}."""
     path = Path(model_dir) / "generation_config.json"
@@ -94,7 +108,8 @@ def read_model_config(model: str | os.PathLike | None) -> tuple[Any, str]:
 
 def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
                tokenizer: str | os.PathLike | None = None,
-               load_format: str = "auto", quantization: str | None = None) -> LoadedModel:
+               load_format: str = "auto", quantization: str | None = None,
+               skip_tokenizer_init: bool = False) -> LoadedModel:
     """Resolve `model` (see loader/resolve.py) and load its config, weights and tokenizer.
 
     dtype: the numpy dtype of every weight ("float32", "bfloat16" = ml_dtypes.bfloat16,
@@ -108,6 +123,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     quantization is None, keeps its projections packed (``NAME.qweight`` ...,
     quantization/awq_gptq.py), and refuses any other explicit mode.
     LoadedModel.quantization is the mode the weights are in.
+    skip_tokenizer_init: load no tokenizer (LoadedModel.tokenizer is None).
     """
     if quantization == "gguf" and load_format == "dummy":
         raise ValueError("quantization='gguf' keeps a GGUF file's packed tensors; it needs "
@@ -140,8 +156,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
         weights = (dummy_weights(hf_config, numpy_dtype) if load_format == "dummy" else
                    load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path,
                                      keep_packed=quantization == "gguf"))
-        loaded_tokenizer = (load_tokenizer(tokenizer) if tokenizer is not None
-                            else gguf_tokenizer(resolved.path, reader))
+        loaded_tokenizer = None if skip_tokenizer_init else (
+            load_tokenizer(tokenizer) if tokenizer is not None
+            else gguf_tokenizer(resolved.path, reader))
         generation_config: dict[str, Any] = {}
     else:
         if quantization == "gguf":
@@ -161,7 +178,8 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
         else:
             weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype,
                                                packed_int)
-        loaded_tokenizer = load_tokenizer(tokenizer if tokenizer is not None else resolved.path)
+        loaded_tokenizer = None if skip_tokenizer_init else load_tokenizer(
+            tokenizer if tokenizer is not None else require_tokenizer_files(resolved.path))
         generation_config = read_generation_config(resolved.path)
     logger.info("loaded %s (%s, %s, %.1f MiB of weights) in %.2f s", resolved.path,
                 architecture, numpy_dtype.name, sum(w.nbytes for w in weights.values()) / 2**20,

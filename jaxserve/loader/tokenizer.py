@@ -105,6 +105,9 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     Templates write their own BOS/special tokens, so (as vLLM does) none are added again.
     template_kwargs reach the template (e.g. ``enable_thinking=False`` for Qwen3).
     """
+    if tokenizer is None:
+        raise ValueError("a chat needs the tokenizer's chat template, and "
+                         "`skip_tokenizer_init` is True: pass prompt_token_ids instead")
     text = render_chat(tokenizer, messages, chat_template, add_generation_prompt,
                        **template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -59,7 +59,7 @@ class DataParallelEngine:
         self.lora_registry = None                      # config.finalize refuses LoRA with dp > 1
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
         self.frontend = Frontend(self, self.tokenizer, self.max_model_len,
-                                 config.model_config.max_logprobs)
+                                 config.model_config.max_logprobs, first.setup.arch.vocab_size)
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")
         self.fault_hook: Any = None       # tests only: a step fault (engine/protocol.EngineCore)

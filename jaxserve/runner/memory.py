@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.config import CacheConfig
 from jaxserve.models.arch import ModelArch
@@ -16,6 +17,23 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CAP = 4 << 30   # like vLLM's CPU backend default of 4 GiB of KV cache
 JAX_DEFAULT_POOL_FRACTION = 0.75   # XLA_PYTHON_CLIENT_MEM_FRACTION when unset
+# Workspaces beyond the GEMM operands a GPU compile or step takes: cuBLAS(Lt) and Triton
+# scratch, the autotuner's redzones around every buffer it times, XLA's own bookkeeping.
+GPU_COMPILE_SLACK = 256 << 20
+
+
+def compile_headroom_bytes(arch: ModelArch, compute_itemsize: int, activation_bytes: int,
+                           tp_size: int = 1) -> int:
+    """Device memory a GPU plan keeps free for a compile after the KV cache exists (a
+    bucket compiled in the background or outside warm-up), beside the running step's
+    activations: XLA's GEMM autotuner times each GEMM on fresh copies of its operands and
+    output, so it needs the largest weight matrix this device holds (the LM head, or an MLP
+    projection of a small-vocabulary model) plus the GEMM's input and output rows (at most
+    the step's activations) plus GPU_COMPILE_SLACK."""
+    largest_matrix = max(arch.vocab_size * arch.hidden_size,
+                         arch.hidden_size * arch.intermediate_size)
+    return -(-largest_matrix // tp_size) * compute_itemsize + activation_bytes + \
+        GPU_COMPILE_SLACK
 
 
 def size_gpu_pool(gpu_memory_utilization: float) -> bool:
@@ -52,6 +70,7 @@ class KVCachePlan:
     activation_bytes: int = 0    # per device: the largest step's estimate
     pool_devices: int = 1        # this engine's devices drawing on one memory pool
     pool_bytes: int = 0          # the pool the plan was made from (0: not measured)
+    compile_headroom_bytes: int = 0   # per device, kept free for a late GPU compile
 
     @property
     def capacity_tokens(self) -> int:
@@ -64,10 +83,13 @@ class KVCachePlan:
     def describe(self) -> str:
         """The startup log's memory plan: per device, and what the shared pool keeps free."""
         mib = 2**20
-        per_device = self.weight_bytes + self.activation_bytes + self.total_bytes
+        per_device = self.weight_bytes + self.activation_bytes + self.total_bytes + \
+            self.compile_headroom_bytes
         text = (f"memory plan per device: weights {self.weight_bytes / mib:.1f} MiB + "
-                f"activations {self.activation_bytes / mib:.1f} MiB + KV cache "
-                f"{self.total_bytes / mib:.1f} MiB = {per_device / mib:.1f} MiB")
+                f"activations {self.activation_bytes / mib:.1f} MiB + "
+                + (f"compile headroom {self.compile_headroom_bytes / mib:.1f} MiB + "
+                   if self.compile_headroom_bytes else "")
+                + f"KV cache {self.total_bytes / mib:.1f} MiB = {per_device / mib:.1f} MiB")
         if self.pool_devices > 1:
             text += f"; {self.pool_devices} devices share one memory pool (host RAM)"
         if self.pool_bytes:
@@ -112,7 +134,8 @@ class KVCacheDoesNotFit(ValueError):
 def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
                   activation_bytes: int, max_model_len: int, tp_size: int = 1,
                   device: jax.Device | None = None,
-                  device_memory_bytes: int | None = None) -> KVCachePlan:
+                  device_memory_bytes: int | None = None,
+                  compute_dtype=None) -> KVCachePlan:
     """Size the cache from --kv-cache-memory-bytes, or a utilization fraction of memory.
 
     Planned per memory pool: weight_bytes and activation_bytes are per device, and where
@@ -121,12 +144,18 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
     tp=3 holds the tokens tp=1 holds, in the same RAM, not 3x.
 
     device_memory_bytes: plan for a GPU that is not here (`jaxserve compile --target`): the
-    device rule below with that much memory, of which only the weights are in use."""
+    device rule below with that much memory, of which only the weights are in use.
+
+    On a GPU, from a utilization fraction, the plan also keeps `compile_headroom_bytes` free
+    (compute_dtype: the weights' dtype; default `dtype`): the cache is allocated after
+    warm-up compiled its buckets, and a bucket compiled later must still find room to
+    autotune. An explicit kv_cache_memory_bytes / num_gpu_blocks_override is taken as
+    given."""
     device = device or jax.devices()[0]
     per_block = bytes_per_block(arch, cache.block_size, dtype, tp_size)
     pool_devices = 1 if device_memory_bytes else devices_per_pool(device, tp_size)
     split = f", split over {pool_devices} devices sharing host RAM" if pool_devices > 1 else ""
-    pool_bytes = 0
+    pool_bytes = headroom = 0
     if cache.num_gpu_blocks_override:
         budget, source = cache.num_gpu_blocks_override * per_block, "num_gpu_blocks_override"
     elif cache.kv_cache_memory_bytes:
@@ -151,17 +180,21 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
             in_use = int(stats.get("bytes_in_use", 0))
         # A share of the whole device (vLLM's meaning), never more than JAX's pool holds.
         usable = min(int(cache.gpu_memory_utilization * total), pool_bytes)
-        budget = usable - in_use - activation_bytes
+        itemsize = jnp.dtype(compute_dtype if compute_dtype is not None else dtype).itemsize
+        headroom = compile_headroom_bytes(arch, itemsize, activation_bytes, tp_size)
+        budget = usable - in_use - activation_bytes - headroom
         source = (f"{cache.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB device memory"
-                  f" (JAX pool {pool_bytes / 2**30:.1f} GiB), {in_use / 2**30:.2f} GiB in use")
+                  f" (JAX pool {pool_bytes / 2**30:.1f} GiB), {in_use / 2**30:.2f} GiB in use,"
+                  f" {headroom / 2**30:.2f} GiB kept for compiles")
     num_blocks = cache.num_gpu_blocks_override or budget // per_block
     min_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < min_blocks:
         shortfall = min_blocks * per_block - budget
         raise KVCacheDoesNotFit(
             f"does not fit: KV cache budget {budget / 2**20:.1f} MiB ({source}; weights "
-            f"{weight_bytes / 2**30:.2f} GiB and activations {activation_bytes / 2**30:.2f} GiB "
-            f"per device) holds {max(num_blocks, 0)} blocks of {cache.block_size} tokens, "
+            f"{weight_bytes / 2**30:.2f} GiB, activations {activation_bytes / 2**30:.2f} GiB and "
+            f"compile headroom {headroom / 2**30:.2f} GiB per device) holds "
+            f"{max(num_blocks, 0)} blocks of {cache.block_size} tokens, "
             f"fewer than one sequence of max_model_len={max_model_len} needs ({min_blocks}): "
             f"{shortfall / 2**30:.2f} GiB short per device; raise --kv-cache-memory-bytes / "
             "--gpu-memory-utilization or lower --max-model-len, or use more "
@@ -169,4 +202,5 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
             "weights (--quantization int8)", int(shortfall))
     return KVCachePlan(int(num_blocks), cache.block_size, per_block, int(budget), source,
                        weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes),
-                       pool_devices=pool_devices, pool_bytes=int(pool_bytes))
+                       pool_devices=pool_devices, pool_bytes=int(pool_bytes),
+                       compile_headroom_bytes=int(headroom))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import threading
 import time
 from typing import Any
 from typing import Sequence as Seq
@@ -87,7 +86,7 @@ class ModelRunner(StepCompilation):
         self.input_sharding = input_sharding
         self.logits_shardings = tuple(logits_shardings)
         self.step_channel: Any = None
-        # seconds: kv_fill (its thread), kv_wait and params_wait (what warm-up waited for)
+        # seconds: kv_fill (allocating the cache) and params_wait (what warm-up waited for)
         self.startup_timings: dict[str, float] = {}
         self._init_params(params)
         self._init_model(backend)
@@ -148,53 +147,42 @@ class ModelRunner(StepCompilation):
 
     def _init_kv_cache(self, cache_shape: tuple[int, ...], kv_dtype: Any,
                        kv_sharding: Any) -> Any:
-        """Start zero-filling the KV cache (int8 / fp8: a QuantizedKV of values and per-slot-
-        head scales, quantization/kv.py); returns its ShapeDtypeStructs. The fill (GiBs of
-        page faults and memset) runs in a thread while warm-up compiles or loads the steps,
-        which need only its shapes and shardings; warmup() (or the first use of k_cache)
-        waits for it."""
-        self._kv_fill: dict[str, Any] = {}
-        self._zeros: Any = None   # reset() refills the cache with it after a failed step
-        self._kv_thread: threading.Thread | None = None
+        """Compile the KV cache's zero-fill (int8 / fp8: a QuantizedKV of values and per-slot-
+        head scales, quantization/kv.py) without running it; returns the cache's
+        ShapeDtypeStructs, all the step is compiled against.
+
+        The cache is allocated by `allocate_kv_cache`, which warm-up calls only after every
+        warm-up bucket is compiled: XLA's GEMM autotuner allocates scratch while it compiles,
+        and a cache sized to the memory plan would leave it none."""
+        self._k_cache = self._v_cache = None
+        self._zeros: Any = None   # also refills the cache in reset() after a failed step
         if self.abstract:
             return self._spec(jax.eval_shape(lambda: empty_cache(cache_shape, kv_dtype)),
                               kv_sharding)
-        zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
-                        out_shardings=kv_sharding).lower().compile()
-        self._zeros = zeros
-        self._kv_thread = threading.Thread(
-            target=self._fill_kv_cache, args=(zeros,), name="jaxserve-kv-zeros", daemon=True)
-        self._kv_thread.start()
+        self._zeros = jax.jit(lambda: empty_cache(cache_shape, kv_dtype),
+                              out_shardings=kv_sharding).lower().compile()
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding), zeros.out_info)
+            x.shape, x.dtype, sharding=x.sharding), self._zeros.out_info)
 
     # -- the KV cache --------------------------------------------------------------------------
-    def _fill_kv_cache(self, zeros: Any) -> None:
-        start = time.perf_counter()
-        try:
-            self._kv_fill["k"] = zeros()
-            self._kv_fill["v"] = jax.block_until_ready(zeros())
-        except BaseException as e:       # re-raised where the cache is first used
-            self._kv_fill["error"] = e
-        self.startup_timings["kv_fill"] = time.perf_counter() - start
+    @property
+    def kv_cache_allocated(self) -> bool:
+        return self._k_cache is not None
 
-    def _wait_kv_cache(self) -> None:
-        thread = self._kv_thread
-        if thread is None:
+    def allocate_kv_cache(self) -> None:
+        """Allocate the zero-filled K and V caches (once; warm-up calls it after compiling,
+        and the first use of k_cache / v_cache when there was no warm-up)."""
+        if self.kv_cache_allocated or self.abstract:
             return
         start = time.perf_counter()
-        thread.join()
-        self.startup_timings["kv_wait"] = time.perf_counter() - start
-        if "error" in self._kv_fill:
-            raise self._kv_fill["error"]
-        self._k_cache, self._v_cache = self._kv_fill.pop("k"), self._kv_fill.pop("v")
-        self._kv_thread = None
+        self._k_cache = self._zeros()
+        self._v_cache = jax.block_until_ready(self._zeros())
+        self.startup_timings["kv_fill"] = time.perf_counter() - start
 
     def reset(self) -> None:
         """Forget every row and refill the KV cache and the device-side last tokens with
         zeros: after a failed step the donated buffers may be consumed or hold an error, so
         nothing of the old device state is trusted (the engine discards the KV contents)."""
-        self._wait_kv_cache()
         for seq_id in list(self.batch.row_of):
             self.batch.remove(seq_id)
         self._k_cache = self._v_cache = None       # free the old cache before the new one
@@ -255,8 +243,7 @@ class ModelRunner(StepCompilation):
 
     @property
     def k_cache(self) -> Any:
-        if self._kv_thread is not None:
-            self._wait_kv_cache()
+        self.allocate_kv_cache()
         return self._k_cache
 
     @k_cache.setter
@@ -265,8 +252,7 @@ class ModelRunner(StepCompilation):
 
     @property
     def v_cache(self) -> Any:
-        if self._kv_thread is not None:
-            self._wait_kv_cache()
+        self.allocate_kv_cache()
         return self._v_cache
 
     @v_cache.setter

@@ -113,15 +113,31 @@ class StepCompilation:
     def warmup(self, progress: bool = True, max_workers: int | None = None,
                background: bool = False) -> float:
         """Compile every bucket before serving, several at once (XLA compiles release the GIL;
-        tracing does not, but it is the small part). Returns seconds.
+        tracing does not, but it is the small part), then allocate the KV cache. Returns
+        seconds.
+
+        The order is the point: every warm-up compile (and on a GPU, XLA's GEMM autotuning,
+        which allocates scratch copies of each GEMM's operands) runs while device memory
+        holds only the weights; the cache, sized by the memory plan, comes after
+        (`compile_warmup_buckets` then `allocate_kv_cache`; engine/model_setup.py checks the
+        plan against the compiled programs in between).
 
         background: compile (or load, runner/executable_cache.py) only the largest bucket,
         which serves any step by padding, and the one-token bucket (a lone decode) before
-        returning; compile the others smallest first in a background thread. Until a step's
-        own bucket is ready it runs in the smallest compiled bucket that fits (execute):
-        the same computation with more padding rows. ``all_compiled`` is set when every
-        bucket is ready; from then on a step never compiles."""
+        returning; compile the others smallest first in a background thread, after the
+        cache exists (the memory plan keeps a compile's headroom for them, runner/memory.py).
+        Until a step's own bucket is ready it runs in the smallest compiled bucket that
+        fits (execute): the same computation with more padding rows. ``all_compiled`` is set
+        when every bucket is ready; from then on a step never compiles."""
         start = time.perf_counter()
+        rest = self.compile_warmup_buckets(progress, max_workers, background)
+        self.finish_warmup(rest, start)
+        return time.perf_counter() - start
+
+    def compile_warmup_buckets(self, progress: bool = True, max_workers: int | None = None,
+                               background: bool = False) -> list[tuple[int, int]]:
+        """Compile warm-up's buckets (all, or with `background` the largest and the smallest)
+        without touching the KV cache; returns the buckets left for the background."""
         shapes = [s for s in self.buckets.all_shapes() if s not in self._steps]
         first, rest = shapes, []
         if background and len(shapes) > 2:
@@ -129,22 +145,39 @@ class StepCompilation:
             rest = shapes[1:-1]
         self._compile_all(first, progress, max_workers)
         self._compile_history_loader()
-        self._wait_kv_cache()       # zero-filled in a thread meanwhile (__init__)
-        self._wait_params()         # and restored, from an orbax checkpoint
+        return rest
+
+    def finish_warmup(self, rest: list[tuple[int, int]], start: float) -> None:
+        """After `compile_warmup_buckets`: allocate the KV cache, wait for the params (an
+        orbax restore), and start compiling `rest` in the background."""
+        self.allocate_kv_cache()
+        self._wait_params()         # restored meanwhile, from an orbax checkpoint
         elapsed = time.perf_counter() - start
         cache = self.executable_cache
         loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
-        logger.info("warm-up compiled %d step shapes in %.1f s%s%s", len(first), elapsed, loaded,
-                    f"; compiling {len(rest)} more in the background" if rest else "")
+        logger.info("warm-up compiled %d step shapes in %.1f s%s%s", len(self._steps), elapsed,
+                    loaded, f"; compiling {len(rest)} more in the background" if rest else "")
         if not rest:
             self.all_compiled.set()
-            return elapsed
+            return
         self._compile_thread = threading.Thread(
             target=self._compile_in_background, args=(rest,), daemon=True,
             name="jaxserve-compile")
         _BACKGROUND_COMPILES.add(self)
         self._compile_thread.start()
-        return elapsed
+
+    def compiled_temp_bytes(self) -> int:
+        """The largest temporaries (scratch beyond arguments and outputs) of the compiled
+        steps, from XLA's memory_analysis(); 0 where the backend does not report it."""
+        peak = 0
+        for executable in list(self._steps.values()):
+            try:
+                stats = executable.memory_analysis()
+            except Exception:     # e.g. an executable kind without the analysis
+                stats = None
+            if stats is not None:
+                peak = max(peak, int(stats.temp_size_in_bytes))
+        return peak
 
     def _compile_all(self, shapes: list[tuple[int, int]], progress: bool,
                      max_workers: int | None) -> None:

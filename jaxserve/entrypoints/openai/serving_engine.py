@@ -59,6 +59,10 @@ class OpenAIServing:
         # LoRA adapters served by name (jaxserve/lora/registry.py); None: LoRA off.
         self.lora_registry = getattr(engine.engine, "lora_registry", None)
         self.tokenizer = engine.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("the OpenAI server needs a tokenizer (texts, chat templates, "
+                             "logprob tokens); --skip-tokenizer-init is for offline "
+                             "LLM.generate on prompt token ids: pass --tokenizer DIR instead")
         self.max_model_len = engine.max_model_len
         self.vocab_size = len(self.tokenizer)
         model_config = engine.config.model_config
