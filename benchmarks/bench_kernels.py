@@ -241,7 +241,9 @@ def time_paired(fn, a_args, b_args, budget_s: float = 1.0, min_pairs: int = 20,
 
 
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "machine": platform.machine(),
+    from machine import cpu_info
+
+    info = {**cpu_info(), "platform": platform.platform(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "jax_version": jax.__version__}
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -196,8 +195,10 @@ def main() -> None:
         return
     from jaxserve import LLM
 
-    results: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                 "python": platform.python_version()},
+    sys.path.insert(0, str(Path(__file__).resolve().parent))     # benchmarks/machine.py
+    from machine import machine_info
+
+    results: dict = {"machine": machine_info(),
                      "output_len": args.output_len, "runs": []}
 
     limits = {} if args.engine_defaults else {

@@ -265,6 +265,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     summary = asyncio.run(run(args))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))     # benchmarks/machine.py
+    from machine import machine_info
+
+    summary["client_machine"] = machine_info()     # the server's too when on this machine
     print_summary(summary)
     if args.save_result:
         name = args.result_filename or (

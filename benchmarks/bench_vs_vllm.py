@@ -204,8 +204,9 @@ def main() -> None:
     from bench_offline import make_prompts
 
     prompts = make_prompts(AutoTokenizer.from_pretrained(args.hfdir), args.batch)
-    out: dict = {"machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
-                             "bf16_units": cpu_has_bf16_units(),
+    from machine import cpu_info
+
+    out: dict = {"machine": {**cpu_info(), "bf16_units": cpu_has_bf16_units(),
                              "load_average_before": os.getloadavg()[0]},
                  "batch": args.batch, "output_len": args.output_len,
                  "mean_prompt_tokens": float(np.mean([len(x) for x in prompts]))}
