@@ -74,13 +74,6 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def last_json(text: str, prefix: str = "") -> dict:
     for line in reversed(text.splitlines()):
         if line.startswith(prefix + "{"):
