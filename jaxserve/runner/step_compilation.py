@@ -4,8 +4,8 @@ while some are still compiling.
 
 `StepCompilation` is a mixin of `ModelRunner` (as vLLM's runner mixins): it uses the
 runner's model, layout, shapes and device placement (`_layout`, `_constants`, `_put`,
-`_param_specs`, `_state_specs`, `batch`, `buckets`), and owns `_steps` ((T, S) ->
-executable), `all_compiled`, `_wanted`, `_stop_compiling` and `_compile_thread`.
+`_params_platform`, `_param_specs`, `_state_specs`, `batch`, `buckets`), and owns `_steps`
+((T, S) -> executable), `all_compiled`, `_wanted`, `_stop_compiling` and `_compile_thread`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from jaxserve.runner.gpu_targets import GPU_STEP_COMPILER_OPTIONS
 from jaxserve.runner.step_function import step
 from jaxserve.step_inputs import StepLayout
 
@@ -94,7 +95,9 @@ class StepCompilation:
             if executable is not None:
                 return executable
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
-            executable = self.lower_step(num_tokens, num_seqs).compile()
+            on_gpu = self._params_platform() in ("gpu", "cuda", "rocm")
+            executable = self.lower_step(num_tokens, num_seqs).compile(
+                dict(GPU_STEP_COMPILER_OPTIONS) if on_gpu else None)
             if cache is not None and not hit():
                 cache.store((num_tokens, num_seqs), executable)
         return executable
