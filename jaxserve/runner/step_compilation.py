@@ -64,9 +64,10 @@ class StepCompilation:
         self._wanted: set[tuple[int, int]] = set()   # buckets steps ran padded for, meanwhile
         self.executable_cache: Any = None     # runner/executable_cache.py, when enabled
 
-    def _jitted(self, layout: StepLayout):
+    def _jitted(self, layout: StepLayout, model: Any = None):
         return jax.jit(functools.partial(
-            step, model=self.model, model_constants=self.model_constants, layout=layout,
+            step, model=self.model if model is None else model,
+            model_constants=self.model_constants, layout=layout,
             num_top_logprobs=self.num_top_logprobs, num_spec_tokens=self.num_spec_tokens,
             num_spec_rows=min(layout.num_seqs, self.max_spec_rows),
             logits_shardings=self.logits_shardings),
@@ -217,7 +218,10 @@ class StepCompilation:
                 consts["bias_values"], consts["grammar_bitmask"], self._lora_stacks())
         # Triton kernels are custom calls that jax.export does not vouch for by default.
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        return export.export(self._jitted(layout), platforms=[platform],
+        model = self.model
+        if hasattr(model, "unroll_layers"):    # the layer loop of that platform's runner
+            model = model.clone(unroll_layers=platform != "cpu")
+        return export.export(self._jitted(layout, model), platforms=[platform],
                              disabled_checks=checks)(*args)
 
     @property
