@@ -12,9 +12,14 @@ loaded machine slows them alike; the medians and the ratios to the first variant
   rolled                 the scan with XLA's dots (each layer's weight slice copied)
   unrolled               nn.scan(unroll=num_layers), XLA's dots (the GPU default)
   unrolled+layer_matmul  both
+  unrolled-aot           GPU: unrolled, compiled with `jaxserve compile`'s options (cuBLAS,
+                         no Triton GEMMs; each slice is copied for cuBLAS in the gpu_compile
+                         tier's HLO -- this measures what that costs)
 
     PYTHONPATH=. python benchmarks/bench_layer_loop.py --dtype bfloat16 --tokens 1,64 \\
         --json benchmarks/results/layer-loop-cpu-bf16.json
+    python benchmarks/bench_layer_loop.py --model configs/models/llama-3-8b \\
+        --load-format dummy --variants unrolled,rolled,unrolled-aot --tokens 1,64,256   # GPU
 """
 
 from __future__ import annotations
@@ -33,18 +38,21 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.model_setup import setup_model  # noqa: E402
+from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS  # noqa: E402
 
-VARIANTS = {   # name -> (unroll_layers, small_batch_layer_matmul)
-    "rolled+layer_matmul": (False, True),
-    "rolled": (False, False),
-    "unrolled": (True, False),
-    "unrolled+layer_matmul": (True, True),
+VARIANTS = {   # name -> (unroll_layers, small_batch_layer_matmul, AOT compiler options)
+    "rolled+layer_matmul": (False, True, False),
+    "rolled": (False, False, False),
+    "unrolled": (True, False, False),
+    "unrolled+layer_matmul": (True, True, False),
+    "unrolled-aot": (True, False, True),
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights (GPU runs)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", default="1,64", help="token buckets to compile and time")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -55,25 +63,27 @@ def main() -> None:
 
     config = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, max_model_len=512,
                                       max_num_seqs=64, max_num_batched_tokens=512,
-                                      kv_cache_memory_bytes=64 << 20,
+                                      kv_cache_memory_bytes=128 << 20,
+                                      load_format=args.load_format,
                                       compilation_cache_dir="off")
     runner = setup_model(config, warmup=False).runner
     base = runner.model
     wanted = [int(t) for t in args.tokens.split(",")]
     shapes = [s for s in runner.buckets.all_shapes() if s[0] in wanted]
     names = args.variants.split(",")
-    if "layer_matmul" in args.variants and not base.small_batch_layer_matmul:
+    if "+layer_matmul" in args.variants and not base.small_batch_layer_matmul:
         sys.exit("the oneDNN layer matmul is off here (not the CPU backend, or no library)")
 
     steps: dict[str, dict] = {}
     compile_s: dict[str, dict] = {}
     for name in names:
-        unroll, in_place = VARIANTS[name]
+        unroll, in_place, aot = VARIANTS[name]
         runner.model = base.clone(unroll_layers=unroll, small_batch_layer_matmul=in_place)
         steps[name], compile_s[name] = {}, {}
         for shape in shapes:
-            t0 = time.perf_counter()
-            steps[name][shape] = runner.lower_step(*shape).compile()
+            t0 = time.perf_counter()    # the runner's own compile (GPU: its step options)
+            steps[name][shape] = runner.lower_step(*shape).compile(dict(GPU_COMPILER_OPTIONS)) \
+                if aot else runner._compile(*shape)
             compile_s[name][str(shape)] = round(time.perf_counter() - t0, 2)
             print(f"{name} {shape}: compiled in {compile_s[name][str(shape)]} s", flush=True)
 
