@@ -53,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights (GPU runs)")
+    ap.add_argument("--tokenizer", default=None, help="for a config-only model directory")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", default="1,64", help="token buckets to compile and time")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -64,7 +65,7 @@ def main() -> None:
     config = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, max_model_len=512,
                                       max_num_seqs=64, max_num_batched_tokens=512,
                                       kv_cache_memory_bytes=128 << 20,
-                                      load_format=args.load_format,
+                                      load_format=args.load_format, tokenizer=args.tokenizer,
                                       compilation_cache_dir="off")
     runner = setup_model(config, warmup=False).runner
     base = runner.model

@@ -39,6 +39,13 @@ timeout 240 $py benchmarks/bench_offline.py "${engine_args[@]}" --batch-sizes 64
     --no-async-scheduling --tag gpu-8b-sync 2>&1 | tee "$out/gpu_engine_sync.log"
 cp benchmarks/results/offline_gpu-8b-*.json "$out/" 2>/dev/null || true
 
+# The 8B step's layer loop (issue 28): unrolled (the GPU default) vs the rolled scan vs the
+# unrolled step compiled with `jaxserve compile`'s cuBLAS options (which copies every slice).
+timeout 300 $py benchmarks/bench_layer_loop.py --model configs/models/llama-3-8b \
+    --load-format dummy --tokenizer "$tok" --dtype bfloat16 --tokens 1,64,256 --rounds 3 \
+    --variants unrolled,rolled,unrolled-aot --json "$out/layer-loop-gpu.json" 2>&1 \
+    | tee "$out/gpu_layer_loop.log"
+
 # Executables compiled on a machine without a GPU (`jaxserve compile --target h200`), carried
 # here: load them, run, compare tokens with the JIT-compiled engine, decode tok/s and the HBM
 # bandwidth it implies. Build DIR first (CPU box, .venv-gpu):
