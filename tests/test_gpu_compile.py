@@ -175,6 +175,8 @@ def test_the_decode_step_reads_layer_weights_in_place(tmp_path):
     smallest = min(int(np.prod(x.shape[1:])) * x.dtype.itemsize
                    for x in jax.tree.leaves(layers) if x.ndim == 3)
     assert smallest == 4096 * 1024 * 2                                   # k_proj, bf16
+    # The one-token bucket: in wider ones activations (prompt logits, split-K partials) reach
+    # a weight's size, and size alone no longer tells a copied weight apart.
     decode = runner.buckets.all_shapes()[0]
     assert decode[0] == 1 and runner.model.unroll_layers
 
