@@ -14,6 +14,10 @@
 #   hf_peer  HF transformers, eager bf16, same config, batch 1/64/256 (benchmarks/hf_peer.py);
 #   scan     the layer loop as lax.scan vs unrolled (benchmarks/scan_vs_unrolled.py);
 #   tests    tests/test_kernels.py and tests/test_parity.py, compiled by Triton.
+# A second call, when the budget allows: the 8B layer loop unrolled (the GPU default) vs the
+# rolled scan vs `jaxserve compile`'s cuBLAS options (benchmarks/bench_layer_loop.py
+# --model configs/models/llama-3-8b --load-format dummy --dtype bfloat16 --tokens 1,64,256
+# --variants unrolled,rolled,unrolled-aot): which of the AOT executables' slice copies matter.
 #
 #   benchmarks/gpu_wheels.sh             # here, once: the wheels the GPU image lacks -> .whl/
 #   run (device tool): bash benchmarks/gpu_check.sh          carry: [".whl"]

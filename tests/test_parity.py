@@ -76,3 +76,26 @@ def test_default_smollm2_logits_and_greedy_tokens_match_hf(default_llm):
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     worst = _check_parity(default_llm, hf, prompts, logits_tol=precision.LOGITS_TOL_DEFAULT)
     logger.warning("SmolLM2-135M: max |logits - HF| = %.2e", worst)
+
+
+def test_unrolled_layer_loop_gives_the_scans_logits(make_tiny_model):
+    """GPUs run the layers unrolled (models/decoder.py `unroll_layers`), CPUs as a scan: the
+    same parameters and per-layer inputs (windows, layer index) give the same logits."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.model_setup import setup_model
+
+    model = make_tiny_model("qwen2", use_sliding_window=True, sliding_window=8,
+                            max_window_layers=1, num_hidden_layers=3)
+    config = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_model_len=64,
+                                      max_num_seqs=2, max_num_batched_tokens=16,
+                                      attention_backend="reference",
+                                      kv_cache_memory_bytes=1 << 20, load_format="dummy")
+    runner = setup_model(config, warmup=False).runner
+    assert not runner.model.unroll_layers
+    ids = list(range(3, 23))                     # 20 tokens: past the 8-token window
+    rolled = runner.prompt_logits(ids, [0, 1])
+    runner.model = runner.model.clone(unroll_layers=True)
+    runner._prompt_logits_fns.clear()
+    unrolled = runner.prompt_logits(ids, [0, 1])
+    assert np.abs(rolled).max() > 0
+    np.testing.assert_allclose(unrolled, rolled, rtol=1e-5, atol=1e-5)

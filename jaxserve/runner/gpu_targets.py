@@ -25,8 +25,12 @@ from pathlib import Path
 from typing import Any
 
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "targets"
-# What ahead-of-time GPU compiles pass to XLA (see the module docstring).
-GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# What every GPU compile of the step passes to XLA. Dot merging off: XLA merges dots that
+# share an input (q/k/v of a layer) into one by concatenating their weights -- a copy of
+# those weights every step (48 MiB per layer of a Llama-3-8B; tests/test_gpu_compile.py).
+GPU_STEP_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+# What ahead-of-time GPU compiles pass (see the module docstring), on top of those.
+GPU_COMPILER_OPTIONS = {**GPU_STEP_COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False}
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ class ModelRunner(StepCompilation):
             "kv_sharding": kv_sharding, "input_sharding": input_sharding,
             "logits_shardings": self.logits_shardings,
             "small_batch_layer_matmul": getattr(self.model, "small_batch_layer_matmul", False),
+            "unroll_layers": getattr(self.model, "unroll_layers", False),
             "lora": None if lora is None else jax.tree.map(
                 lambda x: (x.shape, x.dtype), self._lora_stacks())}
 
@@ -142,8 +143,21 @@ class ModelRunner(StepCompilation):
             # Steps read each layer's weights in place through the oneDNN library
             # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
             self.model = self.model.clone(small_batch_layer_matmul=True)
+        if self._params_platform() != "cpu" and hasattr(self.model, "unroll_layers"):
+            # Off the CPU, layers run unrolled: a rolled scan copies each layer's weight
+            # slice every step (models/decoder.py; 2.8x the weight-streaming time on an H200).
+            self.model = self.model.clone(unroll_layers=True)
         constants = family.constants(self.arch)
         self.model_constants = constants if self.abstract else self._put(constants)
+
+    def _params_platform(self) -> str:
+        """The platform the parameters live on ("cpu", "gpu"/"cuda", "tpu"): an abstract
+        runner's target devices, not this machine's."""
+        for leaf in jax.tree.leaves(self._param_specs):
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is not None:
+                return next(iter(sharding.device_set)).platform
+        return jax.default_backend()
 
     def _init_kv_cache(self, cache_shape: tuple[int, ...], kv_dtype: Any,
                        kv_sharding: Any) -> Any:

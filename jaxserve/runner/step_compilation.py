@@ -4,8 +4,8 @@ while some are still compiling.
 
 `StepCompilation` is a mixin of `ModelRunner` (as vLLM's runner mixins): it uses the
 runner's model, layout, shapes and device placement (`_layout`, `_constants`, `_put`,
-`_param_specs`, `_state_specs`, `batch`, `buckets`), and owns `_steps` ((T, S) ->
-executable), `all_compiled`, `_wanted`, `_stop_compiling` and `_compile_thread`.
+`_params_platform`, `_param_specs`, `_state_specs`, `batch`, `buckets`), and owns `_steps`
+((T, S) -> executable), `all_compiled`, `_wanted`, `_stop_compiling` and `_compile_thread`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from jaxserve.runner.gpu_targets import GPU_STEP_COMPILER_OPTIONS
 from jaxserve.runner.step_function import step
 from jaxserve.step_inputs import StepLayout
 
@@ -63,9 +64,10 @@ class StepCompilation:
         self._wanted: set[tuple[int, int]] = set()   # buckets steps ran padded for, meanwhile
         self.executable_cache: Any = None     # runner/executable_cache.py, when enabled
 
-    def _jitted(self, layout: StepLayout):
+    def _jitted(self, layout: StepLayout, model: Any = None):
         return jax.jit(functools.partial(
-            step, model=self.model, model_constants=self.model_constants, layout=layout,
+            step, model=self.model if model is None else model,
+            model_constants=self.model_constants, layout=layout,
             num_top_logprobs=self.num_top_logprobs, num_spec_tokens=self.num_spec_tokens,
             num_spec_rows=min(layout.num_seqs, self.max_spec_rows),
             logits_shardings=self.logits_shardings),
@@ -94,7 +96,9 @@ class StepCompilation:
             if executable is not None:
                 return executable
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
-            executable = self.lower_step(num_tokens, num_seqs).compile()
+            on_gpu = self._params_platform() in ("gpu", "cuda", "rocm")
+            executable = self.lower_step(num_tokens, num_seqs).compile(
+                dict(GPU_STEP_COMPILER_OPTIONS) if on_gpu else None)
             if cache is not None and not hit():
                 cache.store((num_tokens, num_seqs), executable)
         return executable
@@ -247,7 +251,10 @@ class StepCompilation:
                 consts["bias_values"], consts["grammar_bitmask"], self._lora_stacks())
         # Triton kernels are custom calls that jax.export does not vouch for by default.
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        return export.export(self._jitted(layout), platforms=[platform],
+        model = self.model
+        if hasattr(model, "unroll_layers"):    # the layer loop of that platform's runner
+            model = model.clone(unroll_layers=platform != "cpu")
+        return export.export(self._jitted(layout, model), platforms=[platform],
                              disabled_checks=checks)(*args)
 
     @property
