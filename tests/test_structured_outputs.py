@@ -413,3 +413,32 @@ def test_token_bitmask_sets_exactly_the_cleared_bits_to_minus_inf():
     free = np.full((3, 3), -1, np.int32)                   # nothing constrained: untouched
     np.testing.assert_array_equal(np.asarray(apply_token_bitmask(jnp.asarray(logits),
                                                                  jnp.asarray(free))), logits)
+
+
+def test_a_grammar_that_finishes_compiling_while_checked_is_not_a_failure():
+    """The engine looks at a compiling grammar's future once per check: one that completes
+    between two looks (done() False, then True with no exception) stays a success."""
+    import time
+    from types import SimpleNamespace
+
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    class FinishesWhileChecked:
+        looks = 0
+
+        def done(self) -> bool:
+            self.looks += 1
+            return self.looks > 1
+
+        def exception(self):
+            return None
+
+    failed = []
+    engine = SimpleNamespace(
+        _compiling={"req": (FinishesWhileChecked(), time.monotonic())},
+        scheduler=SimpleNamespace(abort_request=lambda *a: failed.append(a)),
+        outputs=SimpleNamespace(finish=lambda *a: failed.append(a)))
+    LLMEngine._fail_unbuildable_grammars(engine)
+    assert failed == [] and "req" in engine._compiling
+    LLMEngine._fail_unbuildable_grammars(engine)     # now done, no exception: dropped
+    assert failed == [] and engine._compiling == {}

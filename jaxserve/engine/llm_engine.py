@@ -272,10 +272,13 @@ class LLMEngine:
         engine keeps serving."""
         now = time.monotonic()
         for request_id, (future, started) in list(self._compiling.items()):
-            if future.done() and future.exception() is None:
+            # One look at the future: it may finish between two (then a success read as
+            # a failure ended the request with "grammar compilation failed: None").
+            done = future.done()
+            if done and future.exception() is None:
                 del self._compiling[request_id]
                 continue
-            if future.done():
+            if done:
                 error = future.exception()
             elif now - started > COMPILE_TIMEOUT_S:
                 error = f"still compiling after {COMPILE_TIMEOUT_S:.0f} s"
