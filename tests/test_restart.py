@@ -153,7 +153,7 @@ def test_checkpoint_settings_cannot_be_silently_overridden(round_trip):
     with pytest.raises(ValueError, match="converted with quantization='int8'"):
         LLM(checkpoint, quantization="gguf", compilation_cache_dir="off", **ENGINE_KWARGS)
     with pytest.raises(ValueError, match="converted in float32"):
-        LLM(checkpoint, dtype="bfloat16", compilation_cache_dir="off", **ENGINE_KWARGS)
+        LLM(checkpoint, compilation_cache_dir="off", **{**ENGINE_KWARGS, "dtype": "bfloat16"})
 
 
 def test_convert_refuses_a_non_empty_directory(make_tiny_model, tmp_path):
@@ -172,7 +172,7 @@ def test_cli_convert_writes_a_self_contained_checkpoint(make_tiny_model, tmp_pat
     model = make_tiny_model("llama")
     out = tmp_path / "ckpt"
     assert main(["convert", str(model), str(out), "--quantization", "int8",
-                 "--log-level", "warning"]) == 0
+                 "--dtype", "float32", "--log-level", "warning"]) == 0
     assert f"jaxserve serve {out}" in capsys.readouterr().out
     info = read_checkpoint(out)
     assert (info.quantization, info.dtype, info.kv_head_copies) == ("int8", "float32", 1)
