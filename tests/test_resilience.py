@@ -340,13 +340,13 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
                     start = time.monotonic()
                     assert (await c.get("/v1/models")).status_code == 200
                     return time.monotonic() - start
-                # The yardstick runs beside the overload, under the same load: 50 trivial
-                # requests interleaved with the 200 completions.
-                gathered = await asyncio.gather(*[
+                # The yardstick: the same burst of 200 connections to a trivial route, in
+                # the same run, just before.
+                baseline = await asyncio.gather(*[models() for _ in range(200)])
+                results = await asyncio.gather(*[
                     _complete(c, {"prompt": f"fox {i}", "max_tokens": 48, "ignore_eos": True})
-                    if i % 5 else models() for i in range(250)])
-            results = [r for i, r in enumerate(gathered) if i % 5]
-            return results, max(r for i, r in enumerate(gathered) if not i % 5)
+                    for i in range(200)])
+            return results, max(baseline)
 
         poller = HealthPoller(srv.url)
         results, baseline = asyncio.run(overload())
@@ -360,16 +360,18 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
             assert_openai_error(r, 503)
             assert r.json()["error"]["code"] == "queue_full"
             assert r.headers["retry-after"] == "1"
-        # "At once": a refusal costs about what a trivial route costs beside it, under the
-        # same connections and the same engine load (a 2x margin + 1 s, which a box twice as
-        # slow or twice as loaded still meets: the yardstick slows with it).
+        # "At once": a refusal costs about what a trivial route costs under the same burst of
+        # 200 connections, measured in this run (a box twice as slow or as loaded slows both).
+        # The overload also runs the engine beside the refusals, which the yardstick does not:
+        # 3x + 1 s covers that (seen: 3.6 s against a 1.35 s yardstick on a loaded box), while
+        # a refusal that waited on the engine would wait for whole 48-token requests.
         waits = sorted(seconds for _, seconds in rejected)
-        assert waits[-1] < 2.0 * baseline + 1.0, (baseline, waits[::10])
+        assert waits[-1] < 3.0 * baseline + 1.0, (baseline, waits[::10])
         assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done)
         assert len(health_times) >= 3 and set(health_codes) == {200}, health_codes
         # /health is never held up by the overload beyond what any trivial route costs
         # under it (the same yardstick and margin).
-        assert max(health_times) < 2.0 * baseline + 1.0, (baseline, max(health_times))
+        assert max(health_times) < 3.0 * baseline + 1.0, (baseline, max(health_times))
         text = httpx.get(srv.url + "/metrics").text
         assert metric(text, "jaxserve:num_requests_rejected_total",
                       reason="queue_full") == len(rejected)
