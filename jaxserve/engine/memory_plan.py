@@ -1,0 +1,131 @@
+"""The startup memory plan: what the weights, penalty tables, LoRA slots, a draft model and the
+widest step's activations leave of the budget for the KV cache (`runner/memory.plan_kv_cache`
+does the arithmetic), and the same plan again for the compiled steps' measured peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxserve.config import CacheConfig, EngineConfig
+from jaxserve.models.arch import ModelArch
+from jaxserve.models.registry import family_for, read_arch
+from jaxserve.quantization.cost import measured_cost
+from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
+from jaxserve.runner.penalty_state import PenaltyState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    kv_plan: KVCachePlan
+    lora_targets: dict | None        # None: LoRA off
+    draft: dict[str, Any] | None     # load_draft's (None: no draft model)
+    # The same plan for another activation peak (the compiled steps' measured one).
+    replan: Callable[[int], KVCachePlan]
+
+
+def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
+                 kv_dtype: Any, max_model_len: int, platform: str,
+                 spec_rows: Any) -> MemoryPlan:
+    """Size the KV cache from what the weights, LoRA slots, a draft model and the widest
+    step's activations leave of the budget (`cc`: the cache config, an --aot-dir's block
+    count applied)."""
+    sc = config.scheduler_config
+    arch, dtype, placement = placed.arch, placed.dtype, placed.placement
+    # A RestoringParams (model_source.py) is still being read: plan from its shapes.
+    weight_bytes = placement.weight_bytes_per_device(
+        getattr(placed.params, "spec", placed.params), placed.resident_bytes)
+    # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
+    # logits of S rows and of the prompt-logprobs positions; leave generous room for them.
+    t_max = sc.max_num_batched_tokens
+    logits_rows = min(t_max, sc.max_num_seqs) + sc.max_prompt_logprobs_per_step + \
+        spec_rows.max_rows * (spec_rows.num_tokens + 1)
+    activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
+        logits_rows * arch.vocab_size * 4 * 4
+    # The runner's device-resident penalty history lives as long as the weights (counted
+    # with them, as jaxserve compile's plan does: aot_compile.abstract_engine).
+    weight_bytes += PenaltyState.nbytes(sc.max_num_seqs + 1, arch.vocab_size)
+    lora_targets = None
+    if config.lora_config.enable_lora:   # the adapter slots come out of the weights' share
+        from jaxserve.lora.peft_loader import supported_targets
+
+        lora_targets = supported_targets(family, arch)
+        lc = config.lora_config
+        lora_bytes = sum(arch.num_layers * (lc.max_loras + 1) * lc.max_lora_rank
+                         * (t.in_features + t.out_features) for t in lora_targets.values()
+                         ) * np.dtype(dtype).itemsize
+        weight_bytes += lora_bytes
+    draft = None
+    spec = config.spec_decode
+    if spec is not None and spec.method == "draft_model":
+        draft = load_draft(config, arch, dtype, platform, max_model_len, spec_rows.max_rows)
+        weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
+
+    def plan(activation: int) -> KVCachePlan:
+        kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation,
+                                                max_model_len, tp_size=placement.tp,
+                                                device=placement.device, compute_dtype=dtype))
+        if draft is not None and cc.kv_cache_memory_bytes and not cc.num_gpu_blocks_override:
+            # An explicit KV budget is the target's and the draft's together.
+            taken = -(-draft["kv_bytes"] // kv_plan.bytes_per_block)
+            kv_plan = dataclasses.replace(kv_plan, num_blocks=max(
+                kv_plan.num_blocks - taken, -(-max_model_len // kv_plan.block_size)))
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens in %s (%.2f GiB; budget from "
+                    "%s); max concurrency at max_model_len=%d: %.1fx", kv_plan.num_blocks,
+                    kv_plan.block_size, kv_plan.capacity_tokens, np.dtype(kv_dtype).name,
+                    kv_plan.total_bytes / 2**30,
+                    kv_plan.source, max_model_len, kv_plan.capacity_tokens / max_model_len)
+        logger.info(kv_plan.describe())
+        return kv_plan
+
+    kv_plan = plan(activation_bytes)
+    cost = measured_cost(placed.quantization, cc.kv_cache_dtype)
+    if cost:
+        logger.warning(cost)
+    return MemoryPlan(kv_plan, lora_targets, draft, plan)
+
+
+def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str,
+                max_model_len: int, max_rows: int) -> dict[str, Any]:
+    """Speculative decoding's draft model: weights on the target's device, and the size of
+    its KV cache (enough for max_rows sequences of max_model_len + k, plus one spare block
+    each); one device only."""
+    from jaxserve.loader import load_model
+    from jaxserve.runner.memory import bytes_per_block
+
+    spec = config.spec_decode
+    if config.parallel_config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method 'draft_model' runs on one device; "
+                         "tensor_parallel_size > 1 is not supported with it")
+    loaded = load_model(spec.model, dtype=np.dtype(dtype))
+    draft_arch = read_arch(loaded.hf_config)
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary "
+                         f"({draft_arch.vocab_size}) differs from the target's "
+                         f"({arch.vocab_size}); it must share the tokenizer")
+    draft_len = max_model_len + spec.num_speculative_tokens
+    if draft_len > draft_arch.max_position_embeddings:
+        raise ValueError(f"speculative_config: the draft model's context "
+                         f"({draft_arch.max_position_embeddings}) is shorter than "
+                         f"max_model_len + num_speculative_tokens ({draft_len})")
+    num_params = sum(int(np.prod(w.shape)) for w in loaded.weights.values())
+    params = jax.device_put(
+        family_for(draft_arch.architecture).params_from_weights(loaded.weights, draft_arch))
+    block_size = config.cache_config.block_size
+    num_blocks = max_rows * (-(-draft_len // block_size) + 1)
+    kv_bytes = num_blocks * bytes_per_block(draft_arch, block_size, dtype)
+    logger.info("draft model %s: %s, %.1fM parameters; its KV cache: %d blocks (%.2f GiB)",
+                loaded.model_path, draft_arch.architecture, num_params / 1e6, num_blocks,
+                kv_bytes / 2**30)
+    return {"arch": draft_arch, "params": params, "num_blocks": num_blocks,
+            "max_model_len": draft_len, "kv_bytes": kv_bytes,
+            "bytes": kv_bytes + num_params * np.dtype(dtype).itemsize}
+
