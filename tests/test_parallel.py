@@ -305,6 +305,9 @@ def worker(spec: dict) -> None:
 def _env(num_devices: int | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
+    # The worker runs this file as a script, which puts tests/ (not the repo) on sys.path;
+    # `from tests import precision` needs the repo root.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if num_devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
     return env
