@@ -109,10 +109,10 @@ class SchedulerConfig:
         1, "How many prompts may be partly prefilled at once (vLLM's flag).")
     prefill_budget_while_decoding: int | None = opt(
         None, "While decodes run, the most prompt tokens a step may prefill, so a prefill "
-        "cannot stall every stream's next token. Default: what fills the step to the token "
-        "bucket of max(2 x decodes, 32), which keeps such a step near twice a decode step, "
-        "while at most one prompt waits; when several wait (a burst), the whole step "
-        "budget, as vLLM does. 0 = never capped (best throughput, worst inter-token "
+        "cannot stall every stream's next token. Default: a bound on time, measured on this "
+        "machine: a step may cost about 2.5 decode steps of the rows that will run (more while "
+        "waiting prompts outnumber the streams); before any step is measured, the token "
+        "bucket of max(2 x decodes, 32). 0 = never capped (best throughput, worst inter-token "
         "latency).")
     max_prompt_logprobs_per_step: int | None = opt(
         None, "Most prompt positions per step whose prompt logprobs are computed: the fixed "

@@ -389,3 +389,15 @@ def test_penalized_greedy_tokens_match_references_across_row_reuse_and_preemptio
             assert out.outputs[0].token_ids == _penalized_reference(model, prompt, p), p
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_engine_learns_what_its_steps_cost(llm):
+    """Every bucket the engine ran is measured (after its first step), for the scheduler's
+    time-bounded prefill cap (jaxserve/engine/step_costs.py)."""
+    engine = llm.llm_engine
+    prompts = [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(4)]
+    llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    measured = engine.step_costs.snapshot()
+    assert 4 in measured, measured                 # four streams decoding: bucket 4
+    assert all(seconds > 0 for seconds in measured.values())
+    assert engine.scheduler.step_costs is engine.step_costs

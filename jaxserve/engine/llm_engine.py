@@ -46,6 +46,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
 from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.engine.stats import EngineStats
+from jaxserve.engine.step_costs import StepCosts
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_contract import SchedulerOutput
@@ -79,6 +80,10 @@ class LLMEngine:
         self.model_path = s.model_path
         self.lora_registry = s.lora_registry    # None: LoRA off
         self.runner = s.runner
+        # What steps cost on this machine (the scheduler's auto prefill cap): kept across
+        # recover(), which rebuilds the scheduler.
+        self.step_costs = StepCosts()
+        self._last_result_time = 0.0
         self._build_request_state()
         self.stats = EngineStats()
         if log_stats is None:
@@ -112,6 +117,7 @@ class LLMEngine:
         lc = config.lora_config
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
                                    max_loras=lc.max_loras if lc.enable_lora else 0)
+        self.scheduler.step_costs = self.step_costs
         self.outputs = OutputProcessor(s.eos_token_ids, s.max_model_len,
                                        s.default_sampling_overrides, seed=config.model_config.seed)
         self.frontend = Frontend(self, self.tokenizer, s.max_model_len,
@@ -321,6 +327,12 @@ class LLMEngine:
     def _collect(self, out: SchedulerOutput, pending: Any, dispatch_time: float) -> None:
         """Wait for a dispatched step; append its tokens and run output processing."""
         result = pending.result()
+        # The step's cost as the streams see it: from its dispatch, or from the previous
+        # result if it was queued behind that step, to its result.
+        ready = time.perf_counter()
+        self.step_costs.record(max(out.total_num_scheduled_tokens, len(out.seq_ids)),
+                               ready - max(dispatch_time, self._last_result_time))
+        self._last_result_time = ready
         now = time.time()
         for row, chunk in result.prompt_logprobs.items():   # before the tokens: a request
             seq = self.scheduler.get_seq(out.seq_ids[row])   # may finish with its prompt

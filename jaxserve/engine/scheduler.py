@@ -46,9 +46,9 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.shared_prefill import SharedPrefill
+from jaxserve.engine.step_costs import StepCosts, auto_step_tokens
 from jaxserve.engine.step_room import StepRoom, fit_prompt_logprobs, prompt_logprobs_positions
 from jaxserve.lora.slots import LoRASlots
-from jaxserve.runner.buckets import next_power_of_2  # the step shapes the cap aims at
 from jaxserve.step_contract import NewSeqData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_constrained = 0              # unfinished sequences with a grammar
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
+        # Measured step times, fed by the engine (LLMEngine._collect); None: the auto prefill
+        # cap falls back to its token rule.
+        self.step_costs: StepCosts | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -142,12 +145,12 @@ class Scheduler:
         self._rolled_back = {}
         # Decodes this step (running sequences past their prompt): the decode-aware prefill
         # cap needs the count before any prefill chunk is planned, and whether several
-        # prompts wait (then the auto cap steps aside: see _chunk_cap).
+        # prompts wait (the auto cap weighs the rows they will add: see _chunk_cap).
         room = StepRoom(budget=self.max_num_batched_tokens,
                          prompt_logprobs=self.max_prompt_logprobs_per_step,
                          num_decodes=sum(1 for seq in self._running
                                          if seq.num_computed_tokens >= seq.num_prompt_tokens),
-                         burst=len(self._waiting) > 1)
+                         num_waiting=len(self._waiting))
         self._schedule_running(out, drafts or {}, room)
         if not out.preempted_seq_ids:   # admit waiting ones unless the cache was just short
             self._admit_waiting(out, room)
@@ -210,7 +213,7 @@ class Scheduler:
                 proposed = None
             if is_prefill:
                 num_new = min(num_new, self._chunk_cap(room.prefill_used, num_decodes,
-                                                        room.burst))
+                                                        room.num_waiting))
             num_new = fit_prompt_logprobs(seq, seq.num_computed_tokens,
                                            min(num_new, budget), room.prompt_logprobs)
             if num_new <= 0:
@@ -247,7 +250,7 @@ class Scheduler:
                 passed_over.append(self._waiting.popleft())
                 continue
             cap = min(room.budget, self._chunk_cap(room.prefill_used, room.num_decodes,
-                                                   room.burst))
+                                                   room.num_waiting))
             if cap <= 0:
                 break
             computed_blocks, num_cached = [], 0
@@ -307,21 +310,14 @@ class Scheduler:
         waiting = sorted({s.lora.name for s in self._waiting if s.lora is not None})
         return running, waiting
 
-    def _chunk_cap(self, prefill_used: int, num_decodes: int, burst: bool = False) -> int:
+    def _chunk_cap(self, prefill_used: int, num_decodes: int, num_waiting: int = 0) -> int:
         """Most prompt tokens the next sequence may take this step (<= 0: none).
 
         vLLM's per-request ``long_prefill_token_threshold``; and while decodes run, the
-        step's prefill work is held to ``prefill_budget_while_decoding``. Auto fills the
-        step up to the power-of-two token bucket of max(2 x decodes, 32) (the runner's
-        buckets are powers of two): a decode step of D rows runs bucket next_pow2(D), a
-        mixed one at most twice that, so a lone long prompt costs the streams steps of about
-        twice a decode step, never several times it (16 decodes + 32 prompt tokens would
-        round up to bucket 64: 4x). When several prompts wait (``burst``: a wave of
-        clients, each waiting for its first token) auto takes the whole token budget, as
-        vLLM does: capped, the last of a 64-prompt wave waited 60 s for its first token
-        (uncapped 24 s), and a stream's TPOT, a mean over its steps, did not move (p99
-        477 vs 473 ms; benchmarks/results/vs-vllm-probe-*.json). Without chunked prefill a
-        prompt must fit whole, so only the step's token budget applies.
+        step's prefill work is held to ``prefill_budget_while_decoding``, by default a bound
+        on the step's measured *time* (step_costs.py: at most 2.5 decode steps of the rows
+        that will run). Without chunked prefill a prompt must fit whole, so only the step's
+        token budget applies.
         """
         cap = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
@@ -331,9 +327,9 @@ class Scheduler:
         if num_decodes and self.decode_prefill_budget != 0:
             limit = self.decode_prefill_budget
             if limit is None:
-                if burst:
-                    return cap
-                limit = next_power_of_2(max(2 * num_decodes, 32)) - num_decodes
+                limit = auto_step_tokens(self.step_costs, num_decodes, num_waiting,
+                                         self.max_num_seqs, self.max_num_batched_tokens) \
+                    - num_decodes
             cap = min(cap, limit - prefill_used)
         return cap
 

@@ -14,7 +14,7 @@ class StepRoom:
     budget: int                      # tokens
     prompt_logprobs: int             # prompt-logprob gather slots
     num_decodes: int                 # decodes this step (the decode-aware prefill cap)
-    burst: bool = False              # several prompts wait: the auto cap steps aside
+    num_waiting: int = 0             # prompts waiting at the step's start (the auto cap)
     prefill_used: int = 0            # prompt tokens planned so far
     num_partial: int = 0             # sequences still inside their prompt after this step
 
