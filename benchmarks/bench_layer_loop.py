@@ -15,11 +15,16 @@ loaded machine slows them alike; the medians and the ratios to the first variant
   unrolled-aot           GPU: unrolled, compiled with `jaxserve compile`'s options (cuBLAS,
                          no Triton GEMMs; each slice is copied for cuBLAS in the gpu_compile
                          tier's HLO -- this measures what that costs)
+  unrolled-untuned       GPU: unrolled, Triton GEMMs with the tiles a compile without a device
+                         gets (autotuning off): they read every weight in place (no copy in
+                         the gpu_compile tier's HLO, every bucket) but their tiles are XLA's
+                         defaults -- the other choice for `jaxserve compile`
 
     PYTHONPATH=. python benchmarks/bench_layer_loop.py --dtype bfloat16 --tokens 1,64 \\
         --json benchmarks/results/layer-loop-cpu-bf16.json
     python benchmarks/bench_layer_loop.py --model configs/models/llama-3-8b \\
-        --load-format dummy --variants unrolled,rolled,unrolled-aot --tokens 1,64,256   # GPU
+        --load-format dummy --variants unrolled,rolled,unrolled-aot,unrolled-untuned \\
+        --tokens 1,64,256   # GPU
 """
 
 from __future__ import annotations
@@ -38,14 +43,19 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.model_setup import setup_model  # noqa: E402
-from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS  # noqa: E402
+from jaxserve.runner.gpu_targets import (  # noqa: E402
+    GPU_COMPILER_OPTIONS,
+    GPU_STEP_COMPILER_OPTIONS,
+)
 
-VARIANTS = {   # name -> (unroll_layers, small_batch_layer_matmul, AOT compiler options)
-    "rolled+layer_matmul": (False, True, False),
-    "rolled": (False, False, False),
-    "unrolled": (True, False, False),
-    "unrolled+layer_matmul": (True, True, False),
-    "unrolled-aot": (True, False, True),
+# name -> (unroll_layers, small_batch_layer_matmul, compiler options; None: the runner's own)
+VARIANTS = {
+    "rolled+layer_matmul": (False, True, None),
+    "rolled": (False, False, None),
+    "unrolled": (True, False, None),
+    "unrolled+layer_matmul": (True, True, None),
+    "unrolled-aot": (True, False, GPU_COMPILER_OPTIONS),
+    "unrolled-untuned": (True, False, {**GPU_STEP_COMPILER_OPTIONS, "xla_gpu_autotune_level": 0}),
 }
 
 
@@ -78,13 +88,13 @@ def main() -> None:
     steps: dict[str, dict] = {}
     compile_s: dict[str, dict] = {}
     for name in names:
-        unroll, in_place, aot = VARIANTS[name]
+        unroll, in_place, options = VARIANTS[name]
         runner.model = base.clone(unroll_layers=unroll, small_batch_layer_matmul=in_place)
         steps[name], compile_s[name] = {}, {}
         for shape in shapes:
             t0 = time.perf_counter()    # the runner's own compile (GPU: its step options)
-            steps[name][shape] = runner.lower_step(*shape).compile(dict(GPU_COMPILER_OPTIONS)) \
-                if aot else runner._compile(*shape)
+            steps[name][shape] = runner.lower_step(*shape).compile(dict(options)) \
+                if options is not None else runner._compile(*shape)
             compile_s[name][str(shape)] = round(time.perf_counter() - t0, 2)
             print(f"{name} {shape}: compiled in {compile_s[name][str(shape)]} s", flush=True)
 

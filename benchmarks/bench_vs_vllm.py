@@ -139,7 +139,8 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
                  "--tokenizer", args.hfdir, "--dataset-name", "random",
                  "--random-input-len", "128", "--random-output-len", "128",
                  "--num-prompts", str(args.num_prompts), "--max-concurrency", "64",
-                 "--ignore-eos", "--save-result", "--result-dir", result_dir,
+                 "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl",
+                 "--save-result", "--result-dir", result_dir,
                  "--result-filename", name]
         out = subprocess.run(bench, capture_output=True, text=True)
         if out.returncode:
@@ -154,10 +155,12 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
     keep = {k: data[k] for k in ("output_throughput", "p99_tpot_ms", "p99_ttft_ms",
-                                 "median_tpot_ms", "median_ttft_ms", "completed")
+                                 "median_tpot_ms", "median_ttft_ms", "p99_itl_ms",
+                                 "median_itl_ms", "completed")
             if k in data}
     print(f"  {engine}: {keep.get('output_throughput', 0):.1f} out tok/s, p99 TPOT "
-          f"{keep.get('p99_tpot_ms', 0):.0f} ms, p99 TTFT {keep.get('p99_ttft_ms', 0):.0f} ms",
+          f"{keep.get('p99_tpot_ms', 0):.0f} ms, p99 TTFT {keep.get('p99_ttft_ms', 0):.0f} ms, "
+          f"p99 ITL {keep.get('p99_itl_ms', 0):.0f} ms",
           flush=True)
     return keep
 
@@ -227,7 +230,7 @@ def main() -> None:
                     print(f"serving round {i + 1}: {engine}", flush=True)
                     served[engine].append(serving_round(engine, args, 8100 + n, tmp))
             keys = ["output_throughput", "p99_tpot_ms", "p99_ttft_ms", "median_tpot_ms",
-                    "median_ttft_ms"]
+                    "median_ttft_ms", "p99_itl_ms", "median_itl_ms"]
             out["serving"] = {e: {"median": medians(r, keys), "rounds": r}
                               for e, r in served.items() if r}
             if len(args.engines) < 2:
@@ -239,7 +242,8 @@ def main() -> None:
             out["serving"]["ratio"] = {k: j[k] / v[k] for k in j}
             print(f"serving: output tok/s {out['serving']['ratio']['output_throughput']:.2f}x "
                   f"vLLM; p99 TPOT {j['p99_tpot_ms']:.0f} vs {v['p99_tpot_ms']:.0f} ms; p99 TTFT "
-                  f"{j['p99_ttft_ms']:.0f} vs {v['p99_ttft_ms']:.0f} ms", flush=True)
+                  f"{j['p99_ttft_ms']:.0f} vs {v['p99_ttft_ms']:.0f} ms; p99 ITL "
+                  f"{j.get('p99_itl_ms', 0):.0f} vs {v.get('p99_itl_ms', 0):.0f} ms", flush=True)
     out["machine"]["load_average_after"] = os.getloadavg()[0]
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"vs-vllm-{args.tag}.json"
