@@ -87,3 +87,15 @@ def test_before_any_step_is_measured_the_token_rule_holds():
     assert auto_step_tokens(StepCosts(), 16, 1, 256, 512) == 32
     assert auto_step_tokens(None, 40, 1, 256, 512) == 128
     assert auto_step_tokens(StepCosts(), 16, 5, 256, 512) == 512    # a burst: the budget
+
+
+def test_a_step_queued_behind_another_costs_from_that_ones_result():
+    """Two in flight: the second step waits for the first; its cost starts at the first's
+    result, not at its own dispatch (that would count the first step twice)."""
+    costs = StepCosts()
+    for i in range(3):      # (dispatch, result) in seconds: both dispatched at t, in order
+        t = 10.0 * i
+        costs.record_result(1, t, t + 0.030)           # one row
+        costs.record_result(64, t, t + 0.030 + 0.170)  # queued behind it: 170 ms of its own
+    assert costs.estimate(1) == pytest.approx(0.030)
+    assert costs.estimate(64) == pytest.approx(0.170)

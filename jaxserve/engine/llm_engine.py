@@ -83,7 +83,6 @@ class LLMEngine:
         # What steps cost on this machine (the scheduler's auto prefill cap): kept across
         # recover(), which rebuilds the scheduler.
         self.step_costs = StepCosts()
-        self._last_result_time = 0.0
         self._build_request_state()
         self.stats = EngineStats()
         if log_stats is None:
@@ -327,12 +326,8 @@ class LLMEngine:
     def _collect(self, out: SchedulerOutput, pending: Any, dispatch_time: float) -> None:
         """Wait for a dispatched step; append its tokens and run output processing."""
         result = pending.result()
-        # The step's cost as the streams see it: from its dispatch, or from the previous
-        # result if it was queued behind that step, to its result.
-        ready = time.perf_counter()
-        self.step_costs.record(max(out.total_num_scheduled_tokens, len(out.seq_ids)),
-                               ready - max(dispatch_time, self._last_result_time))
-        self._last_result_time = ready
+        self.step_costs.record_result(max(out.total_num_scheduled_tokens, len(out.seq_ids)),
+                                      dispatch_time, time.perf_counter())
         now = time.time()
         for row, chunk in result.prompt_logprobs.items():   # before the tokens: a request
             seq = self.scheduler.get_seq(out.seq_ids[row])   # may finish with its prompt

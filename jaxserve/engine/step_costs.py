@@ -48,6 +48,14 @@ class StepCosts:
         self._samples: dict[int, deque[float]] = {}
         self._medians: dict[int, float] = {}     # bucket -> median of its window
         self._buckets: list[int] = []            # measured buckets, ascending
+        self._last_result = 0.0                  # perf_counter of the previous step's result
+
+    def record_result(self, num_tokens: int, dispatched: float, ready: float) -> None:
+        """A step's result arrived at `ready` (perf_counter): its cost as the streams see it
+        runs from its dispatch, or from the previous result if it was queued behind that
+        step (two in flight), to its result."""
+        self.record(num_tokens, ready - max(dispatched, self._last_result))
+        self._last_result = ready
 
     def record(self, num_tokens: int, seconds: float) -> None:
         bucket = next_power_of_2(num_tokens)
