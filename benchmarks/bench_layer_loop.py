@@ -12,18 +12,17 @@ loaded machine slows them alike; the medians and the ratios to the first variant
   rolled                 the scan with XLA's dots (each layer's weight slice copied)
   unrolled               nn.scan(unroll=num_layers), XLA's dots (the GPU default)
   unrolled+layer_matmul  both
-  unrolled-aot           GPU: unrolled, compiled with `jaxserve compile`'s options (cuBLAS,
-                         no Triton GEMMs; each slice is copied for cuBLAS in the gpu_compile
-                         tier's HLO -- this measures what that costs)
   unrolled-untuned       GPU: unrolled, Triton GEMMs with the tiles a compile without a device
-                         gets (autotuning off): they read every weight in place (no copy in
-                         the gpu_compile tier's HLO, every bucket) but their tiles are XLA's
-                         defaults -- the other choice for `jaxserve compile`
+                         gets (autotuning off): what `jaxserve compile` ships. They read every
+                         weight in place, but their tiles are XLA's defaults
+  unrolled-cublas        GPU: unrolled, cuBLAS GEMMs (`jaxserve compile`'s choice until it
+                         was found to copy each weight slice for cuBLAS, every step: the
+                         gpu_compile tier's HLO) -- what those copies cost
 
     PYTHONPATH=. python benchmarks/bench_layer_loop.py --dtype bfloat16 --tokens 1,64 \\
         --json benchmarks/results/layer-loop-cpu-bf16.json
     python benchmarks/bench_layer_loop.py --model configs/models/llama-3-8b \\
-        --load-format dummy --variants unrolled,rolled,unrolled-aot,unrolled-untuned \\
+        --load-format dummy --variants unrolled,rolled,unrolled-untuned,unrolled-cublas \\
         --tokens 1,64,256   # GPU
 """
 
@@ -44,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.model_setup import setup_model  # noqa: E402
 from jaxserve.runner.gpu_targets import (  # noqa: E402
+    CUBLAS_COMPILER_OPTIONS,
     GPU_COMPILER_OPTIONS,
-    GPU_STEP_COMPILER_OPTIONS,
 )
 
 # name -> (unroll_layers, small_batch_layer_matmul, compiler options; None: the runner's own)
@@ -54,8 +53,8 @@ VARIANTS = {
     "rolled": (False, False, None),
     "unrolled": (True, False, None),
     "unrolled+layer_matmul": (True, True, None),
-    "unrolled-aot": (True, False, GPU_COMPILER_OPTIONS),
-    "unrolled-untuned": (True, False, {**GPU_STEP_COMPILER_OPTIONS, "xla_gpu_autotune_level": 0}),
+    "unrolled-untuned": (True, False, {**GPU_COMPILER_OPTIONS, "xla_gpu_autotune_level": 0}),
+    "unrolled-cublas": (True, False, CUBLAS_COMPILER_OPTIONS),
 }
 
 

@@ -15,10 +15,10 @@
 #   scan     the layer loop as lax.scan vs unrolled (benchmarks/scan_vs_unrolled.py);
 #   tests    tests/test_kernels.py and tests/test_parity.py, compiled by Triton.
 # A second call, when the budget allows: the 8B layer loop unrolled (the GPU default) vs the
-# rolled scan vs `jaxserve compile`'s cuBLAS options (benchmarks/bench_layer_loop.py
+# rolled scan vs `jaxserve compile`'s options (benchmarks/bench_layer_loop.py
 # --model configs/models/llama-3-8b --load-format dummy --dtype bfloat16 --tokens 1,64,256
-# --variants unrolled,rolled,unrolled-aot,unrolled-untuned): what the AOT executables' slice copies
-# (cuBLAS) cost against untuned Triton tiles that read in place -- which `jaxserve compile` should use.
+# --variants unrolled,rolled,unrolled-untuned,unrolled-cublas): what `jaxserve compile`'s untuned
+# Triton tiles (weights read in place) cost against autotuned ones and against cuBLAS (copies).
 #
 #   benchmarks/gpu_wheels.sh             # here, once: the wheels the GPU image lacks -> .whl/
 #   run (device tool): bash benchmarks/gpu_check.sh          carry: [".whl"]

@@ -189,6 +189,29 @@ def test_the_decode_step_reads_layer_weights_in_place(tmp_path):
     assert any(" while " in c for c in rolled) and any(" fusion " in c for c in rolled), rolled
 
 
+def _weight_slice_copies(hlo: str) -> list[str]:
+    """Buffers written in the shape of one layer's slice of a stacked 8B weight [1, in, out]."""
+    return [c for c in _big_buffers(hlo, 4096 * 1024 * 2)
+            if re.search(r"bf16\[1,(4096|14336),(1024|4096|14336)\]", c)]
+
+
+def test_jaxserve_compile_reads_layer_weights_in_place_in_every_bucket(tmp_path):
+    """The `jaxserve compile` path (compile_bucket for h200, no device) copies no layer weight,
+    in the decode bucket or the widest one. The control, the same step with cuBLAS GEMMs (that
+    path's choice before), copies all 7 projections of each of the 3 layers, every step."""
+    from jaxserve.runner.gpu_targets import CUBLAS_COMPILER_OPTIONS
+
+    config = json.loads((SHAPES / "llama-3-8b" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    runner = _engine(tmp_path).runner
+    shapes = runner.buckets.all_shapes()
+    for shape in (shapes[0], shapes[-1]):
+        text = compile_bucket(runner, shape, "h200").executable.as_text()
+        assert _weight_slice_copies(text) == [], shape
+    cublas = runner.lower_step(*shapes[0]).compile(dict(CUBLAS_COMPILER_OPTIONS)).as_text()
+    assert len(_weight_slice_copies(cublas)) == 3 * 7
+
+
 # -- the kernel's tiles against the target's shared memory ---------------------------------------
 def _kernel_compile(target: str, head_dim: int, group: int, **tiles):
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention

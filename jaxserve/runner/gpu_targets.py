@@ -9,11 +9,18 @@ against shardings on their mesh compiles real sm_90a executables (XLA fusions th
 ptxas, the Pallas attention kernel through Triton, NCCL collectives for tp > 1) that
 serialize and load on the real GPU.
 
-Without a device there is no autotuning: XLA's Triton GEMM emitter would get an untuned
-tile, so steps compile with ``xla_gpu_enable_triton_gemm=false`` (cuBLASLt picks its
-algorithm at run time on the device). The Pallas->Triton lowering assumes compute
-capability 9.0 when no GPU is present, so only sm_90 targets (h100, h200) produce kernels
-tuned for their GPU; a100 compiles, with sm_90 assumptions in the kernel's lowering.
+Without a device there is no autotuning, so XLA's Triton GEMMs get its default tiles. They
+are still what the step compiles with, as on a device: a cuBLAS GEMM needs its operand as a
+buffer of its own, so with ``xla_gpu_enable_triton_gemm=false`` XLA copied every layer's
+weight slices out of the stacked weights, every step, in every bucket (21 copies in a
+3-layer 8B step; tests/test_gpu_compile.py) -- three passes over the weights where decode
+needs one (the rolled scan's copies: 10.8 ms vs 3.8 ms per 8B step on an H200). Triton
+GEMMs read the slices in place; what their untuned tiles cost against cuBLAS is measured
+on a device by benchmarks/bench_layer_loop.py (unrolled-untuned vs unrolled-cublas).
+
+The Pallas->Triton lowering assumes compute capability 9.0 when no GPU is present, so only
+sm_90 targets (h100, h200) produce kernels tuned for their GPU; a100 compiles, with sm_90
+assumptions in the kernel's lowering.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ TARGETS_DIR = Path(__file__).resolve().parents[1] / "targets"
 # share an input (q/k/v of a layer) into one by concatenating their weights -- a copy of
 # those weights every step (48 MiB per layer of a Llama-3-8B; tests/test_gpu_compile.py).
 GPU_STEP_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
-# What ahead-of-time GPU compiles pass (see the module docstring), on top of those.
-GPU_COMPILER_OPTIONS = {**GPU_STEP_COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False}
+# What ahead-of-time GPU compiles pass: the same (Triton GEMMs, untuned; module docstring).
+GPU_COMPILER_OPTIONS = dict(GPU_STEP_COMPILER_OPTIONS)
+# cuBLAS GEMMs instead: each copies its weight slice (a benchmark's control, not a default).
+CUBLAS_COMPILER_OPTIONS = {**GPU_STEP_COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False}
 
 
 @dataclass(frozen=True)
