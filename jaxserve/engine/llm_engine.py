@@ -326,8 +326,7 @@ class LLMEngine:
     def _collect(self, out: SchedulerOutput, pending: Any, dispatch_time: float) -> None:
         """Wait for a dispatched step; append its tokens and run output processing."""
         result = pending.result()
-        self.step_costs.record_result(max(out.total_num_scheduled_tokens, len(out.seq_ids)),
-                                      dispatch_time, time.perf_counter())
+        self.step_costs.record_result(pending.num_tokens, dispatch_time, time.perf_counter())
         now = time.time()
         for row, chunk in result.prompt_logprobs.items():   # before the tokens: a request
             seq = self.scheduler.get_seq(out.seq_ids[row])   # may finish with its prompt

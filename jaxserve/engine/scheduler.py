@@ -144,13 +144,13 @@ class Scheduler:
         self._finished_ids = []
         self._rolled_back = {}
         # Decodes this step (running sequences past their prompt): the decode-aware prefill
-        # cap needs the count before any prefill chunk is planned, and whether several
-        # prompts wait (the auto cap weighs the rows they will add: see _chunk_cap).
+        # cap needs the count before any prefill chunk is planned, and the waiting prompts
+        # (the auto cap weighs the rows they will add: see _prefill_limit).
+        num_decodes = sum(1 for seq in self._running
+                          if seq.num_computed_tokens >= seq.num_prompt_tokens)
         room = StepRoom(budget=self.max_num_batched_tokens,
                          prompt_logprobs=self.max_prompt_logprobs_per_step,
-                         num_decodes=sum(1 for seq in self._running
-                                         if seq.num_computed_tokens >= seq.num_prompt_tokens),
-                         num_waiting=len(self._waiting))
+                         prefill_limit=self._prefill_limit(num_decodes, len(self._waiting)))
         self._schedule_running(out, drafts or {}, room)
         if not out.preempted_seq_ids:   # admit waiting ones unless the cache was just short
             self._admit_waiting(out, room)
@@ -162,7 +162,6 @@ class Scheduler:
         """Plan the running sequences: decodes and the next chunks of unfinished prefills."""
         running = self._running
         budget = room.budget        # a local in the per-sequence loop, written back below
-        num_decodes = room.num_decodes
         block_size = self.block_manager.block_size
         seq_ids, num_scheduled = out.seq_ids, out.num_scheduled_tokens
         num_computed, is_sampling = out.num_computed_tokens, out.is_sampling
@@ -212,8 +211,7 @@ class Scheduler:
             else:
                 proposed = None
             if is_prefill:
-                num_new = min(num_new, self._chunk_cap(room.prefill_used, num_decodes,
-                                                        room.num_waiting))
+                num_new = min(num_new, self._chunk_cap(room))
             num_new = fit_prompt_logprobs(seq, seq.num_computed_tokens,
                                            min(num_new, budget), room.prompt_logprobs)
             if num_new <= 0:
@@ -249,8 +247,7 @@ class Scheduler:
                     self.shared_prefill.waits(seq):
                 passed_over.append(self._waiting.popleft())
                 continue
-            cap = min(room.budget, self._chunk_cap(room.prefill_used, room.num_decodes,
-                                                   room.num_waiting))
+            cap = min(room.budget, self._chunk_cap(room))
             if cap <= 0:
                 break
             computed_blocks, num_cached = [], 0
@@ -310,27 +307,30 @@ class Scheduler:
         waiting = sorted({s.lora.name for s in self._waiting if s.lora is not None})
         return running, waiting
 
-    def _chunk_cap(self, prefill_used: int, num_decodes: int, num_waiting: int = 0) -> int:
-        """Most prompt tokens the next sequence may take this step (<= 0: none).
+    def _prefill_limit(self, num_decodes: int, num_waiting: int) -> int | None:
+        """Most prompt tokens this step may prefill in all while decodes run (None: no such
+        limit): ``prefill_budget_while_decoding``, by default a bound on the step's measured
+        *time* (step_costs.py: at most 2.5 decode steps of the rows that will run). Once per
+        step: decodes and waiting prompts are counted before anything is planned."""
+        if not (self.enable_chunked_prefill and num_decodes and self.decode_prefill_budget != 0):
+            return None
+        if not num_waiting and num_decodes == len(self._running):
+            return None     # a decode-only step: no prompt to cap (and no cost lookups)
+        if self.decode_prefill_budget is not None:
+            return self.decode_prefill_budget
+        return auto_step_tokens(self.step_costs, num_decodes, num_waiting, self.max_num_seqs,
+                                self.max_num_batched_tokens) - num_decodes
 
-        vLLM's per-request ``long_prefill_token_threshold``; and while decodes run, the
-        step's prefill work is held to ``prefill_budget_while_decoding``, by default a bound
-        on the step's measured *time* (step_costs.py: at most 2.5 decode steps of the rows
-        that will run). Without chunked prefill a prompt must fit whole, so only the step's
-        token budget applies.
-        """
-        cap = self.max_num_batched_tokens
+    def _chunk_cap(self, room: StepRoom) -> int:
+        """Most prompt tokens the next sequence may take this step (<= 0: none): vLLM's
+        per-request ``long_prefill_token_threshold``, and what is left of the step's prefill
+        limit. Without chunked prefill a prompt must fit whole, so only the step's token
+        budget applies."""
         if not self.enable_chunked_prefill:
-            return cap
-        if self.long_prefill_token_threshold > 0:
-            cap = self.long_prefill_token_threshold
-        if num_decodes and self.decode_prefill_budget != 0:
-            limit = self.decode_prefill_budget
-            if limit is None:
-                limit = auto_step_tokens(self.step_costs, num_decodes, num_waiting,
-                                         self.max_num_seqs, self.max_num_batched_tokens) \
-                    - num_decodes
-            cap = min(cap, limit - prefill_used)
+            return self.max_num_batched_tokens
+        cap = self.long_prefill_token_threshold or self.max_num_batched_tokens
+        if room.prefill_limit is not None:
+            cap = min(cap, room.prefill_limit - room.prefill_used)
         return cap
 
     def _allocate_running(self, seq: Sequence, num_new: int, out: SchedulerOutput,

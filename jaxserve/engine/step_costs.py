@@ -32,7 +32,7 @@ import bisect
 import statistics
 from collections import deque
 
-from jaxserve.runner.buckets import next_power_of_2
+from jaxserve.runner.buckets import next_power_of_2, token_buckets
 
 # A step with prefill may cost this many decode-only steps: the p99 inter-token latency of
 # streams with prompts arriving among them stays under 3x the median (issue 29's bound),
@@ -91,12 +91,12 @@ class StepCosts:
     def largest_bucket_within(self, seconds: float, max_tokens: int) -> int:
         """The largest power-of-two bucket (at most max_tokens rounded up) estimated to take
         at most `seconds`; 1 if none is."""
-        best, bucket, top = 1, 1, next_power_of_2(max_tokens)
-        while bucket <= top:
+        best = 1
+        for bucket in token_buckets(max_tokens):     # the runner's buckets, ascending
             cost = self.estimate(bucket)
             if cost is None or cost > seconds:
                 break
-            best, bucket = bucket, bucket * 2
+            best = bucket
         return best
 
     def snapshot(self) -> dict[int, float]:

@@ -13,8 +13,7 @@ class StepRoom:
     """What one `schedule` call has left to hand out, shared by its two halves."""
     budget: int                      # tokens
     prompt_logprobs: int             # prompt-logprob gather slots
-    num_decodes: int                 # decodes this step (the decode-aware prefill cap)
-    num_waiting: int = 0             # prompts waiting at the step's start (the auto cap)
+    prefill_limit: int | None = None  # prompt tokens the step may take in all (None: no cap)
     prefill_used: int = 0            # prompt tokens planned so far
     num_partial: int = 0             # sequences still inside their prompt after this step
 

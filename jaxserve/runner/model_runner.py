@@ -299,7 +299,7 @@ class ModelRunner(StepCompilation):
         kv_lens = self.batch.num_computed[rows] + np.asarray(out.num_scheduled_tokens)
         want_logprobs = bool((self.batch.num_logprobs[rows] >= 0).any())
         return PendingStep(self, out, rows, kv_lens, device_out, want_logprobs,
-                           inputs.prompt_logprobs_rows)
+                           inputs.prompt_logprobs_rows, num_tokens=t)
 
     def run_step(self, inputs: StepInputs) -> StepOutputs:
         """Dispatch bucket (T, S) on host inputs; returns the step's device outputs at once.
@@ -407,8 +407,10 @@ class PendingStep:
 
     def __init__(self, runner: ModelRunner, out: SchedulerOutput, rows: np.ndarray,
                  kv_lens: np.ndarray, device_out: StepOutputs, want_logprobs: bool,
-                 prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = ()) -> None:
+                 prompt_logprobs_rows: tuple[tuple[int, int, int, int], ...] = (), *,
+                 num_tokens: int = 0) -> None:
         self._runner, self._out, self._rows, self._kv_lens = runner, out, rows, kv_lens
+        self.num_tokens = num_tokens     # the token bucket it runs in (the engine's step costs)
         (self._sampler_out, self._num_emitted), self._prompt_out = device_out
         self._want_logprobs = want_logprobs
         self._prompt_logprobs_rows = prompt_logprobs_rows
