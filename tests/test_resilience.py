@@ -275,10 +275,32 @@ def test_consecutive_faults_exit_the_server_non_zero(make_tiny_model, tmp_path):
         srv.stop()
 
 
-async def _complete(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
+class _Burst:
+    def __init__(self, size: int) -> None:
+        self.left = size
+        self.all_answered = asyncio.Event()
+
+    def answered(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.all_answered.set()
+
+
+async def _admit_or_refuse(client: httpx.AsyncClient, body: dict, burst: _Burst
+                           ) -> tuple[httpx.Response, float]:
+    """One request of a burst, streamed: (its response, seconds to the answer). An admitted
+    one holds its place (reads nothing) until every request of the burst has its answer,
+    then hangs up (the server aborts it): the burst meets a full server however fast the box
+    runs the engine against how fast the client sends."""
     start = time.monotonic()
-    r = await client.post("/v1/completions", json=body)
-    return r, time.monotonic() - start
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        seconds = time.monotonic() - start
+        burst.answered()
+        if r.status_code == 200:
+            await burst.all_answered.wait()
+        else:
+            await r.aread()
+    return r, seconds
 
 
 # Polls /health every 0.1 s from its own process (the test's event loop is busy with 200
@@ -334,7 +356,10 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
     try:
         # 200 concurrent completions: at most 8 + 24 sequences are admitted at once.
         async def overload():
-            limits = httpx.Limits(max_connections=250)
+            # No keep-alive: a connection idle for uvicorn's 5 s keep-alive timeout while a
+            # loaded client gets round to it can close under a request (a ReadError, seen
+            # in CI); every request gets its own connection, the yardstick's too.
+            limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
             async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits) as c:
                 async def models() -> float:
                     start = time.monotonic()
@@ -343,8 +368,10 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
                 # The yardstick: the same burst of 200 connections to a trivial route, in
                 # the same run, just before.
                 baseline = await asyncio.gather(*[models() for _ in range(200)])
+                burst = _Burst(200)
                 results = await asyncio.gather(*[
-                    _complete(c, {"prompt": f"fox {i}", "max_tokens": 48, "ignore_eos": True})
+                    _admit_or_refuse(c, {"prompt": f"fox {i}", "max_tokens": 240,
+                                         "ignore_eos": True}, burst)
                     for i in range(200)])
             return results, max(baseline)
 
@@ -354,8 +381,9 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
         rejected = [(r, t) for r, t in results if r.status_code == 503]
         done = [r for r, _ in results if r.status_code == 200]
         assert len(rejected) + len(done) == 200
-        # Requests arrive over seconds (a slow client) and early ones finish meanwhile.
-        assert len(done) >= 32 and len(rejected) >= 20, (len(done), len(rejected))
+        # Requests arrive over seconds (a slow client) and admitted ones may finish
+        # meanwhile (240 steps each), but most of the 200 meet a full server.
+        assert len(done) >= 32 and len(rejected) >= 100, (len(done), len(rejected))
         for r, _ in rejected:
             assert_openai_error(r, 503)
             assert r.json()["error"]["code"] == "queue_full"
@@ -364,10 +392,9 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
         # 200 connections, measured in this run (a box twice as slow or as loaded slows both).
         # The overload also runs the engine beside the refusals, which the yardstick does not:
         # 3x + 1 s covers that (seen: 3.6 s against a 1.35 s yardstick on a loaded box), while
-        # a refusal that waited on the engine would wait for whole 48-token requests.
+        # a refusal that waited on the engine would wait for whole 240-token requests.
         waits = sorted(seconds for _, seconds in rejected)
         assert waits[-1] < 3.0 * baseline + 1.0, (baseline, waits[::10])
-        assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done)
         assert len(health_times) >= 3 and set(health_codes) == {200}, health_codes
         # /health is never held up by the overload beyond what any trivial route costs
         # under it (the same yardstick and margin).
@@ -375,6 +402,12 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
         text = httpx.get(srv.url + "/metrics").text
         assert metric(text, "jaxserve:num_requests_rejected_total",
                       reason="queue_full") == len(rejected)
+        # The admitted ones hung up: they are aborted and give back their places.
+        def idle() -> bool:
+            text = httpx.get(srv.url + "/metrics").text
+            return metric(text, "jaxserve:num_requests_running") == 0 == \
+                metric(text, "jaxserve:num_requests_waiting")
+        wait_for(idle, 30, "the hung-up requests to be aborted")
 
         # SIGTERM with short and long requests in flight: the short ones finish normally,
         # the long ones past --shutdown-timeout (1 s) end with "abort"; new ones get 503.

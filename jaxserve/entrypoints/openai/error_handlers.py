@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.errors import EngineUnavailableError
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def handle(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
     """Wrap a route: an APIError is its JSON body and status, an unavailable engine a 503
-    (not a 500), a client that left a bare 499."""
+    (not a 500), a client that left (even halfway through sending its body) a bare 499."""
     async def endpoint(raw_request: Request) -> Response:
         try:
             return await fn(raw_request)
@@ -35,7 +35,7 @@ def handle(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
             error = engine_error(exc)
             return JSONResponse(error.body(), status_code=error.status,
                                 headers=error.headers)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):
             return Response(status_code=499)
     endpoint.__name__ = fn.__name__
     endpoint.__doc__ = fn.__doc__
