@@ -15,6 +15,10 @@ Measured on the default model (SmolLM2-135M), one stream, greedy:
   layers           device step - lm head - sampler: the decoder layers (projections,
                    attention, norms), the embedding gather and the cache writes
 and the compiled step's op count (XLA thunks a 1-row step pays a dispatch for each).
+With --ops, the (1, 1) step's time by op kind, from a jax.profiler trace of the blocked
+steps: each XLA thunk's own time, grouped by what it runs (a custom call by its target: the
+oneDNN projections, the paged attention; a fusion or dot by its kind), and the gap between
+thunks (dispatch, threads waking).
 The CPU kind (benchmarks/machine.py) is written beside the figures.
 """
 
@@ -66,6 +70,57 @@ def timed(fn, *args, repeats: int = 50) -> float:
     return statistics.median(samples)
 
 
+CONTAINERS = ("while", "conditional", "call")   # their time is their thunks' (nested)
+
+
+def instruction_labels(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> what it runs: a custom call's target and the module that
+    called it (`jaxserve_matmul q_proj`), else its opcode and that module."""
+    labels = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?(\S+) = .*? ([\w-]+)\((.*)$", hlo_text, re.M):
+        name, opcode, rest = m.groups()
+        op_name = re.search(r'op_name="([^"]+)"', rest)
+        where = op_name.group(1).split("/")[-2] if op_name and "/" in op_name.group(1) else ""
+        if opcode == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', rest)
+            labels[name] = f"{target.group(1) if target else '?'} {where}"
+        else:
+            labels[name] = f"{opcode} {where}"
+    return labels
+
+
+def op_breakdown(run, steps: int, labels: dict[str, str]) -> dict:
+    """Trace `steps` calls of run(); each XLA thunk's time per step, by label."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(steps):
+                run()
+        [path] = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+        data = ProfileData.from_file(path)
+    by_label: dict[str, list[float]] = {}
+    for plane in data.planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            if line.name == "python":
+                continue
+            for event in line.events:
+                label = labels.get(event.name)
+                if label is None:
+                    continue
+                entry = by_label.setdefault(label, [0.0, 0])
+                entry[0] += event.duration_ns / 1e6 / steps
+                entry[1] += 1 / steps
+    return {label: {"ms_per_step": round(ms, 3), "thunks_per_step": round(count, 1)}
+            for label, (ms, count) in sorted(by_label.items(), key=lambda kv: -kv[1][0])}
+
+
 def lm_head_weight(params, vocab: int, hidden: int):
     """The [vocab, hidden] (or [hidden, vocab]) table the logits come from: the untied head if
     there is one, else the embedding."""
@@ -88,6 +143,8 @@ def main() -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ops", action="store_true",
+                   help="also trace the (1, 1) step and break its time down by op kind")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -114,7 +171,11 @@ def main() -> None:
     step_ms: dict[tuple[int, int], list[float]] = {}
     run_step = runner.run_step
 
+    one_row_inputs = []
+
     def blocking_run_step(inputs):
+        if (inputs.num_tokens, inputs.num_seqs) == (1, 1):
+            one_row_inputs[:] = [inputs]
         start = time.perf_counter()
         out = run_step(inputs)
         jax.block_until_ready(out)
@@ -154,6 +215,18 @@ def main() -> None:
         print(f"lm head alone ({lm_head:.1f} ms) >= the whole step: not the step's path; "
               "left out", file=sys.stderr)
         lm_head = None
+    ops_breakdown = None
+    if args.ops:
+        # The same (1, 1) inputs replayed: only that executable's thunks are in the trace.
+        inputs = one_row_inputs[-1]
+        ops_breakdown = op_breakdown(lambda: jax.block_until_ready(run_step(inputs)), 20,
+                                     instruction_labels(text))
+        accounted = sum(v["ms_per_step"] for label, v in ops_breakdown.items()
+                        if label not in CONTAINERS)
+        for label, v in ops_breakdown.items():
+            print(f"  {label:48s} {v['ms_per_step']:7.3f} ms  x{v['thunks_per_step']}")
+        print(f"  {'(thunks, total; the rest of the device step is gaps)':48s} "
+              f"{accounted:7.3f} ms of {device:.3f}")
     dtype_name = jnp.dtype(getattr(runner, "dtype", jnp.float32)).name
     out = {
         "machine": machine_info(),
@@ -164,6 +237,7 @@ def main() -> None:
         "lm_head_ms": lm_head, "sampler_greedy_ms": greedy,
         "layers_and_rest_ms": None if lm_head is None else device - lm_head - greedy,
         "tokens_per_s": 1e3 / per_token, "compiled_step_ops": ops,
+        "ops_by_kind": ops_breakdown,
     }
     for key, value in out.items():
         print(f"{key:32s} {value:.2f}" if isinstance(value, float) else f"{key:32s} {value}")

@@ -59,6 +59,13 @@ class ModelConfig:
         "bfloat16) or amx (AMX-BF16/INT8: bfloat16). A kind this CPU lacks is emulated by "
         "oneDNN: the same numbers, slower (to test another kind's path on this box).",
         choices=["auto", "none", "avx512", "amx"])
+    cpu_gemv_rows: str = opt(
+        "auto", "CPU, float weights: up to how many rows a projection streams its weights "
+        "through jaxserve's GEMV instead of oneDNN's matmul. auto: measured at startup on "
+        "this CPU for this model's shapes (about 2 s, once: the choice is kept beside the "
+        "compilation cache), and the startup log says what won; 0: always oneDNN; 1-8: "
+        "that many rows.",
+        choices=["auto", *map(str, range(9))])
     max_model_len: int | None = opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings.")
     seed: int = opt(0, "Seed for requests that do not set their own.")

@@ -136,3 +136,59 @@ def test_bf16_and_int8_engines_agree_with_float32_and_use_the_library(make_tiny_
         assert [t[0] for t in tokens[name]] == [t[0] for t in tokens["float32"]], name
         same = sum(a == b for x, y in zip(tokens[name], tokens["float32"]) for a, b in zip(x, y))
         assert same >= 0.75 * 8 * len(prompts), (name, tokens[name], tokens["float32"])
+
+
+# -- the GEMV's row limit, measured (kernels/cpu/gemv_choice.py) ---------------------------------
+def test_the_gemv_row_limit_is_the_one_that_saves_most():
+    from jaxserve.kernels.cpu.gemv_choice import choose_rows
+
+    # GEMV ms, oneDNN ms per row count
+    assert choose_rows({1: (8, 10), 2: (9, 12), 4: (11, 12), 8: (15, 12)}) == 4
+    assert choose_rows({1: (10, 10), 2: (8, 12), 4: (13, 12), 8: (16, 12)}) == 2  # a tie at 1
+    assert choose_rows({1: (10, 10), 2: (12, 12), 4: (12, 12), 8: (12, 12)}) == 0  # ties only
+    assert choose_rows({1: (9.9, 10), 2: (12, 12), 4: (12, 12), 8: (12, 12)}) == 0  # < 5 %
+    assert choose_rows({1: (12, 10), 2: (12, 10), 4: (12, 10), 8: (12, 10)}) == 0
+    assert choose_rows({1: (5, 10), 2: (5, 10), 4: (5, 10), 8: (5, 10)}) == 8
+
+
+def test_the_gemv_choice_is_measured_once_then_read_back(tmp_path, monkeypatch):
+    from jaxserve.kernels.cpu import gemv_choice
+
+    shapes = ((48, 48), (48, 16), (48, 16), (48, 48), (48, 96), (48, 96), (96, 48))
+    monkeypatch.setattr(gemv_choice, "MEASURED_BYTES", 1 << 20)   # a quick timing
+    choice, stored = gemv_choice.load_or_measure(str(tmp_path), jnp.float32, shapes, 4)
+    assert not stored and sorted(choice.timings) == list(gemv_choice.ROW_COUNTS)
+    assert all(g > 0 and o > 0 for g, o in choice.timings.values())
+    assert choice.rows == gemv_choice.choose_rows(choice.timings)
+    again, stored = gemv_choice.load_or_measure(str(tmp_path), jnp.float32, shapes, 4)
+    assert stored and again == choice
+    # another dtype is another measurement, kept beside the first
+    _, stored = gemv_choice.load_or_measure(str(tmp_path), jnp.bfloat16, shapes, 4)
+    assert not stored
+    assert len(__import__("json").loads((tmp_path / "jaxserve-gemv-rows.json").read_text())) == 2
+
+
+def test_gemv_and_onednn_steps_give_the_same_greedy_tokens(make_tiny_model):
+    """cpu_gemv_rows forces the kernel: 8 puts every decode step (<= 8 rows) on the GEMV, 0 on
+    oneDNN; their float32 logits agree to rounding, so greedy tokens are the same, and each
+    compiled step says which kernel it asked for."""
+    from jaxserve import LLM, SamplingParams
+
+    model = str(make_tiny_model("llama"))
+    prompts = [[11, 23, 98, 421, 77], list(range(5, 27)), [300, 301]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = {}
+    for rows in ("0", "8"):
+        llm = LLM(model, dtype="float32", max_model_len=64, max_num_seqs=4,
+                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, cpu_gemv_rows=rows)
+        runner = llm.llm_engine.runner
+        assert runner._settings["float_gemv_rows"] == int(rows)
+        outs[rows] = llm.generate(prompts, params, use_tqdm=False)
+        runner.wait_until_compiled()
+        step = runner._steps[min(runner._steps)].as_text()
+        assert f"gemv_rows={rows}" in step.replace(" ", ""), rows
+    for a, b in zip(outs["0"], outs["8"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token, lp in la.items():
+                assert abs(lp.logprob - lb[token].logprob) < 1e-4

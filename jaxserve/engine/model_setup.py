@@ -152,9 +152,11 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     if memory.lora_targets is not None:
         lora_stacks, lora_registry = _setup_lora(config, family, placement, memory.lora_targets,
                                                  dtype)
+    gemv_rows = _cpu_gemv_rows(config, placed, backend, platform, cache_dir)
+
     def build(kv_plan: KVCachePlan) -> ModelRunner:
         runner = _build_runner(config, placed, backend, kv_plan, kv_dtype, max_model_len, eos,
-                               spec_rows, lora_stacks)
+                               spec_rows, lora_stacks, gemv_rows)
         _attach_executable_cache(runner, placement, aot_dir, cache_dir)
         return runner
 
@@ -199,7 +201,7 @@ def _prepare_process(config: EngineConfig, platform: str) -> str | None:
 
 def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCachePlan,
                   kv_dtype: Any, max_model_len: int, eos: list[int], spec_rows: Any,
-                  lora_stacks: Any) -> ModelRunner:
+                  lora_stacks: Any, gemv_rows: int = 0) -> ModelRunner:
     """The runner for the placed model, with the KV cache the memory plan sized."""
     mc, sc, placement = config.model_config, config.scheduler_config, placed.placement
     return ModelRunner(
@@ -211,7 +213,35 @@ def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCa
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
         num_spec_tokens=spec_rows.num_tokens, max_spec_rows=spec_rows.max_rows,
         kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
-        logits_shardings=placement.logits_shardings, lora=lora_stacks)
+        logits_shardings=placement.logits_shardings, lora=lora_stacks, cpu_gemv_rows=gemv_rows)
+
+
+def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: str,
+                   cache_dir: str | None) -> int:
+    """Up to how many rows float projections take the streaming GEMV (CPU, one device, float
+    weights read in place: kernels/cpu/gemv_choice.py); 0 where that path is not taken."""
+    from jaxserve.kernels.cpu import matmul
+    from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
+
+    setting = config.model_config.cpu_gemv_rows
+    mesh = getattr(placed.placement, "mesh", None)
+    if platform != "cpu" or backend.name != "cpu" or (mesh is not None and mesh.size > 1) \
+            or np.dtype(placed.dtype) not in IN_PLACE_DTYPES or placed.quantization \
+            or not matmul.available():
+        return 0
+    if setting != "auto":
+        logger.info("CPU projections (%s): streaming GEMV at <= %s rows (cpu_gemv_rows=%s)",
+                    np.dtype(placed.dtype).name, setting, setting)
+        return int(setting)
+    from jaxserve.kernels.cpu.gemv_choice import load_or_measure, projection_shapes
+
+    start = time.perf_counter()
+    choice, stored = load_or_measure(cache_dir, placed.dtype, projection_shapes(placed.arch),
+                                     placed.arch.num_layers)
+    logger.info("CPU projections (%s): %s [%s]", np.dtype(placed.dtype).name,
+                choice.describe(), "stored choice" if stored else
+                f"{time.perf_counter() - start:.1f} s")
+    return choice.rows
 
 
 def _attach_executable_cache(runner: ModelRunner, placement: Any, aot_dir: str | None,

@@ -77,6 +77,9 @@ class CausalLM(nn.Module):
     # instead of XLA's copied slice. The runner sets it for the CPU attention backend on
     # one device.
     small_batch_layer_matmul: bool = False
+    # With it: float projections of at most this many rows take the streaming GEMV instead
+    # of oneDNN (the engine measures which is faster here: kernels/cpu/gemv_choice.py).
+    float_gemv_rows: int = 0
     # Fully unroll the layer scan (see the module docstring): the runner sets it on GPU/TPU.
     unroll_layers: bool = False
 
@@ -120,7 +123,8 @@ class CausalLM(nn.Module):
         xs = (jnp.arange(a.num_layers, dtype=jnp.int32), windows, constants["layer_rope"])
         in_place = self.small_batch_layer_matmul and token_ids.shape[0] <= MAX_ROWS \
             and not self.is_initializing()
-        with stacked_layer_weights(self.variables["params"]["layers"]) if in_place \
+        with stacked_layer_weights(self.variables["params"]["layers"],
+                                   self.float_gemv_rows) if in_place \
                 else contextlib.nullcontext():
             (x, k_cache, v_cache), _ = self.layers((x, k_cache, v_cache), xs, cos, sin, meta)
         return x, k_cache, v_cache

@@ -5,8 +5,10 @@ layer ``l``'s weights for its dot -- and on XLA:CPU that slice is a copy: every 
 weights are copied in every step, on top of the dot reading them (in bf16 the scan ran 6x
 slower than the same dots on per-layer buffers). Here a plain float32 / bfloat16 `Linear`
 in a step of at most ``MAX_ROWS`` rows calls the oneDNN matmul library
-(jaxserve/kernels/cpu/matmul.py: the CPU's matrix units where it has them) on the stacked
-weights and the layer index instead; the slice is then unused and XLA drops it.
+(jaxserve/kernels/cpu/matmul.py: the CPU's matrix units where it has them) -- or, at the few
+rows where the engine measured it faster on this CPU, the library's streaming GEMV
+(kernels/cpu/gemv_choice.py) -- on the stacked weights and the layer index instead; the
+slice is then unused and XLA drops it.
 
 `CausalLM` turns it on around its layer scan (``stacked_layer_weights``) when it was built
 with ``small_batch_layer_matmul`` (the runner does so with the CPU attention backend on one
@@ -33,6 +35,7 @@ IN_PLACE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 @dataclass(frozen=True)
 class _Stacked:
     tree: Any                  # params["layers"]: the stacked [L, ...] layer weights
+    gemv_rows: int = 0         # float projections of at most this many rows: the GEMV
     layer: Any = None          # the layer being traced (an int32 scalar), None outside one
 
 
@@ -41,9 +44,10 @@ _STATE: contextvars.ContextVar[_Stacked | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def stacked_layer_weights(tree: Any):
-    """While tracing the layer scan: the stacked weights the layers may read in place."""
-    token = _STATE.set(_Stacked(tree))
+def stacked_layer_weights(tree: Any, gemv_rows: int = 0):
+    """While tracing the layer scan: the stacked weights the layers may read in place, and
+    up to how many rows float projections take the library's streaming GEMV (else oneDNN)."""
+    token = _STATE.set(_Stacked(tree, gemv_rows))
     try:
         yield
     finally:
@@ -92,7 +96,9 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -
     """x [T, in] @ stacked[layer] ([L, in, out]) -> [T, out] in out_dtype (f32 accumulation)."""
     from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
 
-    return library_matmul(x.astype(stacked.dtype), stacked, layer, out_dtype, gemv_rows=0)
+    state = _STATE.get()
+    return library_matmul(x.astype(stacked.dtype), stacked, layer, out_dtype,
+                          gemv_rows=state.gemv_rows if state is not None else 0)
 
 
 def int8_layer_matmul(x: jax.Array, stacked: jax.Array, scale: jax.Array, layer: Any,

@@ -60,13 +60,15 @@ class ModelRunner(StepCompilation):
                  num_spec_tokens: int = 0, max_spec_rows: int = 0, kv_sharding: Any = None,
                  input_sharding: Any = None, logits_shardings: tuple = (),
                  kv_cache_dtype: Any = None, lora: LoRAStacks | None = None,
-                 abstract: bool = False) -> None:
+                 cpu_gemv_rows: int = 0, abstract: bool = False) -> None:
         """abstract: build the step only to compile it ahead of time (engine/aot_compile.py)
         for devices that may not be here (a deviceless GPU topology): params, the KV cache
         and the step's inputs are ShapeDtypeStructs with their shardings; nothing is
-        allocated and the runner cannot execute."""
+        allocated and the runner cannot execute. cpu_gemv_rows: on CPU, float projections of
+        at most this many rows take the streaming GEMV (kernels/cpu/gemv_choice.py)."""
         self.arch = arch
         self.abstract = abstract
+        self.cpu_gemv_rows = cpu_gemv_rows
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -117,6 +119,7 @@ class ModelRunner(StepCompilation):
             "kv_sharding": kv_sharding, "input_sharding": input_sharding,
             "logits_shardings": self.logits_shardings,
             "small_batch_layer_matmul": getattr(self.model, "small_batch_layer_matmul", False),
+            "float_gemv_rows": getattr(self.model, "float_gemv_rows", 0),
             "unroll_layers": getattr(self.model, "unroll_layers", False),
             "lora": None if lora is None else jax.tree.map(
                 lambda x: (x.shape, x.dtype), self._lora_stacks())}
@@ -142,7 +145,8 @@ class ModelRunner(StepCompilation):
                 and hasattr(self.model, "small_batch_layer_matmul") and cpu_matmul_available():
             # Steps read each layer's weights in place through the oneDNN library
             # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
-            self.model = self.model.clone(small_batch_layer_matmul=True)
+            self.model = self.model.clone(small_batch_layer_matmul=True,
+                                          float_gemv_rows=self.cpu_gemv_rows)
         if self._params_platform() != "cpu" and hasattr(self.model, "unroll_layers"):
             # Off the CPU, layers run unrolled: a rolled scan copies each layer's weight
             # slice every step (models/decoder.py; 2.8x the weight-streaming time on an H200).

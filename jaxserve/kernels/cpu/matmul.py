@@ -8,8 +8,9 @@ same code on Intel and AMD. Without oneDNN (or a compiler) `available()` is Fals
 model keeps XLA's dot.
 
 matmul.cc's own streaming GEMV (f32 accumulation over f32 / bf16 / int8 weights read in
-place) serves int8 weights with float x at rows <= 8 (W8A16); float weights take oneDNN at
-every row count, where the GEMV is no faster (benchmarks/bench_layer_matmul.py).
+place) serves int8 weights with float x at rows <= 8 (W8A16), and float weights up to the
+row count the engine measured it faster than oneDNN on this CPU (gemv_choice.py; on a 2-core
+AVX2 EPYC: float32 up to 4 rows, bf16 up to 8).
 """
 
 from __future__ import annotations
