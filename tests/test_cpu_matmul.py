@@ -192,3 +192,21 @@ def test_gemv_and_onednn_steps_give_the_same_greedy_tokens(make_tiny_model):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for token, lp in la.items():
                 assert abs(lp.logprob - lb[token].logprob) < 1e-4
+
+
+def test_a_gemv_timing_that_fails_leaves_onednn_and_the_engine_starts(make_tiny_model,
+                                                                      monkeypatch, caplog):
+    import logging
+
+    from jaxserve import LLM
+    from jaxserve.kernels.cpu import gemv_choice
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no timer here")
+
+    monkeypatch.setattr(gemv_choice, "load_or_measure", broken)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.model_setup"):
+        llm = LLM(str(make_tiny_model("llama")), dtype="float32", max_model_len=64,
+                  max_num_seqs=2, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
+    assert llm.llm_engine.runner._settings["float_gemv_rows"] == 0
+    assert "could not time the CPU GEMV" in caplog.text and "no timer here" in caplog.text

@@ -236,8 +236,13 @@ def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: st
     from jaxserve.kernels.cpu.gemv_choice import load_or_measure, projection_shapes
 
     start = time.perf_counter()
-    choice, stored = load_or_measure(cache_dir, placed.dtype, projection_shapes(placed.arch),
-                                     placed.arch.num_layers)
+    try:
+        choice, stored = load_or_measure(cache_dir, placed.dtype,
+                                         projection_shapes(placed.arch), placed.arch.num_layers)
+    except Exception as exc:     # a timing that cannot run must not stop the server
+        logger.warning("could not time the CPU GEMV against oneDNN (%r): oneDNN at every "
+                       "row count", exc)
+        return 0
     logger.info("CPU projections (%s): %s [%s]", np.dtype(placed.dtype).name,
                 choice.describe(), "stored choice" if stored else
                 f"{time.perf_counter() - start:.1f} s")
