@@ -151,6 +151,20 @@ def test_the_gemv_row_limit_is_the_one_that_saves_most():
     assert choose_rows({1: (5, 10), 2: (5, 10), 4: (5, 10), 8: (5, 10)}) == 8
 
 
+def test_only_models_that_outgrow_the_caches_are_timed():
+    from types import SimpleNamespace
+
+    from jaxserve.kernels.cpu.gemv_choice import projection_shapes, worth_measuring
+
+    smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_heads=9,
+                              num_kv_heads=3, head_dim=64)
+    assert worth_measuring(jnp.float32, projection_shapes(smollm2), 30)     # 425 MB
+    assert worth_measuring(jnp.bfloat16, projection_shapes(smollm2), 30)    # 212 MB
+    tiny = SimpleNamespace(hidden_size=64, intermediate_size=128, num_heads=4,
+                           num_kv_heads=2, head_dim=16)
+    assert not worth_measuring(jnp.float32, projection_shapes(tiny), 2)
+
+
 def test_the_gemv_choice_is_measured_once_then_read_back(tmp_path, monkeypatch):
     from jaxserve.kernels.cpu import gemv_choice
 
@@ -205,6 +219,7 @@ def test_a_gemv_timing_that_fails_leaves_onednn_and_the_engine_starts(make_tiny_
         raise RuntimeError("no timer here")
 
     monkeypatch.setattr(gemv_choice, "load_or_measure", broken)
+    monkeypatch.setattr(gemv_choice, "worth_measuring", lambda *args: True)
     with caplog.at_level(logging.WARNING, logger="jaxserve.engine.model_setup"):
         llm = LLM(str(make_tiny_model("llama")), dtype="float32", max_model_len=64,
                   max_num_seqs=2, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)

@@ -233,12 +233,18 @@ def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: st
         logger.info("CPU projections (%s): streaming GEMV at <= %s rows (cpu_gemv_rows=%s)",
                     np.dtype(placed.dtype).name, setting, setting)
         return int(setting)
-    from jaxserve.kernels.cpu.gemv_choice import load_or_measure, projection_shapes
+    from jaxserve.kernels.cpu.gemv_choice import (
+        load_or_measure,
+        projection_shapes,
+        worth_measuring,
+    )
 
+    shapes, num_layers = projection_shapes(placed.arch), placed.arch.num_layers
+    if not worth_measuring(placed.dtype, shapes, num_layers):
+        return 0                 # cache-resident weights: nothing to stream, oneDNN
     start = time.perf_counter()
     try:
-        choice, stored = load_or_measure(cache_dir, placed.dtype,
-                                         projection_shapes(placed.arch), placed.arch.num_layers)
+        choice, stored = load_or_measure(cache_dir, placed.dtype, shapes, num_layers)
     except Exception as exc:     # a timing that cannot run must not stop the server
         logger.warning("could not time the CPU GEMV against oneDNN (%r): oneDNN at every "
                        "row count", exc)

@@ -66,6 +66,14 @@ def choose_rows(timings: dict[int, tuple[float, float]], margin: float = MARGIN)
     return best
 
 
+def worth_measuring(dtype, shapes: tuple[tuple[int, int], ...], num_layers: int) -> bool:
+    """Whether the model's projections outgrow MEASURED_BYTES. A smaller model's weights sit
+    in the CPU's caches, where neither kernel streams anything and a 2 s timing would decide
+    nothing a user can see: it keeps oneDNN, untimed."""
+    return sum(i * o for i, o in shapes) * num_layers * jnp.dtype(dtype).itemsize \
+        >= MEASURED_BYTES
+
+
 def projection_shapes(arch) -> tuple[tuple[int, int], ...]:
     """[in, out] of one decoder layer's dense projections (q, k, v, o, gate, up, down)."""
     h, i = arch.hidden_size, arch.intermediate_size
