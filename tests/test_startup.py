@@ -90,21 +90,26 @@ def test_the_kv_cache_is_allocated_only_after_every_warmup_bucket_compiled(make_
     events: list[tuple[str, object, bool]] = []
     compile_step, allocate = ModelRunner._compile, ModelRunner.allocate_kv_cache
 
-    # This engine compiles on the calling thread (compile_in_background=False); an earlier
-    # test's engine may still be compiling on its background thread through the same patched
-    # method (seen in CI: two extra compiles), so only this thread's calls count.
-    here = threading.current_thread()
+    # An earlier test's engine may still be compiling in the background through the same
+    # patched method (seen in CI: two extra compiles): only runners built here count.
+    mine: list[ModelRunner] = []
+    init = ModelRunner.__init__
+
+    def building(self, *args, **kwargs):
+        mine.append(self)
+        init(self, *args, **kwargs)
 
     def compiling(self, num_tokens, num_seqs):
-        if threading.current_thread() is here:
+        if any(self is runner for runner in mine):
             events.append(("compile", (num_tokens, num_seqs), self.kv_cache_allocated))
         return compile_step(self, num_tokens, num_seqs)
 
     def allocating(self):
-        if not self.kv_cache_allocated and threading.current_thread() is here:
+        if not self.kv_cache_allocated and any(self is runner for runner in mine):
             events.append(("allocate", tuple(self.compiled_shapes), False))
         allocate(self)
 
+    monkeypatch.setattr(ModelRunner, "__init__", building)
     monkeypatch.setattr(ModelRunner, "_compile", compiling)
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocating)
     llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **ENGINE_KWARGS)
