@@ -220,14 +220,11 @@ def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: st
                    cache_dir: str | None) -> int:
     """Up to how many rows float projections take the streaming GEMV (CPU, one device, float
     weights read in place: kernels/cpu/gemv_choice.py); 0 where that path is not taken."""
-    from jaxserve.kernels.cpu import matmul
-    from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
+    from jaxserve.runner.model_runner import reads_layer_weights_in_place
 
     setting = config.model_config.cpu_gemv_rows
-    mesh = getattr(placed.placement, "mesh", None)
-    if platform != "cpu" or backend.name != "cpu" or (mesh is not None and mesh.size > 1) \
-            or np.dtype(placed.dtype) not in IN_PLACE_DTYPES or placed.quantization \
-            or not matmul.available():
+    if platform != "cpu" or placed.quantization or not reads_layer_weights_in_place(
+            backend, getattr(placed.placement, "mesh", None), placed.dtype):
         return 0
     if setting != "auto":
         logger.info("CPU projections (%s): streaming GEMV at <= %s rows (cpu_gemv_rows=%s)",

@@ -49,6 +49,13 @@ __all__ = ["ModelRunner", "PendingStep", "StepOutputs", "wait_for_background_com
 logger = logging.getLogger(__name__)
 
 
+def reads_layer_weights_in_place(backend: AttentionBackend, mesh: Any, dtype: Any) -> bool:
+    """Whether steps read float projection weights in place through the CPU matmul library
+    (the CPU attention backend, one device, float32/bf16, the library loads)."""
+    return backend.name == "cpu" and (mesh is None or mesh.size == 1) \
+        and jnp.dtype(dtype) in IN_PLACE_DTYPES and cpu_matmul_available()
+
+
 class ModelRunner(StepCompilation):
     """One model replica's device side: parameters, the KV cache, the persistent batch and
     the compiled step of every bucket; `execute` runs one `SchedulerOutput`."""
@@ -139,10 +146,9 @@ class ModelRunner(StepCompilation):
         family = family_for(self.arch.architecture)   # the registry's model module for this arch
         self.model = family.build(self.arch, backend, self.num_blocks, self.block_size,
                                   self.dtype)
-        mesh = getattr(self.input_sharding, "mesh", None)
-        if backend.name == "cpu" and (mesh is None or mesh.size == 1) \
-                and jnp.dtype(self.dtype) in IN_PLACE_DTYPES \
-                and hasattr(self.model, "small_batch_layer_matmul") and cpu_matmul_available():
+        if reads_layer_weights_in_place(backend, getattr(self.input_sharding, "mesh", None),
+                                        self.dtype) \
+                and hasattr(self.model, "small_batch_layer_matmul"):
             # Steps read each layer's weights in place through the oneDNN library
             # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
             self.model = self.model.clone(small_batch_layer_matmul=True,
