@@ -57,6 +57,47 @@ def test_transposed_weights_give_logits_against_a_tied_table(dtype, rows, hidden
     _check(got, x.astype(jnp.float32), table.astype(jnp.float32).T, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("fan_in", [576, 257, 5])
+def test_grouped_gemv_gives_each_projection_its_own_product(dtype, fan_in):
+    """One call over several weights of one x (q/k/v; gate/up) returns what each weight's own
+    GEMV call returns (to f32 rounding: the split over rows adds partial sums in another
+    order), against float64 too; the same bits call after call (partials added in part
+    order, whichever thread ran them)."""
+    rng = np.random.default_rng(fan_in)
+    scale = 30.0 if dtype == jnp.int8 else 1.0
+    stacked = tuple(jnp.asarray(rng.standard_normal((3, fan_in, out)) * scale, np.float32)
+                    .astype(dtype) for out in (576, 47, 129, 1536))
+    group = jax.jit(matmul.layer_matmul_group, static_argnums=3)
+    single = jax.jit(matmul.layer_matmul, static_argnums=3, static_argnames="gemv_rows")
+    for rows in (1, 3, 8):
+        x = jnp.asarray(rng.standard_normal((rows, fan_in), np.float32))
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            ys = group(x, stacked, 2, out_dtype)
+            assert [y.shape for y in ys] == [(rows, w.shape[2]) for w in stacked]
+            assert all(y.dtype == out_dtype for y in ys)
+            for w, y in zip(stacked, ys):
+                own = single(x, w, 2, out_dtype, gemv_rows=8)
+                tol = 1e-5 if out_dtype == jnp.float32 else 1e-2
+                np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(own, np.float32),
+                                           rtol=tol, atol=tol * scale * np.sqrt(fan_in))
+                _check(y, x, np.asarray(w[2], np.float32),
+                       jnp.bfloat16 if jnp.bfloat16 in (dtype, out_dtype) else jnp.float32)
+            again = group(x, stacked, 2, out_dtype)
+            assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                       for a, b in zip(ys, again))
+
+
+def test_the_grouped_gemv_refuses_what_it_does_not_take():
+    w = jnp.ones((2, 16, 8), jnp.float32)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        matmul.layer_matmul_group(jnp.ones((9, 16)), (w, w), 0)
+    with pytest.raises(ValueError, match="one dtype"):
+        matmul.layer_matmul_group(jnp.ones((1, 16)), (w, w.astype(jnp.bfloat16)), 0)
+    with pytest.raises(ValueError, match="weights"):
+        matmul.layer_matmul_group(jnp.ones((1, 15)), (w,), 0)
+
+
 def test_bad_shapes_and_dtypes_raise():
     w = jnp.ones((2, 8, 4))
     with pytest.raises(ValueError, match="wants"):
@@ -201,6 +242,8 @@ def test_gemv_and_onednn_steps_give_the_same_greedy_tokens(make_tiny_model):
         runner.wait_until_compiled()
         step = runner._steps[min(runner._steps)].as_text()
         assert f"gemv_rows={rows}" in step.replace(" ", ""), rows
+        # On the GEMV, q/k/v and gate/up stream in one call each (layers.sibling_projections)
+        assert (matmul.GROUP_TARGET in step) == (rows == "8"), rows
     for a, b in zip(outs["0"], outs["8"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

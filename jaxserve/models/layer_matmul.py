@@ -101,6 +101,47 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -
                           gemv_rows=state.gemv_rows if state is not None else 0)
 
 
+@dataclass(frozen=True)
+class GemvOperand:
+    """One projection's share of a grouped GEMV (`grouped_gemv`): its stacked weights read in
+    place, the layer, and for int8 weights (W8A16) the stacked per-column scales and the
+    dtype the scaled result takes."""
+    weights: jax.Array             # [L, in, out] float32 / bfloat16 / int8
+    layer: Any
+    scale: jax.Array | None = None
+    out_dtype: Any = jnp.float32
+
+
+def gemv_rows_limit() -> int:
+    """Up to how many rows float projections take the streaming GEMV in the step being traced
+    (0 outside the stacked layer scan)."""
+    state = _STATE.get()
+    return state.gemv_rows if state is not None and state.layer is not None else 0
+
+
+def grouped_gemv(x: jax.Array, operands: list[GemvOperand]) -> list[jax.Array] | None:
+    """Several projections of one x [T, in] in one library call (q/k/v, gate/up: one pass
+    through the thread pool instead of one each; jaxserve/kernels/cpu/matmul.py), each the
+    same numbers its own `layer_matmul` / `int8_layer_matmul` call gives; None when they
+    do not share a weight dtype and a layer (the caller then projects one at a time)."""
+    from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS, layer_matmul_group
+
+    kinds = {op.weights.dtype for op in operands}
+    if len(operands) < 2 or len(kinds) != 1 or x.ndim != 2 or x.shape[0] > MAX_GEMV_ROWS \
+            or any(op.layer is not operands[0].layer for op in operands):
+        return None
+    int8 = kinds == {jnp.dtype(jnp.int8)}
+    ys = layer_matmul_group(x.astype(jnp.float32 if int8 else operands[0].weights.dtype),
+                            tuple(op.weights for op in operands), operands[0].layer, jnp.float32)
+    out = []
+    for op, y in zip(operands, ys):
+        if op.scale is not None:
+            w_scale = jax.lax.dynamic_index_in_dim(op.scale, op.layer, 0, keepdims=False)
+            y = y * w_scale.astype(jnp.float32)
+        out.append(y.astype(op.out_dtype))
+    return out
+
+
 def int8_layer_matmul(x: jax.Array, stacked: jax.Array, scale: jax.Array, layer: Any,
                       out_dtype: Any, int8_units: bool) -> jax.Array | None:
     """x [T, in] @ (stacked[layer] [in, out] int8 * scale[layer] [out]), in place, or None

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.models.layer_matmul import IN_PLACE_DTYPES, SMALL_LOGITS_MAX_ROWS, small_logits
+from jaxserve.models.layer_matmul import (
+    IN_PLACE_DTYPES,
+    SMALL_LOGITS_MAX_ROWS,
+    GemvOperand,
+    grouped_gemv,
+    small_logits,
+)
 from jaxserve.models.linear_method import linear_method_for
 from jaxserve.models.lora import lora_delta
 from jaxserve.quantization.gguf_packed import (
@@ -87,15 +93,38 @@ class Linear(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None,
+                 product: jax.Array | None = None) -> jax.Array:
+        """product: x @ W as the format computes it, already done by the caller (a grouped
+        GEMV over this layer and its siblings: `sibling_projections`)."""
         names = self.variables.get("params", {})
-        y = linear_method_for(names).apply(self, x)
+        y = product if product is not None else linear_method_for(names).apply(self, x)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         if lora_slots is not None and "lora_a" in names:
             y = y + lora_delta(x.astype(self.dtype), self.get_variable("params", "lora_a"),
                                self.get_variable("params", "lora_b"), lora_slots)
         return y
+
+    def gemv_operand(self, x: jax.Array) -> GemvOperand | None:
+        """This layer's share of a grouped GEMV over x (models/layer_matmul.grouped_gemv),
+        where its format would stream its weights in place with the GEMV; else None."""
+        method = linear_method_for(self.variables.get("params", {}))
+        operand = getattr(method, "gemv_operand", None)
+        return operand(self, x) if operand is not None else None
+
+
+def sibling_projections(x: jax.Array, layers: tuple[Linear, ...],
+                        lora_slots: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Each layer applied to x; where all of them take the CPU's streaming GEMV (a decode
+    step of a few rows), their products come from one library call: a decode layer's q/k/v
+    and gate/up are small (SmolLM2's k_proj streams 0.44 MB in ~20 us) and each call of its
+    own paid ~25-30 us of thunk and thread-pool wake-up beyond that."""
+    operands = [layer.gemv_operand(x) for layer in layers]
+    products = grouped_gemv(x, operands) if all(op is not None for op in operands) else None
+    if products is None:
+        return tuple(layer(x, lora_slots) for layer in layers)
+    return tuple(layer(x, lora_slots, product=p) for layer, p in zip(layers, products))
 
 
 class Embedding(nn.Module):
@@ -180,9 +209,10 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
     """
     num_tokens = h.shape[0]
     lora = meta.lora_slots     # None unless LoRA is on
-    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h, lora)
-    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h, lora)
-    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h, lora)
+    q, k, v = sibling_projections(h, (
+        dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias),
+        dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias),
+        dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)), lora)
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
     k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -222,7 +252,7 @@ def gated_mlp(h: jax.Array, intermediate_size: int, hidden_size: int, activation
               dtype: Any, lora_slots: jax.Array | None = None) -> jax.Array:
     """down(act(gate(h)) * up(h)); activation: a key of ACTIVATIONS; lora_slots: i32[T]
     (meta.lora_slots) when LoRA is on."""
-    gate = dense(intermediate_size, "gate_proj", dtype)(h, lora_slots)
-    up = dense(intermediate_size, "up_proj", dtype)(h, lora_slots)
+    gate, up = sibling_projections(h, (dense(intermediate_size, "gate_proj", dtype),
+                                       dense(intermediate_size, "up_proj", dtype)), lora_slots)
     act = ACTIVATIONS[activation](gate.astype(jnp.float32)) * up.astype(jnp.float32)
     return dense(hidden_size, "down_proj", dtype)(act.astype(dtype), lora_slots)

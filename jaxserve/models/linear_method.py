@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jaxserve.models.layer_matmul import (
     IN_PLACE_DTYPES,
     MAX_ROWS,
+    GemvOperand,
+    gemv_rows_limit,
     int8_layer_matmul,
     layer_matmul,
     stacked_kernel,
@@ -73,6 +75,13 @@ class DenseMethod:
             return layer_matmul(x, *stacked, jnp.float32)
         return float32_accumulating_dot(x.astype(layer.dtype), kernel)
 
+    def gemv_operand(self, layer: nn.Module, x: jax.Array) -> GemvOperand | None:
+        """This layer's weights for a grouped GEMV, where `apply` would take the GEMV."""
+        if x.ndim != 2 or x.shape[0] > gemv_rows_limit():
+            return None
+        stacked = stacked_kernel(layer.scope.path)
+        return GemvOperand(*stacked) if stacked is not None else None
+
 
 def float32_accumulating_dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x [..., in] @ kernel [in, out] -> [..., out] float32, inputs in their own dtype.
@@ -113,6 +122,16 @@ class Int8PerChannelMethod:
             if y is not None:
                 return y
         return _dot(x.astype(layer.dtype), kernel.astype(layer.dtype)) * scale
+
+    def gemv_operand(self, layer: nn.Module, x: jax.Array) -> GemvOperand | None:
+        """This layer's int8 weights and scales for a grouped GEMV (W8A16: at most 8 rows)."""
+        from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS
+
+        found = stacked_params(layer.scope.path) if x.ndim == 2 \
+            and x.shape[0] <= MAX_GEMV_ROWS else None
+        if found is None or found[0]["kernel"].ndim != 3:
+            return None
+        return GemvOperand(found[0]["kernel"], found[1], found[0]["scale"], layer.dtype)
 
 
 class Int8GroupedMethod:

@@ -188,12 +188,14 @@ def build(lib: KernelLibrary, force: bool = False, compiler: str | None = None) 
 
 class FfiTarget:
     """A library's XLA FFI handler, registered at most once per process: the library built
-    (if its key has none yet), loaded, and `symbol` registered as `target` on CPU. A failure
-    is remembered and raised again, so a machine without a compiler pays one attempt."""
+    (if its key has none yet), loaded, and `symbol` registered as `target` on CPU (with the
+    library's other handlers, ``more``: (target, symbol) pairs). A failure is remembered and
+    raised again, so a machine without a compiler pays one attempt."""
 
     def __init__(self, target: str, symbol: str, library: Callable[[], KernelLibrary],
-                 what: str) -> None:
+                 what: str, more: tuple[tuple[str, str], ...] = ()) -> None:
         self.target, self.symbol, self.library, self.what = target, symbol, library, what
+        self.handlers = ((target, symbol),) + tuple(more)
         self._lock = threading.Lock()
         self._path: Path | None = None
         self._failure: CpuKernelBuildError | None = None
@@ -209,14 +211,16 @@ class FfiTarget:
                 lib = self.library()
                 path = build(lib)
                 try:
-                    symbol = getattr(ctypes.CDLL(str(path)), self.symbol)
+                    loaded = ctypes.CDLL(str(path))
+                    symbols = {target: getattr(loaded, symbol) for target, symbol in self.handlers}
                 except (OSError, AttributeError) as e:
                     raise lib.error(f"loading {self.what} {path} failed ({e}); delete it to "
                                     f"rebuild. {lib.fallback_hint}") from e
                 import jax
 
-                jax.ffi.register_ffi_target(self.target, jax.ffi.pycapsule(symbol),
-                                            platform="cpu")
+                for target, symbol in symbols.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
+                                                platform="cpu")
             except CpuKernelBuildError as e:
                 self._failure = e
                 raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -138,7 +139,7 @@ def load_or_measure(cache_dir: str | None, dtype, shapes: tuple[tuple[int, int],
     """(the choice, whether it was read from disk): the one stored for this CPU, dtype and
     shapes under `cache_dir`, else measured now (and stored there when it is set)."""
     key = json.dumps([_cpu_name(), jnp.dtype(dtype).name, [list(s) for s in shapes],
-                      min(int(num_layers), MAX_LAYERS), MEASURED_BYTES])
+                      min(int(num_layers), MAX_LAYERS), MEASURED_BYTES, _kernel_source()])
     path = Path(cache_dir) / "jaxserve-gemv-rows.json" if cache_dir else None
     stored = {}
     if path is not None and path.exists():
@@ -161,6 +162,16 @@ def load_or_measure(cache_dir: str | None, dtype, shapes: tuple[tuple[int, int],
         except OSError as exc:
             logger.warning("could not store the GEMV choice in %s: %s", path, exc)
     return choice, False
+
+
+def _kernel_source() -> str:
+    """A digest of the kernels' source (a choice timed against an older GEMV is stale)."""
+    from jaxserve.kernels.cpu.build import HERE
+
+    digest = hashlib.sha256()
+    for name in ("matmul.cc", "parallel_for.h"):
+        digest.update((HERE / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _cpu_name() -> str:

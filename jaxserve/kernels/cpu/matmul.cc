@@ -18,12 +18,12 @@
 // pool (parallel_for.h); each worker runs oneDNN on its range single-threaded (its OpenMP
 // team is set to 1 in that thread), so no OpenMP pool spins beside XLA's.
 //
-// The one kernel of our own: int8 weights with float x at rows <= kMaxGemvRows (W8A16, a
-// decode of a few sequences) take a register-blocked GEMV that streams the weights once at
-// the memory's speed (a quarter of f32's bytes; the oneDNN call takes int8 weights only with
-// int8 x, W8A8). Float weights take oneDNN at every row count: the GEMV over f32 weights is
-// kept off while it does not beat oneDNN there (benchmarks/bench_layer_matmul.py); tests
-// force it with gemv_rows.
+// The one kernel of our own, a streaming GEMV for a few rows (T <= kMaxGemvRows: a decode of
+// a few sequences), f32 accumulation over f32 / bf16 / int8 weights read once in memory
+// order, split over the weights' rows between workers. It serves int8 weights with float x
+// (W8A16: oneDNN takes int8 weights only with int8 x) and float weights up to the row count
+// the engine measured it faster than oneDNN on this CPU (gemv_rows; gemv_choice.py). A second
+// handler (JaxserveMatmulGroup) streams several projections of one x in one call.
 
 #include <algorithm>
 #include <cstdint>
@@ -72,8 +72,7 @@ inline uint16_t f32_to_bf16(float f) {   // round to nearest even (NaN stays NaN
 // GEMV: a few rows, the weights streamed once in memory order. A tile of T rows x NV native
 // vectors of output columns lives in registers while it walks kGemvKBlock weight rows (that
 // many sequential streams: what the hardware prefetchers follow), then is stored and
-// reloaded for the next block. The columns are cut into more parts than workers so a
-// worker that starts late (a busy shared box) takes less of them.
+// reloaded for the next block. Workers split the weights' rows (gemv_rows_of).
 // ---------------------------------------------------------------------------
 
 constexpr int64_t kMaxGemvRows = 8;
@@ -128,13 +127,14 @@ inline void storev(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 
 #define JAXSERVE_UNROLL _Pragma("GCC unroll 16")   // keeps acc[][] in registers (g++, clang++)
 
+// Y[:, o0 .. o0 + NV * kLanes) += (or =, for the first block k0 == ka) X[:, k0:k1] @ W[k0:k1].
 template <int T, int NV, typename W>
 void gemv_tile(const float* X, const W* Wt, float* Y, int64_t in, int64_t out, int64_t o0,
-               int64_t k0, int64_t k1) {
+               int64_t k0, int64_t k1, bool first) {
   vf acc[T][NV];
   JAXSERVE_UNROLL for (int t = 0; t < T; ++t)
     JAXSERVE_UNROLL for (int n = 0; n < NV; ++n)
-      acc[t][n] = k0 == 0 ? vf{} : loadv(Y + t * out + o0 + n * kLanes);
+      acc[t][n] = first ? vf{} : loadv(Y + t * out + o0 + n * kLanes);
   for (int64_t i = k0; i < k1; ++i) {
     const W* w = Wt + i * out + o0;
     JAXSERVE_UNROLL for (int n = 0; n < NV; ++n) {
@@ -153,52 +153,102 @@ inline float weight_at(const int8_t* w, int64_t i) { return float(w[i]); }
 template <int T>
 constexpr int gemv_vectors() { return std::max(1, std::min(8, kGemvAccRegs / T)); }
 
+// Y[T, out] = X[:, ka:kb] @ W[ka:kb, :]: the weight rows [ka, kb) read once, in memory order
+// (kGemvKBlock rows at a time, each walked across every column: that many sequential streams).
 template <int T, typename W>
-void gemv_columns(const float* X, const W* Wt, float* Y, int64_t in, int64_t out, int64_t c0,
-                  int64_t c1) {
+void gemv_rows_range(const float* X, const W* Wt, float* Y, int64_t in, int64_t out, int64_t ka,
+                     int64_t kb) {
   constexpr int NV = gemv_vectors<T>();
-  const int64_t full = c0 + (c1 - c0) / (NV * kLanes) * (NV * kLanes);
-  const int64_t vec = full + (c1 - full) / kLanes * kLanes;
-  for (int64_t k0 = 0; k0 < in; k0 += kGemvKBlock) {
-    const int64_t k1 = std::min<int64_t>(in, k0 + kGemvKBlock);
-    for (int64_t o = c0; o < full; o += NV * kLanes)
-      gemv_tile<T, NV>(X, Wt, Y, in, out, o, k0, k1);
-    for (int64_t o = full; o < vec; o += kLanes) gemv_tile<T, 1>(X, Wt, Y, in, out, o, k0, k1);
+  const int64_t full = out / (NV * kLanes) * (NV * kLanes);
+  const int64_t vec = full + (out - full) / kLanes * kLanes;
+  for (int64_t k0 = ka; k0 < kb; k0 += kGemvKBlock) {
+    const int64_t k1 = std::min<int64_t>(kb, k0 + kGemvKBlock);
+    for (int64_t o = 0; o < full; o += NV * kLanes)
+      gemv_tile<T, NV>(X, Wt, Y, in, out, o, k0, k1, k0 == ka);
+    for (int64_t o = full; o < vec; o += kLanes)
+      gemv_tile<T, 1>(X, Wt, Y, in, out, o, k0, k1, k0 == ka);
   }
-  for (int64_t o = vec; o < c1; ++o)   // fewer than kLanes columns left (out % kLanes)
+  for (int64_t o = vec; o < out; ++o)   // fewer than kLanes columns left (out % kLanes)
     for (int t = 0; t < T; ++t) {
       float a = 0.f;
-      for (int64_t i = 0; i < in; ++i) a += X[t * in + i] * weight_at(Wt, i * out + o);
+      for (int64_t i = ka; i < kb; ++i) a += X[t * in + i] * weight_at(Wt, i * out + o);
       Y[t * out + o] = a;
     }
 }
 
+// One projection's share of a GEMV pass: its weights (this layer's [in, out] block) and its
+// output [T, out]. A pass may stream several projections of the same x (q/k/v, gate/up):
+// one trip through the thread pool for all of them.
+struct GemvSegment {
+  const void* w;
+  float* y;
+  int64_t out;
+};
+
+// The pass, split over the weights' rows (split-K): part p reads rows [in * p / parts,
+// in * (p + 1) / parts) of every segment -- whole rows, one contiguous slab each, so a
+// decode projection of few columns (down_proj's 576: 2.3 KB rows) still streams at the
+// memory's speed (split over columns, each worker read 256-byte pieces of every row: ~15
+// GB/s against ~24 here) -- into partial sums of its own, which are then added in part
+// order (the same sums whichever thread ran which part). More parts than workers, so a
+// worker that starts late (a busy shared box) takes fewer of them.
 template <int T, typename W>
-void gemv_rows_of(ffi::ThreadPool& pool, const float* X, const W* Wt, float* Y, int64_t in,
-                  int64_t out) {
-  constexpr int64_t tile = gemv_vectors<T>() * kLanes;
-  const int64_t tiles = (out + tile - 1) / tile;
-  const int64_t workers = streaming_workers(pool, in * out * int64_t(sizeof(W)) / 4, tiles);
-  const int64_t parts = workers <= 1 ? 1 : std::min<int64_t>(tiles, workers * kGemvPartsPerWorker);
+void gemv_rows_of(ffi::ThreadPool& pool, const float* X, const std::vector<GemvSegment>& segs,
+                  int64_t in) {
+  int64_t cols = 0;
+  for (const GemvSegment& g : segs) cols += g.out;
+  const int64_t blocks = (in + kGemvKBlock - 1) / kGemvKBlock;
+  const int64_t workers = streaming_workers(pool, in * cols * int64_t(sizeof(W)) / 4, blocks);
+  const int64_t parts = workers <= 1 ? 1 : std::min<int64_t>(blocks, workers * kGemvPartsPerWorker);
+  if (parts == 1) {
+    for (const GemvSegment& g : segs)
+      gemv_rows_range<T>(X, static_cast<const W*>(g.w), g.y, in, g.out, 0, in);
+    return;
+  }
+  thread_local std::vector<float> partial;   // [parts][T * cols], segments side by side
+  partial.resize(size_t(parts * T * cols));
+  float* base = partial.data();
   parallel_for(pool, parts, workers, [&](int64_t part, int64_t) {
-    const int64_t c0 = std::min(out, tiles * part / parts * tile);
-    const int64_t c1 = std::min(out, tiles * (part + 1) / parts * tile);
-    gemv_columns<T>(X, Wt, Y, in, out, c0, c1);
+    const int64_t ka = blocks * part / parts * kGemvKBlock;
+    const int64_t kb = std::min(in, blocks * (part + 1) / parts * kGemvKBlock);
+    float* y = base + part * T * cols;
+    for (const GemvSegment& g : segs) {
+      gemv_rows_range<T>(X, static_cast<const W*>(g.w), y, in, g.out, ka, kb);
+      y += T * g.out;
+    }
   });
+  int64_t at = 0;
+  for (const GemvSegment& g : segs) {
+    const int64_t n = T * g.out;
+    for (int64_t i = 0; i < n; i += kLanes) {
+      if (i + kLanes <= n) {
+        vf sum = loadv(base + at + i);
+        for (int64_t p = 1; p < parts; ++p) sum += loadv(base + p * T * cols + at + i);
+        storev(g.y + i, sum);
+      } else {
+        for (int64_t j = i; j < n; ++j) {
+          float sum = base[at + j];
+          for (int64_t p = 1; p < parts; ++p) sum += base[p * T * cols + at + j];
+          g.y[j] = sum;
+        }
+      }
+    }
+    at += n;
+  }
 }
 
 template <typename W>
-void gemv(ffi::ThreadPool& pool, const float* X, const W* Wt, float* Y, int64_t T, int64_t in,
-          int64_t out) {
+void gemv(ffi::ThreadPool& pool, const float* X, const std::vector<GemvSegment>& segs,
+          int64_t T, int64_t in) {
   switch (T) {
-    case 1: gemv_rows_of<1>(pool, X, Wt, Y, in, out); break;
-    case 2: gemv_rows_of<2>(pool, X, Wt, Y, in, out); break;
-    case 3: gemv_rows_of<3>(pool, X, Wt, Y, in, out); break;
-    case 4: gemv_rows_of<4>(pool, X, Wt, Y, in, out); break;
-    case 5: gemv_rows_of<5>(pool, X, Wt, Y, in, out); break;
-    case 6: gemv_rows_of<6>(pool, X, Wt, Y, in, out); break;
-    case 7: gemv_rows_of<7>(pool, X, Wt, Y, in, out); break;
-    default: gemv_rows_of<8>(pool, X, Wt, Y, in, out); break;
+    case 1: gemv_rows_of<1, W>(pool, X, segs, in); break;
+    case 2: gemv_rows_of<2, W>(pool, X, segs, in); break;
+    case 3: gemv_rows_of<3, W>(pool, X, segs, in); break;
+    case 4: gemv_rows_of<4, W>(pool, X, segs, in); break;
+    case 5: gemv_rows_of<5, W>(pool, X, segs, in); break;
+    case 6: gemv_rows_of<6, W>(pool, X, segs, in); break;
+    case 7: gemv_rows_of<7, W>(pool, X, segs, in); break;
+    default: gemv_rows_of<8, W>(pool, X, segs, in); break;
   }
 }
 
@@ -353,27 +403,40 @@ bool to_dt(ffi::DataType t, dt* out) {
   return false;
 }
 
-ffi::Error run_gemv(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const char* W, dt wt,
-                    ffi::Result<ffi::AnyBuffer>& y, int64_t T, int64_t in, int64_t out) {
-  std::vector<float> xf(size_t(T * in)), yf;
+// The GEMV over one or more projections of x: x converted to f32 once; bf16 results go
+// through an f32 buffer. ws[i]: this layer's [in, outs[i]] weights; ys[i]: [T, outs[i]].
+ffi::Error run_gemv(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, dt wt,
+                    const std::vector<const char*>& ws, const std::vector<int64_t>& outs,
+                    const std::vector<ffi::AnyBuffer>& ys, int64_t T, int64_t in) {
+  std::vector<float> xf(size_t(T * in));
   if (x.element_type() == ffi::DataType::F32) {
     std::memcpy(xf.data(), x.untyped_data(), xf.size() * 4);
   } else {
     const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
     for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_f32(xh[i]);
   }
-  const bool f32_out = y->element_type() == ffi::DataType::F32;
-  if (!f32_out) yf.resize(size_t(T * out));
-  float* Yf = f32_out ? static_cast<float*>(y->untyped_data()) : yf.data();
+  std::vector<std::vector<float>> bf16_out(ws.size());
+  std::vector<GemvSegment> segs;
+  for (size_t s = 0; s < ws.size(); ++s) {
+    float* y = nullptr;
+    if (ys[s].element_type() == ffi::DataType::F32) {
+      y = static_cast<float*>(ys[s].untyped_data());
+    } else {
+      bf16_out[s].resize(size_t(T * outs[s]));
+      y = bf16_out[s].data();
+    }
+    segs.push_back(GemvSegment{ws[s], y, outs[s]});
+  }
   if (wt == dt::f32)
-    gemv(pool, xf.data(), reinterpret_cast<const float*>(W), Yf, T, in, out);
+    gemv<float>(pool, xf.data(), segs, T, in);
   else if (wt == dt::s8)
-    gemv(pool, xf.data(), reinterpret_cast<const int8_t*>(W), Yf, T, in, out);
+    gemv<int8_t>(pool, xf.data(), segs, T, in);
   else
-    gemv(pool, xf.data(), reinterpret_cast<const uint16_t*>(W), Yf, T, in, out);
-  if (!f32_out) {
-    uint16_t* yh = static_cast<uint16_t*>(y->untyped_data());
-    for (size_t i = 0; i < yf.size(); ++i) yh[i] = f32_to_bf16(yf[i]);
+    gemv<uint16_t>(pool, xf.data(), segs, T, in);
+  for (size_t s = 0; s < ws.size(); ++s) {
+    if (bf16_out[s].empty()) continue;
+    uint16_t* yh = static_cast<uint16_t*>(ys[s].untyped_data());
+    for (size_t i = 0; i < bf16_out[s].size(); ++i) yh[i] = f32_to_bf16(bf16_out[s][i]);
   }
   return ffi::Error::Success();
 }
@@ -408,12 +471,68 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument("matmul: int8 weights with float x (W8A16) take at most "
                                        "8 rows; quantize x to int8 (W8A8) for more");
   if ((T <= limit || (wt == dt::s8 && xt != dt::s8)) && !transposed_w && xt != dt::s8)
-    return run_gemv(pool, x, W, wt, y, T, in, out);
+    return run_gemv(pool, x, wt, {W}, {out}, {*y}, T, in);
   const std::string error =
       onednn_gemm(pool, static_cast<const char*>(x.untyped_data()), W,
                   static_cast<char*>(y->untyped_data()), T, in, out, transposed_w, xt, wt, yt);
   if (!error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "matmul: oneDNN: " + error);
   return ffi::Error::Success();
+}
+
+// Several projections of one x in one call (q/k/v; gate/up): a decode step's projections
+// are small (SmolLM2's k_proj: 0.44 MB, ~20 us of streaming) and each call of its own paid
+// ~25-30 us of thunk and pool wake-up on top. The GEMV only: the caller takes it at the row
+// counts where the GEMV serves these weights, and calls one projection at a time elsewhere.
+ffi::Error MatmulGroupImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                           ffi::Buffer<ffi::S32> layer_buf, ffi::RemainingArgs weights,
+                           ffi::RemainingRets results) {
+  const auto xd = x.dimensions();
+  const size_t n = weights.size();
+  if (xd.size() != 2 || layer_buf.element_count() != 1 || n == 0 || results.size() != n)
+    return ffi::Error::InvalidArgument("matmul group: want x [T, in], layer [], n >= 1 weights "
+                                       "[L, in, out_i] and n results [T, out_i]; got x " +
+                                       dims_str(xd));
+  const int64_t T = xd[0], in = xd[1];
+  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("matmul group: x float32 or bfloat16");
+  if (T > kMaxGemvRows)
+    return ffi::Error::InvalidArgument("matmul group: the GEMV takes at most 8 rows");
+  std::vector<const char*> ws;
+  std::vector<int64_t> outs;
+  std::vector<ffi::AnyBuffer> ys;
+  dt wt = dt::f32;
+  bool no_weights = in == 0;   // x @ an empty [0, out] block (or a model of 0 layers): zeros
+  for (size_t i = 0; i < n; ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(i);
+    auto y = results.get<ffi::AnyBuffer>(i);
+    if (w.has_error()) return w.error();
+    if (y.has_error()) return y.error();
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    dt this_wt, yt;
+    if (wd.size() != 3 || wd[1] != in || yd.size() != 2 || yd[0] != T || yd[1] != wd[2] ||
+        !to_dt(w->element_type(), &this_wt) || !to_dt((*y)->element_type(), &yt) ||
+        yt == dt::s8 || (i > 0 && this_wt != wt))
+      return ffi::Error::InvalidArgument("matmul group: weight " + std::to_string(i) + " " +
+                                         dims_str(wd) + " / result " + dims_str(yd) +
+                                         " do not fit x " + dims_str(xd) +
+                                         " (one weight dtype, float results)");
+    wt = this_wt;
+    const int64_t L = wd[0], out = wd[2];
+    no_weights = no_weights || L == 0;
+    const int64_t layer =
+        std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0), std::max<int64_t>(L - 1, 0));
+    ws.push_back(static_cast<const char*>(w->untyped_data()) + layer * in * out * elem_size(wt));
+    outs.push_back(out);
+    ys.push_back(**y);
+  }
+  if (T == 0) return ffi::Error::Success();
+  if (no_weights) {
+    for (size_t i = 0; i < n; ++i)
+      std::memset(ys[i].untyped_data(), 0, size_t(T * outs[i]) * (ys[i].element_type() ==
+                                                 ffi::DataType::F32 ? 4 : 2));
+    return ffi::Error::Success();
+  }
+  return run_gemv(pool, x, wt, ws, outs, ys, T, in);
 }
 
 }  // namespace
@@ -436,3 +555,11 @@ extern "C" int jaxserve_onednn_isa() {
 
 // 1 when oneDNN computes bf16 matmuls natively here (else matmul.cc converts to f32).
 extern "C" int jaxserve_onednn_bf16() { return onednn_has_bf16() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulGroup, MatmulGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x [T, in]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .RemainingArgs()               // weights [L, in, out_i]
+                                  .RemainingRets());             // results [T, out_i]

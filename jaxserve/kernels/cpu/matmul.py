@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 TARGET = "jaxserve_matmul"
 SYMBOL = "JaxserveMatmul"
+GROUP_TARGET = "jaxserve_matmul_group"
 MAX_GEMV_ROWS = 8
 
 
@@ -62,7 +63,8 @@ def library() -> KernelLibrary:
         fallback_hint=hint, error=CpuMatmulBuildError)
 
 
-_FFI_TARGET = FfiTarget(TARGET, SYMBOL, library, "the oneDNN matmul library")
+_FFI_TARGET = FfiTarget(TARGET, SYMBOL, library, "the oneDNN matmul library",
+                        more=((GROUP_TARGET, "JaxserveMatmulGroup"),))
 
 
 def register() -> Path:
@@ -201,6 +203,34 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
                                                          out_dtype))
     return call(x, stacked, jnp.asarray(layer, jnp.int32).reshape(()),
                 gemv_rows=np.int64(gemv_rows), transposed_w=bool(transposed))
+
+
+def layer_matmul_group(x: jax.Array, stacked: tuple[jax.Array, ...], layer,
+                       out_dtype=None) -> tuple[jax.Array, ...]:
+    """(x @ w[layer] for w in stacked): several projections of one x [T, in] in one call of
+    the streaming GEMV (T <= 8), one pass through the thread pool for all of them.
+
+    stacked: [L, in, out_i] weights of one dtype (float32, bfloat16, or int8 for W8A16: the
+    caller applies the scales); x float32 / bfloat16; results [T, out_i] in ``out_dtype``
+    (default x's), f32 accumulation: each the same numbers as `layer_matmul` with the GEMV."""
+    register()
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    stacked = tuple(stacked)
+    if x.ndim != 2 or not stacked or any(w.ndim != 3 or w.shape[1] != x.shape[1] for w in stacked):
+        raise ValueError(f"layer_matmul_group wants x [T, in] and weights [L, in, out_i]; got "
+                         f"{x.shape} and {[w.shape for w in stacked]}")
+    if x.shape[0] > MAX_GEMV_ROWS:
+        raise ValueError(f"layer_matmul_group is the GEMV: at most {MAX_GEMV_ROWS} rows, got "
+                         f"{x.shape[0]}")
+    kinds = {w.dtype for w in stacked}
+    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or len(kinds) != 1 \
+            or not kinds <= {*_DTYPES, _INT8}:
+        raise ValueError(f"layer_matmul_group takes float32 / bfloat16 x and results and "
+                         f"weights of one dtype (float32, bfloat16, int8); got x {x.dtype}, "
+                         f"weights {sorted(str(k) for k in kinds)}, out {out_dtype}")
+    call = jax.ffi.ffi_call(GROUP_TARGET, tuple(
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), out_dtype) for w in stacked))
+    return tuple(call(x, jnp.asarray(layer, jnp.int32).reshape(()), *stacked))
 
 
 def onednn_isa() -> int:
