@@ -45,16 +45,28 @@ def test_layer_matmul_reads_the_named_layer_in_place(dtype, fan_in, fan_out, gem
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("rows,hidden,vocab", [(1, 576, 4099), (8, 70, 777), (40, 15, 64)])
-def test_transposed_weights_give_logits_against_a_tied_table(dtype, rows, hidden, vocab):
+@pytest.mark.parametrize("rows,hidden,vocab", [(1, 576, 4099), (8, 70, 777), (3, 47, 300),
+                                               (40, 15, 64)])
+@pytest.mark.parametrize("gemv_rows", [0, 8])
+def test_transposed_weights_give_logits_against_a_tied_table(dtype, rows, hidden, vocab,
+                                                             gemv_rows):
+    """A tied table's logits, through oneDNN (gemv_rows 0, x in the table's dtype) or the
+    transposed GEMV (rows <= gemv_rows: x taken in float32, so a bf16 table's logits are
+    those of the unrounded rows)."""
     from jaxserve.models.layer_matmul import small_logits
 
     rng = np.random.default_rng(rows * hidden + vocab)
     table = jnp.asarray(rng.standard_normal((vocab, hidden), np.float32), dtype)
-    x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32), dtype)
-    got = jax.jit(small_logits)(x, table)
+    x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32))
+    got = jax.jit(small_logits, static_argnums=2)(x, table, gemv_rows)
     assert got.dtype == jnp.float32
-    _check(got, x.astype(jnp.float32), table.astype(jnp.float32).T, dtype)
+    on_gemv = rows <= gemv_rows
+    x_used = x if on_gemv else x.astype(dtype).astype(jnp.float32)
+    _check(got, x_used, table.astype(jnp.float32).T, jnp.float32 if on_gemv else dtype)
+    if on_gemv and dtype == jnp.bfloat16:   # f32 rows: closer than rounding them first
+        rounded = small_logits(x, table, 0)
+        want = np.asarray(x, np.float64) @ np.asarray(table.astype(jnp.float32), np.float64).T
+        assert np.abs(np.asarray(got) - want).max() < np.abs(np.asarray(rounded) - want).max()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])

@@ -132,12 +132,20 @@ class CausalLM(nn.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, H] rows of `__call__`'s output → logits [N, V] float32."""
         opts = self.arch.options
+        # A tied table the library streams with its GEMV takes the normed rows in float32
+        # (one pass over the table, no hi/lo split below).
+        streams = self.arch.tie_word_embeddings and self.small_batch_layer_matmul \
+            and hidden.ndim == 2 \
+            and self.embed_tokens.streams_logits(hidden.shape[0], self.float_gemv_rows)
         if self.arch.tie_word_embeddings:
             def head(q):
-                return self.embed_tokens.attend(q, small_rows_kernel=self.small_batch_layer_matmul)
+                return self.embed_tokens.attend(q, small_rows_kernel=self.small_batch_layer_matmul,
+                                                gemv_rows=self.float_gemv_rows)
         else:
             head = self.lm_head
-        if self.dtype == jnp.float32:
+        if streams:
+            logits = head(self.norm(hidden, out_dtype=jnp.float32))
+        elif self.dtype == jnp.float32:
             logits = head(self.norm(hidden))
         else:
             # bf16 / f16 compute: the normed rows' float32 value as two bf16 parts (hi + lo

@@ -168,13 +168,20 @@ def int8_layer_matmul(x: jax.Array, stacked: jax.Array, scale: jax.Array, layer:
 SMALL_LOGITS_MAX_ROWS = 512    # logits rows that take the library (a step's sampled rows)
 
 
-def small_logits(x: jax.Array, table: jax.Array) -> jax.Array:
+def small_logits(x: jax.Array, table: jax.Array, gemv_rows: int = 0) -> jax.Array:
     """x [T, H] @ table[V, H]^T (a tied embedding, f32 or bf16) -> [T, V] float32, read in
-    place (XLA:CPU hands this dot at 2..8 rows to XNNPACK, ~5x slower than its one-row GEMV
-    on SmolLM2's table, and a speculative verify step's logits are k + 1 rows)."""
+    place. At most ``gemv_rows`` rows: the library's transposed GEMV, x taken in float32 (a
+    bf16 table's logits as precise as f32 rows allow, at the table's read time); more: oneDNN
+    on x in the table's dtype (XLA:CPU hands this dot at 2..8 rows to XNNPACK, ~5x slower
+    than its one-row GEMV on SmolLM2's table, and a speculative verify step's logits are
+    k + 1 rows)."""
     from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
 
     if x.ndim != 2 or table.ndim != 2 or x.shape[1] != table.shape[1]:
         raise ValueError(f"small_logits wants x [T, H] and a table [V, H]; got {x.shape} and "
                          f"{table.shape}")
-    return library_matmul(x.astype(table.dtype), table[None], 0, jnp.float32, transposed=True)
+    if x.shape[0] <= gemv_rows:
+        return library_matmul(x.astype(jnp.float32), table[None], 0, jnp.float32,
+                              transposed=True, gemv_rows=gemv_rows)
+    return library_matmul(x.astype(table.dtype), table[None], 0, jnp.float32, transposed=True,
+                          gemv_rows=0)

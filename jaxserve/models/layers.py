@@ -155,12 +155,24 @@ class Embedding(nn.Module):
             return jnp.take(self.embedding, ids, axis=0)
         return dequantize(jnp.take(self._packed(), ids, axis=0), self.packed_format, self.dtype)
 
-    def attend(self, query: jax.Array, small_rows_kernel: bool = False) -> jax.Array:
+    def streams_logits(self, rows: int, gemv_rows: int) -> bool:
+        """Whether `attend` of this many rows takes the library's transposed GEMV (a float32 /
+        bfloat16 table read once, at the memory's speed, the rows taken in float32): with
+        ``small_rows_kernel`` and at most ``gemv_rows`` rows (the engine's measured limit)."""
+        return self.packed_format is None and 0 < rows <= gemv_rows \
+            and self.embedding.dtype in IN_PLACE_DTYPES
+
+    def attend(self, query: jax.Array, small_rows_kernel: bool = False,
+               gemv_rows: int = 0) -> jax.Array:
         """query [N, H] -> [N, V]: query @ table.T. small_rows_kernel (CPU, one device): a
-        float32 / bfloat16 table goes to the oneDNN library (layer_matmul.small_logits), the
-        table read in place -- except one row of a float32 table, where XLA's GEMV is as
-        fast."""
+        float32 / bfloat16 table goes to the library (layer_matmul.small_logits), the table
+        read in place: at most ``gemv_rows`` rows through its streaming GEMV (float32 rows
+        as given: `streams_logits`), more through oneDNN -- except one row of a float32
+        table, where XLA's GEMV is as fast as oneDNN."""
         if self.packed_format is None:
+            if small_rows_kernel and query.ndim == 2 \
+                    and self.streams_logits(query.shape[0], gemv_rows):
+                return small_logits(query, self.embedding, gemv_rows)
             if small_rows_kernel and query.ndim == 2 \
                     and query.shape[0] <= SMALL_LOGITS_MAX_ROWS \
                     and self.embedding.dtype in IN_PLACE_DTYPES \

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "dnnl.hpp"
@@ -95,6 +96,7 @@ typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
 typedef float vfu __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
 typedef uint16_t vhu __attribute__((vector_size(kLanes * 2), aligned(2), may_alias));
 typedef int8_t vbu __attribute__((vector_size(kLanes), aligned(1), may_alias));
+typedef uint32_t vwu __attribute__((vector_size(kLanes * 4), aligned(2), may_alias));
 
 inline vf loadv(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline vf loadv(const uint16_t* p) {   // bf16: the top half of an f32
@@ -249,6 +251,124 @@ void gemv(ffi::ThreadPool& pool, const float* X, const std::vector<GemvSegment>&
     case 6: gemv_rows_of<6, W>(pool, X, segs, in); break;
     case 7: gemv_rows_of<7, W>(pool, X, segs, in); break;
     default: gemv_rows_of<8, W>(pool, X, segs, in); break;
+  }
+}
+
+// The transposed GEMV: Y[T, V] = X[T, H] @ table[V, H]^T (a tied LM head: each logit a dot
+// product of x with one table row). The table is read once, row after row -- one sequential
+// stream (reading several rows in lockstep made that many short streams: 20-30 % slower) --
+// split between workers in contiguous row ranges; U independent accumulators per x row keep
+// the FMAs' latency hidden.
+inline float lane_sum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+template <int T>
+constexpr int dot_unroll() { return std::max(1, 8 / T); }
+
+template <int T, typename W>
+void dot_row(const float* X, const W* row, float* Y, int64_t H, int64_t V, int64_t v) {
+  constexpr int U = dot_unroll<T>();
+  vf acc[U][T];
+  JAXSERVE_UNROLL for (int u = 0; u < U; ++u)
+    JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[u][t] = vf{};
+  const int64_t step = U * kLanes, body = H / step * step, vec = H / kLanes * kLanes;
+  for (int64_t h = 0; h < body; h += step)
+    JAXSERVE_UNROLL for (int u = 0; u < U; ++u) {
+      const vf wv = loadv(row + h + u * kLanes);
+      JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[u][t] += loadv(X + t * H + h + u * kLanes) * wv;
+    }
+  for (int64_t h = body; h < vec; h += kLanes) {
+    const vf wv = loadv(row + h);
+    JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[0][t] += loadv(X + t * H + h) * wv;
+  }
+  JAXSERVE_UNROLL for (int t = 0; t < T; ++t) {
+    vf total = acc[0][t];
+    JAXSERVE_UNROLL for (int u = 1; u < U; ++u) total += acc[u][t];
+    float sum = lane_sum(total);
+    for (int64_t h = vec; h < H; ++h) sum += X[t * H + h] * weight_at(row, h);
+    Y[t * V + v] = sum;
+  }
+}
+
+// bf16 rows: 2 * kLanes weights per load, split into the even ones (the low halves of each
+// 32-bit lane, shifted up) and the odd ones (the high halves, masked): two plain integer ops
+// where widening each half takes a shuffle (one shuffle unit on AVX2 Zen). Xp is x with each
+// 2 * kLanes chunk reordered to match: its even elements, then its odd ones (even_odd_chunks).
+template <int T>
+void dot_row(const float* Xp, const uint16_t* row, float* Y, int64_t H, int64_t V, int64_t v) {
+  constexpr int U = std::max(1, dot_unroll<T>() / 2);
+  vf acc[U][T];
+  JAXSERVE_UNROLL for (int u = 0; u < U; ++u)
+    JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[u][t] = vf{};
+  const int64_t chunk = 2 * kLanes, step = U * chunk;
+  const int64_t body = H / step * step, pairs = H / chunk * chunk;
+  const vw high = vw{} + 0xffff0000u;
+  auto fma_chunk = [&](int64_t h, vf* a) {
+    const vw w = *reinterpret_cast<const vwu*>(row + h);
+    const vf we = reinterpret_cast<vf>(w << 16), wo = reinterpret_cast<vf>(w & high);
+    JAXSERVE_UNROLL for (int t = 0; t < T; ++t)
+      a[t] += loadv(Xp + t * H + h) * we + loadv(Xp + t * H + h + kLanes) * wo;
+  };
+  for (int64_t h = 0; h < body; h += step)
+    JAXSERVE_UNROLL for (int u = 0; u < U; ++u) fma_chunk(h + u * chunk, acc[u]);
+  for (int64_t h = body; h < pairs; h += chunk) fma_chunk(h, acc[0]);
+  JAXSERVE_UNROLL for (int t = 0; t < T; ++t) {
+    vf total = acc[0][t];
+    JAXSERVE_UNROLL for (int u = 1; u < U; ++u) total += acc[u][t];
+    float sum = lane_sum(total);
+    for (int64_t h = pairs; h < H; ++h) sum += Xp[t * H + h] * bf16_to_f32(row[h]);
+    Y[t * V + v] = sum;
+  }
+}
+
+// x [T, H] reordered for the bf16 dot_rows: each whole 2 * kLanes chunk as its even then its
+// odd elements.
+void even_odd_chunks(const float* X, float* Xp, int64_t T, int64_t H) {
+  const int64_t pairs = H / (2 * kLanes) * (2 * kLanes);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* x = X + t * H;
+    float* xp = Xp + t * H;
+    for (int64_t h = 0; h < pairs; h += 2 * kLanes)
+      for (int j = 0; j < kLanes; ++j) {
+        xp[h + j] = x[h + 2 * j];
+        xp[h + kLanes + j] = x[h + 2 * j + 1];
+      }
+    for (int64_t h = pairs; h < H; ++h) xp[h] = x[h];
+  }
+}
+
+template <int T, typename W>
+void transposed_gemv_rows_of(ffi::ThreadPool& pool, const float* X, const W* table, float* Y,
+                             int64_t H, int64_t V) {
+  const int64_t workers = streaming_workers(pool, V * H * int64_t(sizeof(W)) / 4, V);
+  const int64_t parts = workers <= 1 ? 1 : std::min<int64_t>(V, workers * kGemvPartsPerWorker);
+  parallel_for(pool, parts, workers, [&](int64_t part, int64_t) {
+    for (int64_t v = V * part / parts; v < V * (part + 1) / parts; ++v)
+      dot_row<T>(X, table + v * H, Y, H, V, v);
+  });
+}
+
+template <typename W>
+void transposed_gemv(ffi::ThreadPool& pool, const float* X, const W* table, float* Y, int64_t T,
+                     int64_t H, int64_t V) {
+  std::vector<float> reordered;
+  if (std::is_same<W, uint16_t>::value) {
+    reordered.resize(size_t(T * H));
+    even_odd_chunks(X, reordered.data(), T, H);
+    X = reordered.data();
+  }
+  switch (T) {
+    case 1: transposed_gemv_rows_of<1>(pool, X, table, Y, H, V); break;
+    case 2: transposed_gemv_rows_of<2>(pool, X, table, Y, H, V); break;
+    case 3: transposed_gemv_rows_of<3>(pool, X, table, Y, H, V); break;
+    case 4: transposed_gemv_rows_of<4>(pool, X, table, Y, H, V); break;
+    case 5: transposed_gemv_rows_of<5>(pool, X, table, Y, H, V); break;
+    case 6: transposed_gemv_rows_of<6>(pool, X, table, Y, H, V); break;
+    case 7: transposed_gemv_rows_of<7>(pool, X, table, Y, H, V); break;
+    default: transposed_gemv_rows_of<8>(pool, X, table, Y, H, V); break;
   }
 }
 
@@ -407,7 +527,8 @@ bool to_dt(ffi::DataType t, dt* out) {
 // through an f32 buffer. ws[i]: this layer's [in, outs[i]] weights; ys[i]: [T, outs[i]].
 ffi::Error run_gemv(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, dt wt,
                     const std::vector<const char*>& ws, const std::vector<int64_t>& outs,
-                    const std::vector<ffi::AnyBuffer>& ys, int64_t T, int64_t in) {
+                    const std::vector<ffi::AnyBuffer>& ys, int64_t T, int64_t in,
+                    bool transposed = false) {
   std::vector<float> xf(size_t(T * in));
   if (x.element_type() == ffi::DataType::F32) {
     std::memcpy(xf.data(), x.untyped_data(), xf.size() * 4);
@@ -427,7 +548,13 @@ ffi::Error run_gemv(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, dt wt,
     }
     segs.push_back(GemvSegment{ws[s], y, outs[s]});
   }
-  if (wt == dt::f32)
+  if (transposed && wt == dt::f32)   // one segment: [out, in] rows, a tied LM head
+    transposed_gemv(pool, xf.data(), reinterpret_cast<const float*>(ws[0]), segs[0].y, T, in,
+                    outs[0]);
+  else if (transposed)
+    transposed_gemv(pool, xf.data(), reinterpret_cast<const uint16_t*>(ws[0]), segs[0].y, T, in,
+                    outs[0]);
+  else if (wt == dt::f32)
     gemv<float>(pool, xf.data(), segs, T, in);
   else if (wt == dt::s8)
     gemv<int8_t>(pool, xf.data(), segs, T, in);
@@ -470,8 +597,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (wt == dt::s8 && xt != dt::s8 && T > kMaxGemvRows)
     return ffi::Error::InvalidArgument("matmul: int8 weights with float x (W8A16) take at most "
                                        "8 rows; quantize x to int8 (W8A8) for more");
-  if ((T <= limit || (wt == dt::s8 && xt != dt::s8)) && !transposed_w && xt != dt::s8)
-    return run_gemv(pool, x, wt, {W}, {out}, {*y}, T, in);
+  if ((T <= limit || (wt == dt::s8 && xt != dt::s8)) && xt != dt::s8 &&
+      !(transposed_w && wt == dt::s8))
+    return run_gemv(pool, x, wt, {W}, {out}, {*y}, T, in, transposed_w);
   const std::string error =
       onednn_gemm(pool, static_cast<const char*>(x.untyped_data()), W,
                   static_cast<char*>(y->untyped_data()), T, in, out, transposed_w, xt, wt, yt);

@@ -184,8 +184,9 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
     x, stacked and the result float32 or bfloat16, accumulation float32. int8 stacked
     weights take int8 x (W8A8 on the int8 units; exact int32 sums returned as float32) or,
     for at most 8 rows, float x (W8A16: the GEMV); the caller applies the scales. ``gemv_rows``:
-    the largest T that takes the streaming GEMV (-1: its limit, 8; 0: always oneDNN);
-    tests force one or the other, the engine leaves it."""
+    the largest T that takes the streaming GEMV (-1: its limit, 8; 0: always oneDNN), for
+    ``transposed`` float tables too (a dot product per table row); float x of another
+    dtype than float weights only there (oneDNN takes one)."""
     register()
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     in_axis, out_axis = (2, 1) if transposed else (1, 2)
@@ -199,6 +200,11 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
         raise ValueError(f"layer_matmul takes float32 / bfloat16 (or int8 weights with int8 x, "
                          f"or float x of <= {MAX_GEMV_ROWS} rows); got x {x.dtype}, weights "
                          f"{stacked.dtype}, out {out_dtype}")
+    gemv_limit = MAX_GEMV_ROWS if gemv_rows < 0 else min(gemv_rows, MAX_GEMV_ROWS)
+    if x.dtype in _DTYPES and stacked.dtype in _DTYPES and x.dtype != stacked.dtype \
+            and x.shape[0] > gemv_limit:
+        raise ValueError(f"layer_matmul: {x.dtype} x with {stacked.dtype} weights takes the "
+                         f"GEMV only ({x.shape[0]} rows, gemv_rows={gemv_rows}): cast x")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], stacked.shape[out_axis]),
                                                          out_dtype))
     return call(x, stacked, jnp.asarray(layer, jnp.int32).reshape(()),
