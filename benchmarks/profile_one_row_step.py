@@ -10,7 +10,10 @@ Measured on the default model (SmolLM2-135M), one stream, greedy:
                    outputs are ready, timed per call (forward + sampler + cache writes)
   host             per token with every step blocked, minus the device step: scheduling,
                    input packing, transfers, output processing (what two steps in flight hide)
-  lm head          the [1, hidden] x [hidden, vocab] product alone, same dtype and weights
+  lm head          the [1, hidden] x [hidden, vocab] product alone, same dtype and weights,
+                   the step's own path (the library's transposed GEMV where the step takes it)
+  read floor       this run's read speed (an XLA sum over 512 MiB of float32), and the device
+                   step over the time that speed takes to read the model's weights once
   sampler          jaxserve's sampler alone on [1, vocab] float32 logits (greedy)
   layers           device step - lm head - sampler: the decoder layers (projections,
                    attention, norms), the embedding gather and the cache writes
@@ -196,7 +199,17 @@ def main() -> None:
     table = lm_head_weight(runner.params, vocab, hidden)
     x = jnp.asarray(rng.standard_normal((1, hidden)), dtype=getattr(table, "dtype", dtype))
     lm_head = None
-    if table is not None and hasattr(table, "dtype") and table.ndim == 2:
+    settings = runner._settings
+    if table is not None and hasattr(table, "dtype") and table.ndim == 2 \
+            and table.shape == (vocab, hidden) and settings.get("float_gemv_rows", 0) >= 1 \
+            and settings.get("small_batch_layer_matmul"):
+        # The step's own path: the library's transposed GEMV on float32 rows
+        from jaxserve.models.layer_matmul import small_logits
+
+        rows = settings["float_gemv_rows"]
+        lm_head = timed(jax.jit(lambda h, w: small_logits(h, w, rows)),
+                        x.astype(jnp.float32), table)
+    elif table is not None and hasattr(table, "dtype") and table.ndim == 2:
         if table.shape == (vocab, hidden):
             head = jax.jit(lambda h, w: jnp.einsum("th,vh->tv", h, w,
                                                    preferred_element_type=jnp.float32))
@@ -205,6 +218,12 @@ def main() -> None:
         lm_head = timed(head, x, table)
     logits = jnp.asarray(rng.standard_normal((1, vocab)), jnp.float32)
     greedy = timed(jax.jit(lambda z: jnp.argmax(z, axis=-1)), logits)
+    # The memory's read speed in this run (a shared box's varies by the minute): an XLA sum
+    # over 512 MiB of float32 -- the floor of a step that streams that many bytes.
+    block = jnp.full((128 << 20,), 1.0, jnp.float32)
+    read_floor = timed(jax.jit(jnp.sum), block, repeats=10)
+    del block
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(runner.params))
 
     text = runner._steps[(1, 1)].as_text() if hasattr(runner._steps[(1, 1)], "as_text") else ""
     ops = len(re.findall(r"^\s+\S+ = \S+ (fusion|custom-call|dot|convolution|copy|"
@@ -235,6 +254,8 @@ def main() -> None:
         "per_token_ms": per_token, "per_token_all_steps_blocked_ms": per_token_sync,
         "device_step_ms": device, "host_ms": per_token_sync - device,
         "lm_head_ms": lm_head, "sampler_greedy_ms": greedy,
+        "read_gb_per_s": 512 * 2**20 / read_floor / 1e6, "weight_bytes": weight_bytes,
+        "step_over_read_floor": device / (read_floor * weight_bytes / (512 * 2**20)),
         "layers_and_rest_ms": None if lm_head is None else device - lm_head - greedy,
         "tokens_per_s": 1e3 / per_token, "compiled_step_ops": ops,
         "ops_by_kind": ops_breakdown,
