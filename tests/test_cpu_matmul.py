@@ -100,6 +100,28 @@ def test_grouped_gemv_gives_each_projection_its_own_product(dtype, fan_in):
                        for a, b in zip(ys, again))
 
 
+@pytest.mark.parametrize("fan_in,group", [(576, 32), (64, 32), (96, 8), (257, 257)])
+def test_int8_group_scales_are_applied_inside_the_gemv(fan_in, group):
+    """int8 weights quantized group-wise (quantization/int8.py): each group of input rows
+    summed, then times its scale, inside the GEMV -- the dequantized product's numbers."""
+    from jaxserve.quantization.int8 import quantize_int8
+
+    rng = np.random.default_rng(fan_in + group)
+    floats = [rng.standard_normal((3, fan_in, out)).astype(np.float32) for out in (576, 47, 129)]
+    quantized = [quantize_int8(w, group) for w in floats]
+    weights = tuple(jnp.asarray(q) for q, _ in quantized)
+    scales = tuple(jnp.asarray(sc) for _, sc in quantized)
+    assert all(sc.shape[1] == fan_in // group for sc in scales)
+    fn = jax.jit(matmul.layer_matmul_group, static_argnums=3)
+    for rows in (1, 5, 8):
+        x = jnp.asarray(rng.standard_normal((rows, fan_in), np.float32))
+        ys = fn(x, weights, 1, jnp.float32, scales)
+        for (q, sc), y in zip(quantized, ys):
+            dequantized = (q[1].astype(np.float32).reshape(fan_in // group, group, -1)
+                           * sc[1][:, None, :]).reshape(fan_in, -1)
+            _check(y, x, dequantized, jnp.float32)
+
+
 def test_the_grouped_gemv_refuses_what_it_does_not_take():
     w = jnp.ones((2, 16, 8), jnp.float32)
     with pytest.raises(ValueError, match="at most 8 rows"):
@@ -108,6 +130,11 @@ def test_the_grouped_gemv_refuses_what_it_does_not_take():
         matmul.layer_matmul_group(jnp.ones((1, 16)), (w, w.astype(jnp.bfloat16)), 0)
     with pytest.raises(ValueError, match="weights"):
         matmul.layer_matmul_group(jnp.ones((1, 15)), (w,), 0)
+    q = jnp.ones((2, 16, 8), jnp.int8)
+    with pytest.raises(ValueError, match="group scales go with int8"):
+        matmul.layer_matmul_group(jnp.ones((1, 16)), (w,), 0, scales=(jnp.ones((2, 2, 8)),))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        matmul.layer_matmul_group(jnp.ones((1, 16)), (q,), 0, scales=(jnp.ones((2, 4, 8)),))
 
 
 def test_bad_shapes_and_dtypes_raise():
@@ -179,10 +206,13 @@ def test_bf16_and_int8_engines_agree_with_float32_and_use_the_library(make_tiny_
         runner.wait_until_compiled()
         runners[name] = runner
         for (tokens_in_step, _), step in runner._steps.items():
-            # --quantization int8 writes group-wise scales (quantization/int8.py), which the
-            # library path (per-column W8A16 / W8A8) does not take yet: XLA's dot there
-            if name != "int8":
+            # --quantization int8 writes group-wise scales (quantization/int8.py): the library
+            # streams them at decode rows (<= 8, the GEMV applying each group's scale); above,
+            # XLA dequantizes (no W8A8 path for group scales yet)
+            if name != "int8" or tokens_in_step <= matmul.MAX_GEMV_ROWS:
                 assert "jaxserve_matmul" in step.as_text(), (name, tokens_in_step)
+            if name == "int8" and tokens_in_step <= matmul.MAX_GEMV_ROWS:
+                assert matmul.GROUP_TARGET in step.as_text(), tokens_in_step
     assert runners["float32"].model.dtype == jnp.float32
     assert runners["bfloat16"].model.dtype == jnp.bfloat16
     for name in ("bfloat16", "int8"):

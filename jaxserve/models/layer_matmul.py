@@ -104,12 +104,14 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -
 @dataclass(frozen=True)
 class GemvOperand:
     """One projection's share of a grouped GEMV (`grouped_gemv`): its stacked weights read in
-    place, the layer, and for int8 weights (W8A16) the stacked per-column scales and the
-    dtype the scaled result takes."""
+    place, the layer, and for int8 weights (W8A16) either the stacked per-column scales
+    (``scale``, applied to the product) or the group-wise ones (``group_scale`` [L, in / g,
+    out], applied per group inside the GEMV), and the dtype the scaled result takes."""
     weights: jax.Array             # [L, in, out] float32 / bfloat16 / int8
     layer: Any
     scale: jax.Array | None = None
     out_dtype: Any = jnp.float32
+    group_scale: jax.Array | None = None
 
 
 def gemv_rows_limit() -> int:
@@ -119,20 +121,27 @@ def gemv_rows_limit() -> int:
     return state.gemv_rows if state is not None and state.layer is not None else 0
 
 
-def grouped_gemv(x: jax.Array, operands: list[GemvOperand]) -> list[jax.Array] | None:
+def grouped_gemv(x: jax.Array, operands: list[GemvOperand], *,
+                 min_operands: int = 2) -> list[jax.Array] | None:
     """Several projections of one x [T, in] in one library call (q/k/v, gate/up: one pass
     through the thread pool instead of one each; jaxserve/kernels/cpu/matmul.py), each the
-    same numbers its own `layer_matmul` / `int8_layer_matmul` call gives; None when they
-    do not share a weight dtype and a layer (the caller then projects one at a time)."""
+    same numbers its own call gives; None when they do not share a weight format and a layer
+    (the caller then projects one at a time). ``min_operands=1``: one projection alone (an
+    int8 group-wise layer's own GEMV)."""
     from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS, layer_matmul_group
 
-    kinds = {op.weights.dtype for op in operands}
-    if len(operands) < 2 or len(kinds) != 1 or x.ndim != 2 or x.shape[0] > MAX_GEMV_ROWS \
+    kinds = {(op.weights.dtype, op.group_scale is None,
+              None if op.group_scale is None else op.group_scale.shape[1]) for op in operands}
+    if len(operands) < min_operands or len(kinds) != 1 or x.ndim != 2 \
+            or x.shape[0] > MAX_GEMV_ROWS \
             or any(op.layer is not operands[0].layer for op in operands):
         return None
-    int8 = kinds == {jnp.dtype(jnp.int8)}
+    int8 = operands[0].weights.dtype == jnp.dtype(jnp.int8)
+    grouped = operands[0].group_scale is not None
     ys = layer_matmul_group(x.astype(jnp.float32 if int8 else operands[0].weights.dtype),
-                            tuple(op.weights for op in operands), operands[0].layer, jnp.float32)
+                            tuple(op.weights for op in operands), operands[0].layer,
+                            jnp.float32,
+                            scales=tuple(op.group_scale for op in operands) if grouped else None)
     out = []
     for op, y in zip(operands, ys):
         if op.scale is not None:

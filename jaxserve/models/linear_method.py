@@ -22,6 +22,7 @@ from jaxserve.models.layer_matmul import (
     MAX_ROWS,
     GemvOperand,
     gemv_rows_limit,
+    grouped_gemv,
     int8_layer_matmul,
     layer_matmul,
     stacked_kernel,
@@ -146,10 +147,30 @@ class Int8GroupedMethod:
     def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
         kernel = layer.get_variable("params", "kernel")
         scale = layer.get_variable("params", "scale").astype(layer.dtype)
+        operand = self.gemv_operand(layer, x)
+        if operand is not None:   # CPU decode rows: the int8 weights streamed in place
+            return grouped_gemv(x, [operand], min_operands=1)[0]
         n_in, n_out = kernel.shape
         w = kernel.astype(layer.dtype).reshape(scale.shape[0], -1, n_out)
         w = (w * scale[:, None, :]).reshape(n_in, n_out)
         return _dot(x.astype(layer.dtype), w)
+
+    def gemv_operand(self, layer: nn.Module, x: jax.Array) -> GemvOperand | None:
+        """This layer's int8 weights and group scales for the library's GEMV (W8A16 at most
+        8 rows, the groups summed and scaled inside it), under the CPU's stacked layer scan;
+        None where the group length does not fit its row blocks (a multiple of 8, or one
+        group per column)."""
+        from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS
+
+        found = stacked_params(layer.scope.path) if x.ndim == 2 \
+            and x.shape[0] <= MAX_GEMV_ROWS else None
+        if found is None or found[0]["kernel"].ndim != 3 or found[0]["scale"].ndim != 3:
+            return None
+        n_in, groups = found[0]["kernel"].shape[1], found[0]["scale"].shape[1]
+        if groups == 0 or n_in % groups or ((n_in // groups) % 8 and groups != 1):
+            return None
+        return GemvOperand(found[0]["kernel"], found[1], out_dtype=layer.dtype,
+                           group_scale=found[0]["scale"])
 
 
 class GGUFPackedMethod:

@@ -3,8 +3,11 @@
 A kernel ``W [.., in, out]`` becomes ``q int8 [.., in, out]`` and ``scale f32
 [.., in // g, out]``: every run of ``g`` consecutive input rows of one output column shares
 a scale (``W[i, o] ~= q[i, o] * scale[i // g, o]``). The layer dequantizes inside the jitted
-matmul (models/layers.py: int8 -> activation dtype, times the broadcast scale, one fused
-elementwise pass feeding the dot), so the float kernel exists only as a step temporary.
+matmul (models/linear_method.py: int8 -> activation dtype, times the broadcast scale, one
+fused elementwise pass feeding the dot), so the float kernel exists only as a step
+temporary -- except on the CPU at decode rows (<= 8), where the library's GEMV streams the
+int8 weights in place and applies each group's scale to its partial sum (a quarter of
+float32's bytes; kernels/cpu/matmul.cc).
 
 Why groups, not one scale per output column: a column's scale is set by its single
 largest weight, so every other weight of the column is quantized on a coarser grid than

@@ -129,20 +129,31 @@ inline void storev(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 
 #define JAXSERVE_UNROLL _Pragma("GCC unroll 16")   // keeps acc[][] in registers (g++, clang++)
 
-// Y[:, o0 .. o0 + NV * kLanes) += (or =, for the first block k0 == ka) X[:, k0:k1] @ W[k0:k1].
+// Y[:, o0 .. o0 + NV * kLanes) += (or =, for the first block k0 == ka) X[:, k0:k1] @ W[k0:k1],
+// times S[o0 ..] when S is given: the scales of the int8 weight group holding rows k0..k1.
 template <int T, int NV, typename W>
 void gemv_tile(const float* X, const W* Wt, float* Y, int64_t in, int64_t out, int64_t o0,
-               int64_t k0, int64_t k1, bool first) {
+               int64_t k0, int64_t k1, bool first, const float* S = nullptr) {
   vf acc[T][NV];
   JAXSERVE_UNROLL for (int t = 0; t < T; ++t)
     JAXSERVE_UNROLL for (int n = 0; n < NV; ++n)
-      acc[t][n] = first ? vf{} : loadv(Y + t * out + o0 + n * kLanes);
+      acc[t][n] = first || S ? vf{} : loadv(Y + t * out + o0 + n * kLanes);
   for (int64_t i = k0; i < k1; ++i) {
     const W* w = Wt + i * out + o0;
     JAXSERVE_UNROLL for (int n = 0; n < NV; ++n) {
       const vf wv = loadv(w + n * kLanes);
       JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[t][n] += X[t * in + i] * wv;
     }
+  }
+  if (S) {
+    JAXSERVE_UNROLL for (int n = 0; n < NV; ++n) {
+      const vf sv = loadv(S + o0 + n * kLanes);
+      JAXSERVE_UNROLL for (int t = 0; t < T; ++t) {
+        float* y = Y + t * out + o0 + n * kLanes;
+        storev(y, (first ? vf{} : loadv(y)) + acc[t][n] * sv);
+      }
+    }
+    return;
   }
   JAXSERVE_UNROLL for (int t = 0; t < T; ++t)
     JAXSERVE_UNROLL for (int n = 0; n < NV; ++n) storev(Y + t * out + o0 + n * kLanes, acc[t][n]);
@@ -157,23 +168,27 @@ constexpr int gemv_vectors() { return std::max(1, std::min(8, kGemvAccRegs / T))
 
 // Y[T, out] = X[:, ka:kb] @ W[ka:kb, :]: the weight rows [ka, kb) read once, in memory order
 // (kGemvKBlock rows at a time, each walked across every column: that many sequential streams).
+// scale: int8 weights' group scales [in / group, out] (row i's group is i / group; a k-block
+// never straddles two: group is a multiple of kGemvKBlock, or all of `in`), else nullptr.
 template <int T, typename W>
 void gemv_rows_range(const float* X, const W* Wt, float* Y, int64_t in, int64_t out, int64_t ka,
-                     int64_t kb) {
+                     int64_t kb, const float* scale = nullptr, int64_t group = 0) {
   constexpr int NV = gemv_vectors<T>();
   const int64_t full = out / (NV * kLanes) * (NV * kLanes);
   const int64_t vec = full + (out - full) / kLanes * kLanes;
   for (int64_t k0 = ka; k0 < kb; k0 += kGemvKBlock) {
     const int64_t k1 = std::min<int64_t>(kb, k0 + kGemvKBlock);
+    const float* S = scale ? scale + (k0 / group) * out : nullptr;
     for (int64_t o = 0; o < full; o += NV * kLanes)
-      gemv_tile<T, NV>(X, Wt, Y, in, out, o, k0, k1, k0 == ka);
+      gemv_tile<T, NV>(X, Wt, Y, in, out, o, k0, k1, k0 == ka, S);
     for (int64_t o = full; o < vec; o += kLanes)
-      gemv_tile<T, 1>(X, Wt, Y, in, out, o, k0, k1, k0 == ka);
+      gemv_tile<T, 1>(X, Wt, Y, in, out, o, k0, k1, k0 == ka, S);
   }
   for (int64_t o = vec; o < out; ++o)   // fewer than kLanes columns left (out % kLanes)
     for (int t = 0; t < T; ++t) {
       float a = 0.f;
-      for (int64_t i = ka; i < kb; ++i) a += X[t * in + i] * weight_at(Wt, i * out + o);
+      for (int64_t i = ka; i < kb; ++i)
+        a += X[t * in + i] * weight_at(Wt, i * out + o) * (scale ? scale[(i / group) * out + o] : 1.f);
       Y[t * out + o] = a;
     }
 }
@@ -185,6 +200,8 @@ struct GemvSegment {
   const void* w;
   float* y;
   int64_t out;
+  const float* scale = nullptr;   // int8 weights' group scales [in / group, out], or none
+  int64_t group = 0;
 };
 
 // The pass, split over the weights' rows (split-K): part p reads rows [in * p / parts,
@@ -204,7 +221,7 @@ void gemv_rows_of(ffi::ThreadPool& pool, const float* X, const std::vector<GemvS
   const int64_t parts = workers <= 1 ? 1 : std::min<int64_t>(blocks, workers * kGemvPartsPerWorker);
   if (parts == 1) {
     for (const GemvSegment& g : segs)
-      gemv_rows_range<T>(X, static_cast<const W*>(g.w), g.y, in, g.out, 0, in);
+      gemv_rows_range<T>(X, static_cast<const W*>(g.w), g.y, in, g.out, 0, in, g.scale, g.group);
     return;
   }
   thread_local std::vector<float> partial;   // [parts][T * cols], segments side by side
@@ -215,7 +232,7 @@ void gemv_rows_of(ffi::ThreadPool& pool, const float* X, const std::vector<GemvS
     const int64_t kb = std::min(in, blocks * (part + 1) / parts * kGemvKBlock);
     float* y = base + part * T * cols;
     for (const GemvSegment& g : segs) {
-      gemv_rows_range<T>(X, static_cast<const W*>(g.w), y, in, g.out, ka, kb);
+      gemv_rows_range<T>(X, static_cast<const W*>(g.w), y, in, g.out, ka, kb, g.scale, g.group);
       y += T * g.out;
     }
   });
@@ -528,7 +545,8 @@ bool to_dt(ffi::DataType t, dt* out) {
 ffi::Error run_gemv(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, dt wt,
                     const std::vector<const char*>& ws, const std::vector<int64_t>& outs,
                     const std::vector<ffi::AnyBuffer>& ys, int64_t T, int64_t in,
-                    bool transposed = false) {
+                    bool transposed = false, const std::vector<const float*>& scales = {},
+                    int64_t group = 0) {
   std::vector<float> xf(size_t(T * in));
   if (x.element_type() == ffi::DataType::F32) {
     std::memcpy(xf.data(), x.untyped_data(), xf.size() * 4);
@@ -546,7 +564,7 @@ ffi::Error run_gemv(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, dt wt,
       bf16_out[s].resize(size_t(T * outs[s]));
       y = bf16_out[s].data();
     }
-    segs.push_back(GemvSegment{ws[s], y, outs[s]});
+    segs.push_back(GemvSegment{ws[s], y, outs[s], scales.empty() ? nullptr : scales[s], group});
   }
   if (transposed && wt == dt::f32)   // one segment: [out, in] rows, a tied LM head
     transposed_gemv(pool, xf.data(), reinterpret_cast<const float*>(ws[0]), segs[0].y, T, in,
@@ -612,26 +630,36 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // ~25-30 us of thunk and pool wake-up on top. The GEMV only: the caller takes it at the row
 // counts where the GEMV serves these weights, and calls one projection at a time elsewhere.
 ffi::Error MatmulGroupImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                           ffi::Buffer<ffi::S32> layer_buf, ffi::RemainingArgs weights,
-                           ffi::RemainingRets results) {
+                           ffi::Buffer<ffi::S32> layer_buf, ffi::RemainingArgs args,
+                           ffi::RemainingRets results, int64_t group_size) {
+  // args: n weights [L, in, out_i]; with group_size > 0 (int8 weights, W8A16 group-wise)
+  // then their n scales [L, in / group_size, out_i] float32.
   const auto xd = x.dimensions();
-  const size_t n = weights.size();
-  if (xd.size() != 2 || layer_buf.element_count() != 1 || n == 0 || results.size() != n)
+  const size_t n = results.size();
+  const bool grouped = group_size > 0;
+  if (xd.size() != 2 || layer_buf.element_count() != 1 || n == 0 ||
+      args.size() != (grouped ? 2 * n : n))
     return ffi::Error::InvalidArgument("matmul group: want x [T, in], layer [], n >= 1 weights "
-                                       "[L, in, out_i] and n results [T, out_i]; got x " +
-                                       dims_str(xd));
+                                       "[L, in, out_i] (and n scales with group_size) and n "
+                                       "results [T, out_i]; got x " + dims_str(xd));
   const int64_t T = xd[0], in = xd[1];
   if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("matmul group: x float32 or bfloat16");
   if (T > kMaxGemvRows)
     return ffi::Error::InvalidArgument("matmul group: the GEMV takes at most 8 rows");
+  if (grouped && in > 0 && (in % group_size != 0 ||
+                            (group_size % kGemvKBlock != 0 && group_size != in)))
+    return ffi::Error::InvalidArgument("matmul group: group_size " + std::to_string(group_size) +
+                                       " must divide in (" + std::to_string(in) +
+                                       ") and be a multiple of 8 (or in itself)");
   std::vector<const char*> ws;
+  std::vector<const float*> scales;
   std::vector<int64_t> outs;
   std::vector<ffi::AnyBuffer> ys;
   dt wt = dt::f32;
   bool no_weights = in == 0;   // x @ an empty [0, out] block (or a model of 0 layers): zeros
   for (size_t i = 0; i < n; ++i) {
-    auto w = weights.get<ffi::AnyBuffer>(i);
+    auto w = args.get<ffi::AnyBuffer>(i);
     auto y = results.get<ffi::AnyBuffer>(i);
     if (w.has_error()) return w.error();
     if (y.has_error()) return y.error();
@@ -639,17 +667,30 @@ ffi::Error MatmulGroupImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     dt this_wt, yt;
     if (wd.size() != 3 || wd[1] != in || yd.size() != 2 || yd[0] != T || yd[1] != wd[2] ||
         !to_dt(w->element_type(), &this_wt) || !to_dt((*y)->element_type(), &yt) ||
-        yt == dt::s8 || (i > 0 && this_wt != wt))
+        yt == dt::s8 || (i > 0 && this_wt != wt) || (grouped && this_wt != dt::s8))
       return ffi::Error::InvalidArgument("matmul group: weight " + std::to_string(i) + " " +
                                          dims_str(wd) + " / result " + dims_str(yd) +
                                          " do not fit x " + dims_str(xd) +
-                                         " (one weight dtype, float results)");
+                                         " (one weight dtype, float results; int8 with scales)");
     wt = this_wt;
     const int64_t L = wd[0], out = wd[2];
     no_weights = no_weights || L == 0;
-    const int64_t layer =
-        std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0), std::max<int64_t>(L - 1, 0));
+    const int64_t layer = std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0),
+                                            std::max<int64_t>(L - 1, 0));
     ws.push_back(static_cast<const char*>(w->untyped_data()) + layer * in * out * elem_size(wt));
+    if (grouped) {
+      auto sc = args.get<ffi::AnyBuffer>(n + i);
+      if (sc.has_error()) return sc.error();
+      const auto sd = sc->dimensions();
+      const int64_t groups = in / group_size;
+      if (sc->element_type() != ffi::DataType::F32 || sd.size() != 3 || sd[0] != L ||
+          sd[1] != groups || sd[2] != out)
+        return ffi::Error::InvalidArgument("matmul group: scales " + std::to_string(i) + " " +
+                                           dims_str(sd) + " are not float32 [L, in / " +
+                                           std::to_string(group_size) + ", out] of weight " +
+                                           dims_str(wd));
+      scales.push_back(static_cast<const float*>(sc->untyped_data()) + layer * groups * out);
+    }
     outs.push_back(out);
     ys.push_back(**y);
   }
@@ -660,7 +701,7 @@ ffi::Error MatmulGroupImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                                  ffi::DataType::F32 ? 4 : 2));
     return ffi::Error::Success();
   }
-  return run_gemv(pool, x, wt, ws, outs, ys, T, in);
+  return run_gemv(pool, x, wt, ws, outs, ys, T, in, false, scales, group_size);
 }
 
 }  // namespace
@@ -689,5 +730,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulGroup, MatmulGroupImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()         // x [T, in]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .RemainingArgs()               // weights [L, in, out_i]
-                                  .RemainingRets());             // results [T, out_i]
+                                  .RemainingArgs()               // weights (, scales)
+                                  .RemainingRets()               // results [T, out_i]
+                                  .Attr<int64_t>("group_size"));

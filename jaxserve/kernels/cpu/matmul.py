@@ -212,13 +212,17 @@ def layer_matmul(x: jax.Array, stacked: jax.Array, layer, out_dtype=None, *,
 
 
 def layer_matmul_group(x: jax.Array, stacked: tuple[jax.Array, ...], layer,
-                       out_dtype=None) -> tuple[jax.Array, ...]:
+                       out_dtype=None, scales: tuple[jax.Array, ...] | None = None
+                       ) -> tuple[jax.Array, ...]:
     """(x @ w[layer] for w in stacked): several projections of one x [T, in] in one call of
     the streaming GEMV (T <= 8), one pass through the thread pool for all of them.
 
-    stacked: [L, in, out_i] weights of one dtype (float32, bfloat16, or int8 for W8A16: the
-    caller applies the scales); x float32 / bfloat16; results [T, out_i] in ``out_dtype``
-    (default x's), f32 accumulation: each the same numbers as `layer_matmul` with the GEMV."""
+    stacked: [L, in, out_i] weights of one dtype (float32, bfloat16, or int8 for W8A16); x
+    float32 / bfloat16; results [T, out_i] in ``out_dtype`` (default x's), f32 accumulation:
+    each the same numbers as `layer_matmul` with the GEMV. ``scales``: for int8 weights
+    quantized group-wise, their float32 [L, in / g, out_i] scales (each group of g input
+    rows summed, then scaled: quantization/int8.py); without them the caller applies
+    per-column scales."""
     register()
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     stacked = tuple(stacked)
@@ -234,9 +238,26 @@ def layer_matmul_group(x: jax.Array, stacked: tuple[jax.Array, ...], layer,
         raise ValueError(f"layer_matmul_group takes float32 / bfloat16 x and results and "
                          f"weights of one dtype (float32, bfloat16, int8); got x {x.dtype}, "
                          f"weights {sorted(str(k) for k in kinds)}, out {out_dtype}")
+    group_size = 0
+    if scales is not None:
+        scales = tuple(jnp.asarray(sc, jnp.float32) for sc in scales)
+        n_in = x.shape[1]
+        if kinds != {_INT8} or len(scales) != len(stacked) or any(
+                sc.ndim != 3 or sc.shape[0] != w.shape[0] or sc.shape[2] != w.shape[2]
+                or sc.shape[1] == 0 or n_in % sc.shape[1] for sc, w in zip(scales, stacked)) \
+                or len({sc.shape[1] for sc in scales}) != 1:
+            raise ValueError(f"layer_matmul_group: group scales go with int8 weights, one "
+                             f"[L, in / g, out_i] per weight with one g; got weights "
+                             f"{[(w.shape, str(w.dtype)) for w in stacked]}, scales "
+                             f"{[sc.shape for sc in scales]}")
+        group_size = n_in // scales[0].shape[1]
+        if group_size % 8 and group_size != n_in:
+            raise ValueError(f"layer_matmul_group: group size {group_size} must be a multiple "
+                             f"of 8 (or all {n_in} input rows)")
     call = jax.ffi.ffi_call(GROUP_TARGET, tuple(
         jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), out_dtype) for w in stacked))
-    return tuple(call(x, jnp.asarray(layer, jnp.int32).reshape(()), *stacked))
+    return tuple(call(x, jnp.asarray(layer, jnp.int32).reshape(()), *stacked,
+                      *(scales or ()), group_size=np.int64(group_size)))
 
 
 def onednn_isa() -> int:
