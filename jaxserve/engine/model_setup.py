@@ -218,12 +218,14 @@ def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCa
 
 def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: str,
                    cache_dir: str | None) -> int:
-    """Up to how many rows float projections take the streaming GEMV (CPU, one device, float
-    weights read in place: kernels/cpu/gemv_choice.py); 0 where that path is not taken."""
+    """Up to how many rows float projections and a tied float LM head take the streaming GEMV
+    (CPU, one device, weights read in place: kernels/cpu/gemv_choice.py); 0 where that path
+    is not taken. A quantized model's projections do not use it (int8 streams at every
+    decode row count), but its tied table is float: the same choice serves it."""
     from jaxserve.runner.model_runner import reads_layer_weights_in_place
 
     setting = config.model_config.cpu_gemv_rows
-    if platform != "cpu" or placed.quantization or not reads_layer_weights_in_place(
+    if platform != "cpu" or not reads_layer_weights_in_place(
             backend, getattr(placed.placement, "mesh", None), placed.dtype):
         return 0
     if setting != "auto":
