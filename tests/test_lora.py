@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import transformers
@@ -61,8 +62,11 @@ def family_case(request, make_tiny_model, tmp_path_factory):
         hf = make_peft_adapter(model_dir, path, rank=rank, alpha=alpha, targets=targets,
                                seed=i, use_rslora=rslora)
         adapters.append((LoRARequest(f"r{rank}", i + 1, str(path)), hf))
-    # Few step buckets (compile time): 4 rows of at most 16 tokens.
-    llm = _tiny_llm(model_dir, max_loras=2, max_num_seqs=4, max_num_batched_tokens=16)
+    # Few step buckets (compile time): 4 rows of at most 16 tokens. Decode rows on the CPU
+    # library's GEMV (a tiny model would keep oneDNN, untimed): q/k/v and gate/up then come
+    # from one grouped call each, every adapter's delta added per projection after it.
+    llm = _tiny_llm(model_dir, max_loras=2, max_num_seqs=4, max_num_batched_tokens=16,
+                    cpu_gemv_rows="8")
     return request.param, model_dir, llm, adapters
 
 
@@ -85,6 +89,11 @@ def test_logits_and_greedy_tokens_match_hf_peft_for_each_family(family_case):
                         lora_request=[j[1] for j in jobs])
     for (ids, _, hf), out in zip(jobs, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, NEW_TOKENS)
+    from jaxserve.kernels.cpu import matmul
+    runner = llm.llm_engine.runner
+    if jax.default_backend() == "cpu" and matmul.available():   # the grouped GEMV was the path
+        decode = runner._steps[min(runner._steps)].as_text()
+        assert matmul.GROUP_TARGET in decode, name
     logger.warning("%s: max |logits - HF+PEFT| = %.2e", name, worst)
     assert worst <= 1e-4
 

@@ -44,6 +44,7 @@ from jaxserve.models.family import (
     gated_mlp_shapes,
     hf_layer_types,
 )
+from jaxserve.models.layer_matmul import current_layer
 from jaxserve.models.layers import (
     ACTIVATIONS,
     PagedCache,
@@ -82,13 +83,16 @@ class GemmaDecoderLayer(DecoderLayer):
         def norm(name: str) -> RMSNorm:
             return RMSNorm(o.rms_norm_eps, dt, o.norm_offset, name=name)
 
-        out, k_cache, v_cache = paged_self_attention(
-            norm("input_layernorm")(x), attn, self.cache, k_cache, v_cache, layer_idx, window,
-            cos, sin, meta, dt)
-        x = x + norm("post_attention_layernorm")(out)
-        h = gated_mlp(norm("pre_feedforward_layernorm")(x), a.intermediate_size,
-                      a.hidden_size, o.activation, dt, meta.lora_slots)
-        x = x + norm("post_feedforward_layernorm")(h)
+        # Named, so the projections read this layer's stacked weights in place on the CPU
+        # (models/layer_matmul.py); without it Gemma's steps took XLA's dot on a copied slice.
+        with current_layer(layer_idx):
+            out, k_cache, v_cache = paged_self_attention(
+                norm("input_layernorm")(x), attn, self.cache, k_cache, v_cache, layer_idx,
+                window, cos, sin, meta, dt)
+            x = x + norm("post_attention_layernorm")(out)
+            h = gated_mlp(norm("pre_feedforward_layernorm")(x), a.intermediate_size,
+                          a.hidden_size, o.activation, dt, meta.lora_slots)
+            x = x + norm("post_feedforward_layernorm")(h)
         return (x, k_cache, v_cache), None
 
 
