@@ -16,10 +16,7 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,38 +34,19 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    from decode_rounds import per_step_rounds, random_prompts, warm
     from machine import machine_info
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     engines = {setting: LLM(args.model, dtype=args.dtype, matrix_units=args.matrix_units,
                             max_model_len=512, max_num_seqs=max(8, *args.streams),
                             cpu_gemv_rows=setting) for setting in ("0", "auto")}
     chosen = engines["auto"].llm_engine.runner._settings["float_gemv_rows"]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 20000, 32).tolist() for _ in range(max(args.streams))]
-
-    def run(llm, streams: int, n: int):
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": q} for q in prompts[:streams]],
-                            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0),
-                            use_tqdm=False)
-        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
-
-    for llm in engines.values():                      # warm every shape once
-        for streams in args.streams:
-            run(llm, streams, 4)
-    samples: dict[tuple[str, int], list[float]] = {}
-    tokens: dict[tuple[str, int], list] = {}
-    pairs = [(setting, streams) for streams in args.streams for setting in engines]
-    for r in range(args.rounds):
-        for setting, streams in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
-            llm = engines[setting]
-            one, _ = run(llm, streams, 1)
-            full, out = run(llm, streams, args.tokens)
-            samples.setdefault((setting, streams), []).append(
-                (full - one) / (args.tokens - 1) * 1e3)
-            tokens[setting, streams] = out
+    prompts = random_prompts(max(args.streams))
+    for llm in engines.values():
+        warm(llm, prompts, args.streams)
+    samples, tokens = per_step_rounds(engines, prompts, args.streams, args.tokens, args.rounds)
     results = {}
     for streams in args.streams:
         onednn = statistics.median(samples["0", streams])

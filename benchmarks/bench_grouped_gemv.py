@@ -21,10 +21,7 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,35 +39,27 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    from decode_rounds import per_step_rounds, random_prompts, warm
     from machine import machine_info
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
     from jaxserve.kernels.cpu.matmul import GROUP_TARGET
     from jaxserve.models import layers
     from jaxserve.runner.model_runner import wait_for_background_compiles
 
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 20000, 32).tolist() for _ in range(max(args.streams))]
-
-    def run(llm, streams: int, n: int):
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": q} for q in prompts[:streams]],
-                            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0),
-                            use_tqdm=False)
-        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+    prompts = random_prompts(max(args.streams))
 
     def build(grouped: bool):
         saved = layers.grouped_gemv
         if not grouped:
-            layers.grouped_gemv = lambda x, operands: None
+            layers.grouped_gemv = lambda x, operands, **options: None
         try:
             # A cache of its own: the serialized-executable cache's key is the package's
             # source, which the patch leaves as it is (the other engine would load these).
             llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
                       max_model_len=512, max_num_seqs=max(8, *args.streams), cpu_gemv_rows="8",
                       compilation_cache_dir=tempfile.mkdtemp(prefix="jaxserve-bench-"))
-            for streams in args.streams:       # trace and compile every timed shape now
-                run(llm, streams, 4)
+            warm(llm, prompts, args.streams)   # trace and compile every timed shape now
             wait_for_background_compiles()
         finally:
             layers.grouped_gemv = saved
@@ -82,16 +71,7 @@ def main() -> None:
         return llm
 
     engines = {"one call each": build(False), "grouped": build(True)}
-    samples: dict[tuple[str, int], list[float]] = {}
-    tokens: dict[tuple[str, int], list] = {}
-    pairs = [(name, streams) for streams in args.streams for name in engines]
-    for r in range(args.rounds):
-        for name, streams in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
-            llm = engines[name]
-            one, _ = run(llm, streams, 1)
-            full, out = run(llm, streams, args.tokens)
-            samples.setdefault((name, streams), []).append((full - one) / (args.tokens - 1) * 1e3)
-            tokens[name, streams] = out
+    samples, tokens = per_step_rounds(engines, prompts, args.streams, args.tokens, args.rounds)
     results = {}
     for streams in args.streams:
         each = statistics.median(samples["one call each", streams])

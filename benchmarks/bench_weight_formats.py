@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,34 +42,17 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    from decode_rounds import per_step_rounds, random_prompts, warm
     from machine import machine_info
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     engines = {name: LLM(args.model, max_model_len=512, max_num_seqs=max(8, *args.streams),
                          **FORMATS[name]) for name in args.formats}
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 20000, 32).tolist() for _ in range(max(args.streams))]
-
-    def run(llm, streams: int, n: int):
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": q} for q in prompts[:streams]],
-                            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0),
-                            use_tqdm=False)
-        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
-
-    for llm in engines.values():                      # warm every shape once
-        for streams in args.streams:
-            run(llm, streams, 4)
-    samples: dict[tuple[str, int], list[float]] = {}
-    tokens: dict[tuple[str, int], list] = {}
-    pairs = [(name, streams) for streams in args.streams for name in engines]
-    for r in range(args.rounds):
-        for name, streams in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
-            one, _ = run(engines[name], streams, 1)
-            full, out = run(engines[name], streams, args.tokens)
-            samples.setdefault((name, streams), []).append((full - one) / (args.tokens - 1) * 1e3)
-            tokens[name, streams] = out
+    prompts = random_prompts(max(args.streams))
+    for llm in engines.values():
+        warm(llm, prompts, args.streams)
+    samples, tokens = per_step_rounds(engines, prompts, args.streams, args.tokens, args.rounds)
     results: dict[str, dict] = {}
     for streams in args.streams:
         base = statistics.median(samples[args.formats[0], streams])
