@@ -171,6 +171,109 @@ def test_dtype_auto_follows_the_matrix_units_and_the_config_forces_float32(monke
     assert model_setup.resolve_dtype("bfloat16", "cpu", "none") == jnp.bfloat16   # asked for
 
 
+# -- dtype=auto timed on this CPU (kernels/cpu/dtype_choice.py) ---------------------------------
+def test_dtype_auto_weighs_each_doubling_of_the_load_alike():
+    from jaxserve.kernels.cpu.dtype_choice import choose, score
+
+    # (float32 ms, bfloat16 ms) per row count
+    avx2_like = {1: (1.0, 0.66), 2: (1.0, 0.71), 4: (1.0, 0.78), 8: (1.0, 0.96), 64: (1.0, 1.1)}
+    assert choose(avx2_like).dtype == "bfloat16"
+    assert score(avx2_like) == pytest.approx(
+        np.exp((np.log([0.66, 0.71, 0.78, 0.96]).sum() + 3 * np.log(1.1)) / 7))
+    # the same few-row gain loses to a batch twice as slow; 16 rows stands for one doubling
+    assert choose({**avx2_like, 64: (1.0, 2.0)}).dtype == "float32"
+    slow16 = {**{r: t for r, t in avx2_like.items() if r != 64}, 16: (1.0, 2.0)}
+    assert choose(slow16).dtype == "bfloat16"
+    assert choose({1: (1.0, 0.97), 64: (1.0, 0.97)}).dtype == "float32"   # a tie: float32
+    assert "1 row 0.66x" in choose(avx2_like).describe()
+
+
+def _tiny_workload(tmp_path, **kw):
+    from jaxserve.engine.compute_dtype import DtypeWorkload
+
+    shapes = ((48, 48), (48, 16), (48, 16), (48, 48), (48, 96), (48, 96), (96, 48))
+    return DtypeWorkload(**{"shapes": shapes, "num_layers": 4, "max_num_seqs": 16,
+                            "in_place_float": True, "cache_dir": str(tmp_path), **kw})
+
+
+def test_dtype_auto_on_a_cpu_is_timed_once_then_read_back(tmp_path, monkeypatch):
+    from jaxserve.engine.compute_dtype import auto_compute_dtype
+    from jaxserve.kernels.cpu import dtype_choice, timings
+
+    monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 18)   # a quick timing
+    measured = []
+    real = dtype_choice._measure_batch.__wrapped__
+    monkeypatch.setattr(dtype_choice, "_measure_batch",
+                        lambda *a: measured.append(a) or real(*a))
+    dtype, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path))
+    assert "measured on this CPU" in why and "16 rows" in why and "stored" not in why
+    assert measured == [(_tiny_workload(tmp_path).shapes, 4, 16)]
+    assert dtype == jnp.dtype(why.split(":")[0])
+    again, why_again = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path))
+    assert again == dtype and why_again.endswith("stored timing") and len(measured) == 1
+    # a small max_num_seqs is only the row counts the engine runs
+    _, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path, max_num_seqs=2))
+    assert "2 rows" in why and "4 rows" not in why and len(measured) == 1
+
+
+def test_dtype_auto_is_not_timed_where_a_timing_decides_nothing(tmp_path, monkeypatch):
+    """Cache-resident weights, quantized or sharded projections, and a forced matrix_units
+    kind (a timing cannot emulate another CPU) take the rule by kind."""
+    from jaxserve.engine.compute_dtype import auto_compute_dtype
+    from jaxserve.kernels.cpu import dtype_choice
+
+    monkeypatch.setattr(dtype_choice, "load_or_measure", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
+    for workload, kind in ((_tiny_workload(tmp_path), "auto"),       # 1 MiB of weights
+                           (_tiny_workload(tmp_path, num_layers=10**4,
+                                           in_place_float=False), "auto"),
+                           (_tiny_workload(tmp_path, num_layers=10**4), "avx512")):
+        dtype, why = auto_compute_dtype("cpu", kind, workload)
+        assert "measured" not in why
+        assert dtype == (jnp.bfloat16 if kind == "avx512" else jnp.float32)
+
+
+def test_a_dtype_timing_that_fails_takes_the_rule_by_kind(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from jaxserve.engine.compute_dtype import auto_compute_dtype
+    from jaxserve.kernels.cpu import dtype_choice
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no timer here")
+
+    monkeypatch.setattr(dtype_choice, "load_or_measure", broken)
+    monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.compute_dtype"):
+        dtype, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path,
+                                                                      num_layers=10**4))
+    assert dtype == jnp.float32 and "no bf16 matrix units" in why
+    assert "could not time float32 against bfloat16" in caplog.text
+
+
+def test_the_engine_loads_the_model_in_the_dtype_auto_timed(make_tiny_model, tmp_path,
+                                                               monkeypatch):
+    """place_model times the model's own shapes (here a tiny model made to count as large)
+    and keeps why, for the startup log."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.model_source import place_model
+    from jaxserve.kernels.cpu import dtype_choice, timings
+
+    monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 16)
+    chosen = []
+    real = dtype_choice.choose
+    monkeypatch.setattr(dtype_choice, "choose", lambda t: chosen.append(real(t)) or chosen[-1])
+    config = EngineConfig.from_kwargs(model=str(make_tiny_model("llama")), dtype="auto",
+                                      max_num_seqs=4, max_model_len=64)
+    config.finalize("cpu")
+    placed = place_model(config, None, "cpu", str(tmp_path))
+    assert len(chosen) == 1 and sorted(chosen[0].timings) == [1, 2, 4]
+    assert placed.dtype == jnp.dtype(chosen[0].dtype)
+    assert placed.dtype_reason.startswith(chosen[0].dtype + ": measured on this CPU")
+    assert {jnp.dtype(w.dtype) for w in jax.tree.leaves(placed.params)
+            if jnp.issubdtype(w.dtype, jnp.floating)} == {jnp.dtype(placed.dtype)}
+
+
 @pytest.mark.parametrize("compiler", ["g++", "clang++"])
 def test_every_cpu_kernel_library_builds_with_gcc_and_clang(compiler, tmp_path, monkeypatch):
     from jaxserve.attention.cpu import loader
@@ -237,7 +340,7 @@ def test_the_gemv_row_limit_is_the_one_that_saves_most():
 def test_only_models_that_outgrow_the_caches_are_timed():
     from types import SimpleNamespace
 
-    from jaxserve.kernels.cpu.gemv_choice import projection_shapes, worth_measuring
+    from jaxserve.kernels.cpu.timings import projection_shapes, worth_measuring
 
     smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_heads=9,
                               num_kv_heads=3, head_dim=64)
@@ -249,10 +352,10 @@ def test_only_models_that_outgrow_the_caches_are_timed():
 
 
 def test_the_gemv_choice_is_measured_once_then_read_back(tmp_path, monkeypatch):
-    from jaxserve.kernels.cpu import gemv_choice
+    from jaxserve.kernels.cpu import gemv_choice, timings
 
     shapes = ((48, 48), (48, 16), (48, 16), (48, 48), (48, 96), (48, 96), (96, 48))
-    monkeypatch.setattr(gemv_choice, "MEASURED_BYTES", 1 << 20)   # a quick timing
+    monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 20)   # a quick timing
     choice, stored = gemv_choice.load_or_measure(str(tmp_path), jnp.float32, shapes, 4)
     assert not stored and sorted(choice.timings) == list(gemv_choice.ROW_COUNTS)
     assert all(g > 0 and o > 0 for g, o in choice.timings.values())
@@ -298,13 +401,13 @@ def test_a_gemv_timing_that_fails_leaves_onednn_and_the_engine_starts(make_tiny_
     import logging
 
     from jaxserve import LLM
-    from jaxserve.kernels.cpu import gemv_choice
+    from jaxserve.kernels.cpu import gemv_choice, timings
 
     def broken(*args, **kwargs):
         raise RuntimeError("no timer here")
 
     monkeypatch.setattr(gemv_choice, "load_or_measure", broken)
-    monkeypatch.setattr(gemv_choice, "worth_measuring", lambda *args: True)
+    monkeypatch.setattr(timings, "worth_measuring", lambda *args: True)
     with caplog.at_level(logging.WARNING, logger="jaxserve.engine.model_setup"):
         llm = LLM(str(make_tiny_model("llama")), dtype="float32", max_model_len=64,
                   max_num_seqs=2, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)

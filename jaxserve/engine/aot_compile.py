@@ -34,8 +34,12 @@ from jaxserve.engine.aot_manifest import (
     expected_manifest,
     target_device_kind,
 )
-from jaxserve.engine.compute_dtype import resolve_dtype
-from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
+from jaxserve.engine.compute_dtype import DtypeWorkload, resolve_dtype
+from jaxserve.engine.model_setup import (
+    compilation_cache_path,
+    resolve_max_model_len,
+    settle_batch_limits,
+)
 from jaxserve.kernels.cpu.matmul import use_matrix_units
 from jaxserve.models import partition
 from jaxserve.models.registry import family_for, read_arch
@@ -108,7 +112,9 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     hf_config, model_path = read_model_config(mc.model)
     source_arch = read_arch(hf_config)
     family = family_for(source_arch.architecture)
-    dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
+    # as the engine on this machine will choose (a CPU's dtype=auto: timed, and stored)
+    dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units, DtypeWorkload.of(
+        config, source_arch, compilation_cache_path(config.runner_config.compilation_cache_dir)))
     kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     max_model_len = resolve_max_model_len(mc.max_model_len, source_arch)
     settle_batch_limits(config, max_model_len)

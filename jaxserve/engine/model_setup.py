@@ -19,7 +19,6 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
-from jaxserve.engine.compute_dtype import auto_compute_dtype
 from jaxserve.engine.memory_plan import MemoryPlan, plan_memory
 from jaxserve.kernels.cpu.matmul import use_matrix_units
 from jaxserve.models.arch import ModelArch
@@ -55,11 +54,19 @@ class ModelSetup:
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
 
 
-def enable_compilation_cache(directory: str | None) -> str | None:
-    """Turn on JAX's persistent compilation cache (so a second start skips compiles)."""
+def compilation_cache_path(directory: str | None) -> str | None:
+    """`RunnerConfig.compilation_cache_dir` resolved: None when off, else the directory
+    (where the CPU's measured choices are stored too: kernels/cpu/timings.py)."""
     if directory == "off":
         return None
-    directory = directory or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax")
+    return directory or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax")
+
+
+def enable_compilation_cache(directory: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache (so a second start skips compiles)."""
+    directory = compilation_cache_path(directory)
+    if directory is None:
+        return None
     os.makedirs(directory, exist_ok=True)
     if jax.config.jax_compilation_cache_dir != directory:
         jax.config.update("jax_compilation_cache_dir", directory)
@@ -122,7 +129,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
 
     t0 = time.perf_counter()
     # Read + convert + place, or (a converted checkpoint) restore straight onto the devices.
-    placed = place_model(config, mesh, platform)
+    placed = place_model(config, mesh, platform, cache_dir)
     dtype, placement = placed.dtype, placed.placement
     kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     family = family_for(placed.source_arch.architecture)
@@ -232,11 +239,8 @@ def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: st
         logger.info("CPU projections (%s): streaming GEMV at <= %s rows (cpu_gemv_rows=%s)",
                     np.dtype(placed.dtype).name, setting, setting)
         return int(setting)
-    from jaxserve.kernels.cpu.gemv_choice import (
-        load_or_measure,
-        projection_shapes,
-        worth_measuring,
-    )
+    from jaxserve.kernels.cpu.gemv_choice import load_or_measure
+    from jaxserve.kernels.cpu.timings import projection_shapes, worth_measuring
 
     shapes, num_layers = projection_shapes(placed.arch), placed.arch.num_layers
     if not worth_measuring(placed.dtype, shapes, num_layers):
@@ -300,8 +304,7 @@ def _log_model(config: EngineConfig, placed: Any, num_params: int, platform: str
     dtype, resident_bytes = placed.dtype, placed.resident_bytes
     devices = jax.devices()
     if mc.dtype == "auto":
-        logger.info("compute dtype (dtype=auto): %s", auto_compute_dtype(platform,
-                                                                         mc.matrix_units)[1])
+        logger.info("compute dtype (dtype=auto): %s", placed.dtype_reason)
     if platform == "cpu" and mc.matrix_units != "auto":
         from jaxserve.kernels.cpu.matmul import detect_matrix_units, matrix_units_for
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.dtypes import dtype_by_name
-from jaxserve.engine.compute_dtype import resolve_dtype
+from jaxserve.engine.compute_dtype import DtypeWorkload, auto_compute_dtype, resolve_dtype
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.quantization import check_mode
@@ -47,6 +47,7 @@ class PlacedModel:
     generation_config: dict[str, Any]
     model_path: str
     source_format: str           # "hf", "gguf" or "orbax"
+    dtype_reason: str | None = None  # why dtype=auto chose `dtype` (None: not auto)
     # Seconds per loading phase, for the startup breakdown (ModelSetup.phases).
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -77,13 +78,15 @@ class RestoringParams:
         return self._out["params"]
 
 
-def place_model(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
+def place_model(config: EngineConfig, mesh: Any, platform: str,
+                cache_dir: str | None = None) -> PlacedModel:
+    """cache_dir: where a measured dtype=auto stores its CPU timings (compute_dtype.py)."""
     from jaxserve.loader.resolve import resolve_model
 
     resolved = resolve_model(config.model_config.model)
     if resolved.format == "orbax":
         return _restore(config, resolved.path, mesh, platform)
-    return _load_and_place(config, mesh, platform)
+    return _load_and_place(config, mesh, platform, cache_dir)
 
 
 def _placement(config: EngineConfig, arch: ModelArch, mesh: Any) -> Any:
@@ -92,11 +95,18 @@ def _placement(config: EngineConfig, arch: ModelArch, mesh: Any) -> Any:
     return ModelPlacement.create(config.parallel_config, arch, mesh)
 
 
-def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedModel:
-    from jaxserve.loader import load_model
+def _load_and_place(config: EngineConfig, mesh: Any, platform: str,
+                    cache_dir: str | None) -> PlacedModel:
+    from jaxserve.loader import load_model, read_model_config
 
     mc = config.model_config
-    dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
+    dtype_reason = None
+    if mc.dtype == "auto":      # on a CPU, timed for the model's shapes (compute_dtype.py)
+        workload = DtypeWorkload.of(config, read_arch(read_model_config(mc.model)[0]),
+                                    cache_dir)
+        dtype, dtype_reason = auto_compute_dtype(platform, mc.matrix_units, workload)
+    else:
+        dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
     quantization = check_mode(mc.quantization)
     loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
                         load_format=mc.load_format, quantization=quantization,
@@ -123,7 +133,7 @@ def _load_and_place(config: EngineConfig, mesh: Any, platform: str) -> PlacedMod
                        params=params, resident_bytes=resident_bytes, dtype=dtype,
                        quantization=quantization, hf_config=loaded.hf_config,
                        tokenizer=loaded.tokenizer, generation_config=loaded.generation_config,
-                       model_path=loaded.model_path,
+                       model_path=loaded.model_path, dtype_reason=dtype_reason,
                        source_format="gguf" if loaded.model_path.endswith(".gguf") else "hf")
 
 
@@ -190,4 +200,5 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
                        params=params, resident_bytes=resident_bytes, dtype=dtype,
                        quantization=info.quantization, hf_config=info.hf_config,
                        tokenizer=tokenizer, generation_config=info.generation_config,
-                       model_path=str(path), source_format="orbax", phases=phases)
+                       model_path=str(path), source_format="orbax", phases=phases,
+                       dtype_reason=f"{info.dtype}: the converted checkpoint's")
