@@ -14,7 +14,7 @@ dead code (no attention, no norms: only the matmuls and a few cheap elementwise 
   xla_unrolled_bf16  the same in bf16 (XLA's own bf16 dot, f32 accumulation)
   onednn_f32/_bf16   the scan, each projection one oneDNN call on the stacked weights in place
                      (jaxserve/kernels/cpu/matmul.cc, GEMV off)
-  gemv_f32/_bf16     the scan, matmul.cc's streaming GEMV (rows <= 8 only)
+  gemv_f32/_bf16     the scan, gemv.h's streaming GEMV (rows <= 8 only)
   old_kernel_f32     the removed hand-written kernel (--old-lib)
 
 Timed interleaved (one call of each per round, the order rotating) so a noisy, shared box

@@ -2,9 +2,13 @@
 process: each built from its source with the library's own flags and registered under its own
 FFI target, then timed interleaved on SmolLM2-135M's projection shapes stacked over 30 layers.
 
-    git show HEAD~1:jaxserve/kernels/cpu/matmul.cc > /tmp/old.cc
-    python benchmarks/bench_matmul_ab.py /tmp/old.cc jaxserve/kernels/cpu/matmul.cc
+    mkdir -p /tmp/old && for f in matmul.cc gemv.h; do
+        git show HEAD~1:jaxserve/kernels/cpu/$f > /tmp/old/$f; done
+    python benchmarks/bench_matmul_ab.py /tmp/old/matmul.cc jaxserve/kernels/cpu/matmul.cc
     python benchmarks/bench_matmul_ab.py A.cc B.cc --rows 64 256 --gemv-rows 0   # oneDNN paths
+
+A source's own directory is searched first for the headers it includes (gemv.h: the GEMV),
+so copy an old version's gemv.h beside its matmul.cc (the library's headers fill the rest).
 
 On a shared box whose memory speed moves by the minute, only such a same-process, interleaved
 comparison tells a kernel change from the neighbours' load. Prints each shape's read rate

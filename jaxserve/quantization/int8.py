@@ -7,7 +7,7 @@ matmul (models/linear_method.py: int8 -> activation dtype, times the broadcast s
 fused elementwise pass feeding the dot), so the float kernel exists only as a step
 temporary -- except on the CPU at decode rows (<= 8), where the library's GEMV streams the
 int8 weights in place and applies each group's scale to its partial sum (a quarter of
-float32's bytes; kernels/cpu/matmul.cc).
+float32's bytes; kernels/cpu/gemv.h).
 
 Why groups, not one scale per output column: a column's scale is set by its single
 largest weight, so every other weight of the column is quantized on a coarser grid than

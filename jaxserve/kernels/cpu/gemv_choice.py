@@ -1,4 +1,4 @@
-"""Up to how many rows float projections take matmul.cc's streaming GEMV instead of oneDNN,
+"""Up to how many rows float projections take the streaming GEMV (gemv.h) instead of oneDNN,
 measured on this CPU for the model's own shapes (`ModelConfig.cpu_gemv_rows`, auto).
 
 At a few rows a projection only streams its weights, and which kernel streams them faster

@@ -7,10 +7,10 @@ dispatches by vendor, oneDNN by CPU feature flags (AMX, AVX512-BF16, AVX-512, AV
 same code on Intel and AMD. Without oneDNN (or a compiler) `available()` is False and the
 model keeps XLA's dot.
 
-matmul.cc's own streaming GEMV (f32 accumulation over f32 / bf16 / int8 weights read in
-place) serves int8 weights with float x at rows <= 8 (W8A16), and float weights up to the
-row count the engine measured it faster than oneDNN on this CPU (gemv_choice.py; on a 2-core
-AVX2 EPYC: float32 up to 4 rows, bf16 up to 8).
+The library's own streaming GEMV (gemv.h: f32 accumulation over f32 / bf16 / int8 weights
+read in place) serves int8 weights with float x at rows <= 8 (W8A16), and float weights up
+to the row count the engine measured it faster than oneDNN on this CPU (gemv_choice.py; on a
+2-core AVX2 EPYC: float32 and bf16 up to 8 rows).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def library() -> KernelLibrary:
         raise CpuMatmulBuildError(f"oneDNN not found under {sys.prefix}: {hint}")
     lib_dir = prefix / "lib"
     return KernelLibrary(
-        name="matmul", sources=(HERE / "matmul.cc", HERE / "parallel_for.h"),
+        name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv.h", HERE / "parallel_for.h"),
         include_dirs=(HERE, prefix / "include"),
         link_flags=(f"-L{lib_dir}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib_dir}"),
         fallback_hint=hint, error=CpuMatmulBuildError)
