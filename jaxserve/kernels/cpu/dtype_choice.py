@@ -3,20 +3,25 @@ projection shapes: what dtype=auto chooses on a CPU (engine/compute_dtype.py).
 
 Without bf16 units a CPU still streams bf16 weights at half float32's bytes -- the decode GEMV
 widens them in registers -- so at the few rows where a step only reads its weights bfloat16
-is faster (SmolLM2-135M on a 2-core AVX2 EPYC: 1.65x float32 for one stream). In a batch the
-products are the work, and without the units oneDNN widens bf16 to float32 for them (~10 %
-slower than float32 at 64 rows there). With the units bfloat16 wins at every row count. Where
-the balance falls depends on the CPU and the model's shapes, so it is timed:
+is faster (SmolLM2-135M on a 2-core AVX2 EPYC: 0.5-0.7x float32's time at 1-4 rows). Above
+the GEMV's rows the products are the work, and without the units oneDNN's bf16 path widens
+the weights to float32 first: 1.1-1.6x float32's time at 12-64 rows there. With the units
+bfloat16 wins at every row count. Where the balance falls depends on the CPU and the model's
+shapes, so it is timed:
 
 - at 1, 2, 4 and 8 rows each dtype on the kernel the engine would take there (the GEMV or
   oneDNN, gemv_choice.py: those timings, stored, are the chosen dtype's GEMV choice too);
-- at the batch rows (max_num_seqs, at most 64) both dtypes on oneDNN, interleaved.
+- at each doubling above that up to the batch (16, 32, ... max_num_seqs, at most 64), both
+  dtypes on oneDNN, interleaved.
 
-The score is the geometric mean of bfloat16's time over float32's at those row counts, the
-batch's ratio weighted by the doublings from 8 rows it stands for (3 at 64 rows): every
-doubling of the load counts alike. bfloat16 is chosen when it scores under BF16_MARGIN -- it
-rounds the weights, so a tie keeps float32.
-"""
+The score is the geometric mean of bfloat16's time over float32's at those row counts, each
+weighted by the doublings it stands for (1 each; max_num_seqs=48's last step 0.58): every
+doubling of the load counts alike. bfloat16 is chosen when it scores under BF16_MARGIN: it
+rounds the weights, so it must be clearly faster, by more than a timing's noise -- two fresh
+timings of SmolLM2 on one AVX2 EPYC scored 0.88 and 0.97 (a near-tie there: bfloat16 0.6x
+at 1-4 rows, 1.2-1.3x at 16-64), and a choice must not flip between two starts of one box.
+The score leaves out a tied LM head, which goes the same way as the projections (bf16
+table: the GEMV at 1-8 rows, oneDNN's widening path above)."""
 
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from jaxserve.kernels.cpu.timings import (
 )
 
 MAX_BATCH_ROWS = 64
-BF16_MARGIN = 0.95
+BF16_MARGIN = 0.85
 STORE = "jaxserve-dtype-batch.json"
 
 
@@ -54,18 +59,26 @@ class DtypeChoice:
                 f"needs < {BF16_MARGIN})")
 
 
-def batch_rows_for(max_num_seqs: int) -> int:
-    return max(1, min(int(max_num_seqs), MAX_BATCH_ROWS))
+def batch_row_counts(max_num_seqs: int, above: int = 8) -> tuple[int, ...]:
+    """The row counts timed above `above` (the GEMV's): each doubling, then the batch."""
+    batch = max(1, min(int(max_num_seqs), MAX_BATCH_ROWS))
+    counts, rows = [], above * 2
+    while rows < batch:
+        counts.append(rows)
+        rows *= 2
+    return tuple(counts + [batch]) if batch > above else ()
 
 
 def score(timings: dict[int, tuple[float, float]]) -> float:
-    """bfloat16's time over float32's, geometric mean over the row counts, a count above 8
-    rows weighted by the doublings from 8 it stands for."""
-    logs, weights = 0.0, 0.0
-    for rows, (f32_ms, bf16_ms) in timings.items():
-        weight = math.log2(rows / 8) if rows > 8 else 1.0
+    """bfloat16's time over float32's, geometric mean over the row counts, each weighted by
+    the doublings from the count before it (1 for the first)."""
+    logs, weights, previous = 0.0, 0.0, None
+    for rows in sorted(timings):
+        f32_ms, bf16_ms = timings[rows]
+        weight = 1.0 if previous is None else min(1.0, math.log2(rows / previous))
         logs += weight * math.log(bf16_ms / f32_ms)
         weights += weight
+        previous = rows
     return math.exp(logs / weights)
 
 
@@ -85,27 +98,31 @@ def load_or_measure(cache_dir: str | None, shapes: tuple[tuple[int, int], ...],
         for rows, (gemv_ms, onednn_ms) in choice.timings.items():
             # per layer: the engine runs the GEMV at <= choice.rows, oneDNN above
             few.setdefault(rows, []).append(gemv_ms if rows <= choice.rows else onednn_ms)
-    timings = {rows: (f32, bf16) for rows, (f32, bf16) in few.items()}
-    batch = batch_rows_for(max_num_seqs)
-    if batch > max(timings):
+    timings = {rows: (f32, bf16) for rows, (f32, bf16) in few.items()
+               if rows <= max_num_seqs}
+    batch = batch_row_counts(max_num_seqs, max(few))
+    if batch:
         entry, stored = stored_or_measured(
             cache_dir, STORE, [[list(s) for s in shapes], min(int(num_layers), MAX_LAYERS),
-                               batch], lambda: _measure_batch(tuple(shapes), int(num_layers),
-                                                              batch))
+                               list(batch)],
+            lambda: _measure_batch(tuple(shapes), int(num_layers), batch))
         all_stored &= stored
-        timings[batch] = (float(entry["float32"]), float(entry["bfloat16"]))
-    else:                      # a small max_num_seqs: only the row counts the engine runs
-        timings = {rows: t for rows, t in timings.items() if rows <= batch}
+        timings.update({int(rows): (float(t["float32"]), float(t["bfloat16"]))
+                        for rows, t in entry.items()})
     return choose(timings), all_stored
 
 
 @functools.lru_cache(maxsize=None)
-def _measure_batch(shapes: tuple[tuple[int, int], ...], num_layers: int, rows: int,
-                   repeats: int = 5) -> dict:
+def _measure_batch(shapes: tuple[tuple[int, int], ...], num_layers: int,
+                   row_counts: tuple[int, ...], repeats: int = 5) -> dict:
+    """{rows: {dtype: ms per layer}} on oneDNN, the two dtypes interleaved at each count."""
     stacks = {name: StackedProjections(name, shapes, num_layers)
               for name in ("float32", "bfloat16")}
-    programs = compile_all({name: functools.partial(stack.program, rows, 0)
-                            for name, stack in stacks.items()})
-    # per layer: the two stacks hold different layer counts (the same bytes)
-    best = fastest_calls(programs, repeats)
-    return {name: best[name] / stacks[name].layers for name in stacks}
+    programs = compile_all({(rows, name): functools.partial(stack.program, rows, 0)
+                            for rows in row_counts for name, stack in stacks.items()})
+    result = {}
+    for rows in row_counts:
+        # per layer: the two stacks hold different layer counts (the same bytes)
+        best = fastest_calls({name: programs[rows, name] for name in stacks}, repeats)
+        result[str(rows)] = {name: best[name] / stacks[name].layers for name in stacks}
+    return result
