@@ -208,22 +208,27 @@ def _tiny_workload(tmp_path, **kw):
 
 def test_dtype_auto_on_a_cpu_is_timed_once_then_read_back(tmp_path, monkeypatch):
     from jaxserve.engine.compute_dtype import auto_compute_dtype
-    from jaxserve.kernels.cpu import dtype_choice, timings
+    from jaxserve.kernels.cpu import dtype_choice, gemv_choice, timings
 
     monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 18)   # a quick timing
     measured = []
-    real = dtype_choice._measure_batch.__wrapped__
-    monkeypatch.setattr(dtype_choice, "_measure_batch",
-                        lambda *a: measured.append(a) or real(*a))
+    real = dtype_choice._measure.__wrapped__
+    monkeypatch.setattr(dtype_choice, "_measure", lambda *a: measured.append(a) or real(*a))
     dtype, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path))
-    assert "measured on this CPU" in why and "16 rows" in why and "stored" not in why
-    assert measured == [(_tiny_workload(tmp_path).shapes, 4, (16,))]
+    assert "measured on this CPU" in why and "stored" not in why
+    # every row count up to max_num_seqs=16, each dtype on its engine's kernel there
+    shapes = _tiny_workload(tmp_path).shapes
+    limits = tuple(sorted((name, gemv_choice.load_or_measure(str(tmp_path), name, shapes,
+                                                             4)[0].rows)
+                          for name in ("bfloat16", "float32")))
+    assert measured == [(shapes, 4, (1, 2, 4, 8, 16), limits)]
+    assert all(f"{r} row" in why for r in (1, 2, 4, 8, 16))
     assert dtype == jnp.dtype(why.split(":")[0])
     again, why_again = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path))
     assert again == dtype and why_again.endswith("stored timing") and len(measured) == 1
-    # a small max_num_seqs is only the row counts the engine runs
+    # a small max_num_seqs times only the row counts the engine runs
     _, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path, max_num_seqs=2))
-    assert "2 rows" in why and "4 rows" not in why and len(measured) == 1
+    assert measured[1][2] == (1, 2) and "4 rows" not in why
 
 
 def test_dtype_auto_is_not_timed_where_a_timing_decides_nothing(tmp_path, monkeypatch):

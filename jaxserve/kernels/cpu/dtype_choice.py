@@ -9,16 +9,15 @@ the weights to float32 first: 1.1-1.6x float32's time at 12-64 rows there. With 
 bfloat16 wins at every row count. Where the balance falls depends on the CPU and the model's
 shapes, so it is timed:
 
-- at 1, 2, 4 and 8 rows each dtype on the kernel the engine would take there (the GEMV or
-  oneDNN, gemv_choice.py: those timings, stored, are the chosen dtype's GEMV choice too);
-- at each doubling above that up to the batch (16, 32, ... max_num_seqs, at most 64), both
-  dtypes on oneDNN, interleaved.
+at 1, 2, 4 and 8 rows and each doubling above up to the batch (16, 32, ... max_num_seqs, at
+most 64), each dtype on the kernel its engine would take there (the GEMV up to the limit
+gemv_choice.py measures for it, oneDNN above), the two dtypes interleaved.
 
 The score is the geometric mean of bfloat16's time over float32's at those row counts, each
 weighted by the doublings it stands for (1 each; max_num_seqs=48's last step 0.58): every
 doubling of the load counts alike. bfloat16 is chosen when it scores under BF16_MARGIN: it
-rounds the weights, so it must be clearly faster, by more than a timing's noise -- two fresh
-timings of SmolLM2 on one AVX2 EPYC scored 0.88 and 0.97 (a near-tie there: bfloat16 0.6x
+rounds the weights, so it must be clearly faster, by more than a timing's noise -- fresh
+timings of SmolLM2 on one AVX2 EPYC scored 0.86 to 0.97 (a near-tie there: bfloat16 0.5-0.7x
 at 1-4 rows, 1.2-1.3x at 16-64), and a choice must not flip between two starts of one box.
 The score leaves out a tied LM head, which goes the same way as the projections (bf16
 table: the GEMV at 1-8 rows, oneDNN's widening path above)."""
@@ -28,8 +27,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-
-import jax.numpy as jnp
 
 from jaxserve.kernels.cpu import gemv_choice
 from jaxserve.kernels.cpu.timings import (
@@ -41,7 +38,7 @@ from jaxserve.kernels.cpu.timings import (
 )
 
 MAX_BATCH_ROWS = 64
-BF16_MARGIN = 0.85
+BF16_MARGIN = 0.8
 STORE = "jaxserve-dtype-batch.json"
 
 
@@ -89,37 +86,33 @@ def choose(timings: dict[int, tuple[float, float]]) -> DtypeChoice:
 
 def load_or_measure(cache_dir: str | None, shapes: tuple[tuple[int, int], ...],
                     num_layers: int, max_num_seqs: int) -> tuple[DtypeChoice, bool]:
-    """(the choice, whether every timing was read from disk)."""
-    few: dict[int, list[float]] = {}
-    all_stored = True
-    for dtype in (jnp.float32, jnp.bfloat16):
-        choice, stored = gemv_choice.load_or_measure(cache_dir, dtype, shapes, num_layers)
-        all_stored &= stored
-        for rows, (gemv_ms, onednn_ms) in choice.timings.items():
-            # per layer: the engine runs the GEMV at <= choice.rows, oneDNN above
-            few.setdefault(rows, []).append(gemv_ms if rows <= choice.rows else onednn_ms)
-    timings = {rows: (f32, bf16) for rows, (f32, bf16) in few.items()
-               if rows <= max_num_seqs}
-    batch = batch_row_counts(max_num_seqs, max(few))
-    if batch:
-        entry, stored = stored_or_measured(
-            cache_dir, STORE, [[list(s) for s in shapes], min(int(num_layers), MAX_LAYERS),
-                               list(batch)],
-            lambda: _measure_batch(tuple(shapes), int(num_layers), batch))
-        all_stored &= stored
-        timings.update({int(rows): (float(t["float32"]), float(t["bfloat16"]))
-                        for rows, t in entry.items()})
-    return choose(timings), all_stored
+    """(the choice, whether its timing was read from disk)."""
+    # Each dtype's GEMV limit first (also stored: the chosen dtype's engine reads it back).
+    gemv_rows = {name: gemv_choice.load_or_measure(cache_dir, name, shapes, num_layers)[0].rows
+                 for name in ("float32", "bfloat16")}
+    rows = tuple(r for r in gemv_choice.ROW_COUNTS if r <= max_num_seqs) + \
+        batch_row_counts(max_num_seqs, max(gemv_choice.ROW_COUNTS))
+    entry, stored = stored_or_measured(
+        cache_dir, STORE, [[list(s) for s in shapes], min(int(num_layers), MAX_LAYERS),
+                           list(rows), gemv_rows],
+        lambda: _measure(tuple(shapes), int(num_layers), rows,
+                         tuple(sorted(gemv_rows.items()))))
+    return choose({int(r): (float(t["float32"]), float(t["bfloat16"]))
+                   for r, t in entry.items()}), stored
 
 
 @functools.lru_cache(maxsize=None)
-def _measure_batch(shapes: tuple[tuple[int, int], ...], num_layers: int,
-                   row_counts: tuple[int, ...], repeats: int = 5) -> dict:
-    """{rows: {dtype: ms per layer}} on oneDNN, the two dtypes interleaved at each count."""
-    stacks = {name: StackedProjections(name, shapes, num_layers)
-              for name in ("float32", "bfloat16")}
-    programs = compile_all({(rows, name): functools.partial(stack.program, rows, 0)
-                            for rows in row_counts for name, stack in stacks.items()})
+def _measure(shapes: tuple[tuple[int, int], ...], num_layers: int, row_counts: tuple[int, ...],
+             gemv_rows: tuple[tuple[str, int], ...], repeats: int = 7) -> dict:
+    """{rows: {dtype: ms per layer}}, each dtype on the kernel its engine takes at that row
+    count (the GEMV up to its measured limit, oneDNN above), the two interleaved: timed
+    apart, a shared box's drift between them moved the 1-row ratio from 0.52 to 0.72."""
+    limits = dict(gemv_rows)
+    stacks = {name: StackedProjections(name, shapes, num_layers) for name in limits}
+    programs = compile_all({
+        (rows, name): functools.partial(stack.program, rows,
+                                        rows if rows <= limits[name] else 0)
+        for rows in row_counts for name, stack in stacks.items()})
     result = {}
     for rows in row_counts:
         # per layer: the two stacks hold different layer counts (the same bytes)
