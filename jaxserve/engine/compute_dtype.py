@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.dtypes import dtype_by_name
@@ -84,9 +85,11 @@ def _measured_cpu_dtype(matrix_units: str, workload: DtypeWorkload | None
                         ) -> tuple[Any, str] | None:
     """(dtype, why) timed on this CPU, or None where the rule by kind applies: no model
     given, a forced ``matrix_units`` kind (a timing cannot emulate another CPU), quantized
-    or sharded projections, weights that fit the caches (nothing to stream: a timing decides nothing)
-    or no oneDNN library."""
+    or sharded projections, several processes (each one's timing could differ), weights that
+    fit the caches (nothing to stream: a timing decides nothing) or no oneDNN library."""
     if workload is None or matrix_units != "auto" or not workload.in_place_float:
+        return None
+    if jax.process_count() > 1:
         return None
     from jaxserve.kernels.cpu import matmul
     from jaxserve.kernels.cpu.timings import worth_measuring
