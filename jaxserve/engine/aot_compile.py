@@ -114,7 +114,8 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     family = family_for(source_arch.architecture)
     # as the engine on this machine will choose (a CPU's dtype=auto: timed, and stored)
     dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units, DtypeWorkload.of(
-        config, source_arch, compilation_cache_path(config.runner_config.compilation_cache_dir)))
+        config, source_arch, compilation_cache_path(config.runner_config.compilation_cache_dir))
+        if platform == "cpu" else None)
     kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     max_model_len = resolve_max_model_len(mc.max_model_len, source_arch)
     settle_batch_limits(config, max_model_len)

@@ -101,9 +101,11 @@ def _load_and_place(config: EngineConfig, mesh: Any, platform: str,
 
     mc = config.model_config
     dtype_reason = None
-    if mc.dtype == "auto":      # on a CPU, timed for the model's shapes (compute_dtype.py)
+    if mc.dtype == "auto":
+        # Only a CPU times the model's shapes (compute_dtype.py): only there is its config
+        # read ahead of the weights.
         workload = DtypeWorkload.of(config, read_arch(read_model_config(mc.model)[0]),
-                                    cache_dir)
+                                    cache_dir) if platform == "cpu" else None
         dtype, dtype_reason = auto_compute_dtype(platform, mc.matrix_units, workload)
     else:
         dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)

@@ -160,14 +160,13 @@ class Int8GroupedMethod:
         8 rows, the groups summed and scaled inside it), under the CPU's stacked layer scan;
         None where the group length does not fit its row blocks (a multiple of 8, or one
         group per column)."""
-        from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS
+        from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS, gemv_takes_groups
 
         found = stacked_params(layer.scope.path) if x.ndim == 2 \
             and x.shape[0] <= MAX_GEMV_ROWS else None
         if found is None or found[0]["kernel"].ndim != 3 or found[0]["scale"].ndim != 3:
             return None
-        n_in, groups = found[0]["kernel"].shape[1], found[0]["scale"].shape[1]
-        if groups == 0 or n_in % groups or ((n_in // groups) % 8 and groups != 1):
+        if not gemv_takes_groups(found[0]["kernel"].shape[1], found[0]["scale"].shape[1]):
             return None
         return GemvOperand(found[0]["kernel"], found[1], out_dtype=layer.dtype,
                            group_scale=found[0]["scale"])

@@ -34,6 +34,14 @@ TARGET = "jaxserve_matmul"
 SYMBOL = "JaxserveMatmul"
 GROUP_TARGET = "jaxserve_matmul_group"
 MAX_GEMV_ROWS = 8
+GEMV_K_BLOCK = 8      # gemv.h's kGemvKBlock: weight rows per block, never two int8 groups
+
+
+def gemv_takes_groups(n_in: int, groups: int) -> bool:
+    """Whether the GEMV can apply int8 group scales of `groups` groups over `n_in` input rows:
+    equal groups a whole number of its row blocks long, or one group over every row."""
+    return groups > 0 and n_in % groups == 0 and (
+        (n_in // groups) % GEMV_K_BLOCK == 0 or groups == 1)
 
 
 class CpuMatmulBuildError(CpuKernelBuildError):
@@ -251,9 +259,9 @@ def layer_matmul_group(x: jax.Array, stacked: tuple[jax.Array, ...], layer,
                              f"{[(w.shape, str(w.dtype)) for w in stacked]}, scales "
                              f"{[sc.shape for sc in scales]}")
         group_size = n_in // scales[0].shape[1]
-        if group_size % 8 and group_size != n_in:
+        if not gemv_takes_groups(n_in, scales[0].shape[1]):
             raise ValueError(f"layer_matmul_group: group size {group_size} must be a multiple "
-                             f"of 8 (or all {n_in} input rows)")
+                             f"of {GEMV_K_BLOCK} (or all {n_in} input rows)")
     call = jax.ffi.ffi_call(GROUP_TARGET, tuple(
         jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), out_dtype) for w in stacked))
     return tuple(call(x, jnp.asarray(layer, jnp.int32).reshape(()), *stacked,
