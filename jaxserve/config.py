@@ -19,11 +19,17 @@ from jaxserve.spec_settings import parse_speculative_config
 
 
 def opt(default: Any = None, help: str = "", **extra: Any) -> Any:
-    """A config field with CLI help text (and optional argparse extras)."""
+    """A config field with CLI help text (and optional argparse extras). A callable default
+    is a factory, called for each new config (a default read from the environment)."""
     metadata = {"help": help, **extra}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+MATRIX_UNIT_CHOICES = ("auto", "none", "avx512", "amx")
 
 
 @dataclass
@@ -56,11 +62,14 @@ class ModelConfig:
         "config.json's quantization_config when unset. Default: weights in --dtype.",
         choices=["int8", "gguf", "awq", "gptq"])
     matrix_units: str = opt(
-        "auto", "The CPU matrix units dtype=auto and the int8 path assume: auto (detected from "
+        lambda: os.environ.get("JAXSERVE_MATRIX_UNITS", "auto"),
+        "The CPU matrix units dtype=auto and the int8 path assume: auto (detected from "
         "the CPU's flags), none (as an AVX2-only CPU: float32), avx512 (AVX512-BF16 + VNNI: "
         "bfloat16) or amx (AMX-BF16/INT8: bfloat16). A kind this CPU lacks is emulated by "
-        "oneDNN: the same numbers, slower (to test another kind's path on this box).",
-        choices=["auto", "none", "avx512", "amx"])
+        "oneDNN: the same numbers, slower (to test another kind's path on this box). "
+        "Default: $JAXSERVE_MATRIX_UNITS when set (so every process of a test run, or of a "
+        "container, runs as one kind), else auto.",
+        choices=list(MATRIX_UNIT_CHOICES))
     cpu_gemv_rows: str = opt(
         "auto", "CPU, float weights: up to how many rows a projection streams its weights "
         "through jaxserve's GEMV instead of oneDNN's matmul. auto: measured at startup on "
@@ -271,6 +280,11 @@ class EngineConfig(FlatOptions):
                                  "num_processes > 1 yet")
             if self.speculative_config.speculative_config is not None:
                 raise ValueError("enable_lora with speculative decoding is not supported yet")
+        if self.model_config.matrix_units not in MATRIX_UNIT_CHOICES:
+            raise ValueError("matrix_units must be one of "
+                             f"{', '.join(MATRIX_UNIT_CHOICES)} (also "
+                             "$JAXSERVE_MATRIX_UNITS), got "
+                             f"{self.model_config.matrix_units!r}")
         if self.model_config.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.model_config.max_logprobs}")
         return self

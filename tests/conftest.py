@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,10 +216,13 @@ def tools_server(make_tiny_model, tmp_path_factory):
 # ---------------------------------------------------------------------------
 # The CPU kind the suite runs as (owner: engine). `pytest --matrix-units avx512` (or amx,
 # none) runs every test as on a CPU of that kind: in this process the detected matrix units
-# are replaced by the kind's (dtype=auto, the int8 path and the startup log follow), and the
-# servers the tests start get `--matrix-units KIND`. On a box without those units oneDNN
-# emulates them (the same numbers, slower), so one box proves the suite on every kind;
-# .ci/run runs the fast tier that way. Default `auto`: the box as it is.
+# are replaced by the kind's (dtype=auto, the int8 path and the startup log follow), and
+# $JAXSERVE_MATRIX_UNITS=KIND is set, so every engine built in this process and in every
+# process a test starts (servers, workers, notebooks) runs as that kind with no flag to
+# remember. On a box without those units oneDNN emulates them (the same numbers, slower),
+# so one box proves the suite on every kind; .ci/run runs the whole suite that way too.
+# Default `auto`: the box as it is (an inherited $JAXSERVE_MATRIX_UNITS is dropped, so a
+# plain run is never silently another kind).
 # ---------------------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--matrix-units", default="auto", choices=["auto", "none", "avx512", "amx"],
@@ -229,6 +233,10 @@ def pytest_configure(config: pytest.Config) -> None:
     from tests import precision
 
     precision.FORCED_KIND = config.getoption("--matrix-units")
+    if precision.FORCED_KIND == "auto":
+        os.environ.pop("JAXSERVE_MATRIX_UNITS", None)
+    else:
+        os.environ["JAXSERVE_MATRIX_UNITS"] = precision.FORCED_KIND
     # The tests' own jnp references: float32 means float32 on GPUs too (TF32 otherwise).
     import jax
 

@@ -30,15 +30,6 @@ KERNEL_ATOL_BF16 = 2e-2
 BF16_MIN_TOP1 = 0.95            # share of positions whose argmax agrees
 BF16_MAX_LOGIT_ERR = 0.25       # max |logit diff| relative to the float32 logits' spread (std)
 
-# The CPU kind the session runs as (`pytest --matrix-units`; conftest sets it).
+# The CPU kind the session runs as (`pytest --matrix-units`; conftest sets it, and
+# $JAXSERVE_MATRIX_UNITS for every engine and process the tests start).
 FORCED_KIND = "auto"
-
-
-def forced_kwargs() -> dict[str, str]:
-    """Engine kwargs a test's worker process needs to run as the session's CPU kind."""
-    return {} if FORCED_KIND == "auto" else {"matrix_units": FORCED_KIND}
-
-
-def server_flags() -> list[str]:
-    """Flags a test's `jaxserve serve` subprocess needs to run as the session's CPU kind."""
-    return [] if FORCED_KIND == "auto" else ["--matrix-units", FORCED_KIND]

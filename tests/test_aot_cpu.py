@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from tests import precision
-
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_KWARGS = {"max_model_len": 64, "max_num_batched_tokens": 4, "max_num_seqs": 2,
                  "kv_cache_memory_bytes": 2 << 20, "compilation_cache_dir": "off",
@@ -68,7 +66,6 @@ def worker(model: str, kwargs: dict) -> None:
 def _fresh_process(model: Path, **kwargs) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)
-    kwargs = {**precision.forced_kwargs(), **kwargs}    # the CPU kind the session runs as
     out = subprocess.run([sys.executable, __file__, str(model), json.dumps(kwargs)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

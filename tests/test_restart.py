@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests import precision
@@ -41,18 +42,23 @@ def _env(num_devices: int, cache_dir: Path) -> dict[str, str]:
 # The worker (2 simulated devices)
 # =================================================================================================
 def _generate(model: str, stats: dict | None = None, **kwargs) -> list[list[int]]:
+    return _generate_with(model, {**ENGINE_KWARGS, **kwargs}, stats)
+
+
+def _generate_with(model: str, engine_kwargs: dict, stats: dict | None = None
+                   ) -> list[list[int]]:
     import gc
 
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(model, compilation_cache_dir=os.environ["JAXSERVE_TEST_CACHE"], **ENGINE_KWARGS,
-              **kwargs)
+    llm = LLM(model, compilation_cache_dir=os.environ["JAXSERVE_TEST_CACHE"], **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     if stats is not None:
         runner = llm.llm_engine.runner
         cache = runner.executable_cache
-        stats.update(shapes=len(runner.compiled_shapes), hits=cache.hits, misses=cache.misses)
+        stats.update(shapes=len(runner.compiled_shapes), hits=cache.hits, misses=cache.misses,
+                     dtype=np.dtype(runner.dtype).name)
     del llm
     gc.collect()
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -74,7 +80,60 @@ def worker(spec: dict) -> None:
     # Converted at tp = 1, served at tp = 2: each device restores only its shards.
     results["float/tp2/restored-from-tp1"] = _generate(str(root / "float-tp1"),
                                                        tensor_parallel_size=2)
+    results.update(_across_cpu_kinds(model, root))
     Path(spec["out"]).write_text(json.dumps(results))
+
+
+def _as_cpu_kind(kind: str, run):
+    """run() with every engine config made meanwhile defaulting to matrix_units=kind."""
+    before = os.environ.get("JAXSERVE_MATRIX_UNITS")
+    os.environ["JAXSERVE_MATRIX_UNITS"] = kind
+    try:
+        return run()
+    finally:
+        if before is None:
+            del os.environ["JAXSERVE_MATRIX_UNITS"]
+        else:
+            os.environ["JAXSERVE_MATRIX_UNITS"] = before
+
+
+def _across_cpu_kinds(model: str, root: Path) -> dict:
+    """Convert with no dtype as a CPU without bf16 units and as one with them (where
+    dtype=auto means float32 and bfloat16); serve the first as the second kind with
+    dtype=auto, beside the original model served that way."""
+    from jaxserve.entrypoints.convert import convert_model
+    from jaxserve.loader.orbax_checkpoint import read_checkpoint
+
+    out: dict = {}
+    for kind in ("none", "avx512"):
+        path = root / f"kind-{kind}"
+        _as_cpu_kind(kind, lambda path=path: convert_model(model, str(path)))
+        out[f"kinds/{kind}/manifest_dtype"] = read_checkpoint(path).dtype
+        out[f"kinds/{kind}/params_digest"] = _params_digest(path)
+    auto = {**ENGINE_KWARGS, "dtype": "auto"}
+    for name, source in (("original", model), ("restored", str(root / "kind-none"))):
+        stats: dict = {}
+        out[f"kinds/avx512/{name}"] = _as_cpu_kind(
+            "avx512", lambda source=source, stats=stats: _generate_with(source, auto, stats))
+        out[f"kinds/avx512/{name}/dtype"] = stats["dtype"]
+    return out
+
+
+def _params_digest(checkpoint: Path) -> str:
+    """sha256 over the checkpoint's restored arrays (names, dtypes and bytes)."""
+    import hashlib
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.restore(checkpoint / "params")
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        array = np.asarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 def torch_free_worker(checkpoint: str) -> None:
@@ -108,6 +167,24 @@ def test_converted_checkpoint_serves_the_same_greedy_tokens(round_trip, quantiza
     original = round_trip[f"{quantization}/tp{tp}/original"]
     assert len(original) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in original)
     assert round_trip[f"{quantization}/tp{tp}/restored"] == original
+
+
+def test_convert_writes_the_same_checkpoint_on_every_cpu_kind(round_trip):
+    """No --dtype: the model's own (float32 here), not what dtype=auto means where it runs
+    (float32 on a CPU without bf16 units, bfloat16 on one with them)."""
+    assert round_trip["kinds/none/manifest_dtype"] == "float32"
+    assert round_trip["kinds/avx512/manifest_dtype"] == "float32"
+    assert round_trip["kinds/none/params_digest"] == round_trip["kinds/avx512/params_digest"]
+
+
+def test_a_checkpoint_converted_on_one_cpu_kind_serves_as_the_other(round_trip):
+    """Converted as an AVX2-only CPU, served with dtype=auto as an AVX512-BF16 one: bfloat16
+    there, cast while restored, the same tokens as the original model loaded there."""
+    assert round_trip["kinds/avx512/original/dtype"] == "bfloat16"
+    assert round_trip["kinds/avx512/restored/dtype"] == "bfloat16"
+    original = round_trip["kinds/avx512/original"]
+    assert len(original) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in original)
+    assert round_trip["kinds/avx512/restored"] == original
 
 
 def test_a_tp1_checkpoint_restores_sharded_at_tp2(round_trip):

@@ -22,7 +22,6 @@ import openai
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests import precision
 
 ROOT = Path(__file__).resolve().parent.parent
 # Same engine settings as tests/test_engine.py's `llm`, so the compilation cache is shared.
@@ -52,7 +51,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name",
                MODEL_NAME, "--uvicorn-log-level", "warning", *ENGINE_ARGS,
-               *precision.server_flags(), *extra]
+               *extra]
         self.log = open(log_path, "w")  # noqa: SIM115 - open for the process lifetime
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, cwd=ROOT)

@@ -85,7 +85,7 @@ def place_model(config: EngineConfig, mesh: Any, platform: str,
 
     resolved = resolve_model(config.model_config.model)
     if resolved.format == "orbax":
-        return _restore(config, resolved.path, mesh, platform)
+        return _restore(config, resolved.path, mesh, platform, cache_dir)
     return _load_and_place(config, mesh, platform, cache_dir)
 
 
@@ -139,7 +139,34 @@ def _load_and_place(config: EngineConfig, mesh: Any, platform: str,
                        source_format="gguf" if loaded.model_path.endswith(".gguf") else "hf")
 
 
-def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> PlacedModel:
+def _restored_dtype(config: EngineConfig, info: Any, platform: str,
+                    cache_dir: str | None) -> tuple[Any, str]:
+    """(dtype, why) a converted checkpoint is served in. A float checkpoint is a file
+    format: ``--dtype`` (``auto`` decided here, on the serving machine, as for any model)
+    and its float arrays are cast while restored. A quantized one fixes its float dtype at
+    convert time (its scales and packed blocks were made from it): auto takes it, and
+    another is an error rather than a silent re-quantization."""
+    mc = config.model_config
+    stored = dtype_by_name(info.dtype)
+    if info.quantization is not None:
+        if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform, mc.matrix_units) != stored:
+            raise ValueError(f"{info.path} was converted in {info.dtype} with quantization="
+                             f"{info.quantization!r}; dtype={mc.dtype!r} needs "
+                             f"`jaxserve convert --dtype {mc.dtype}`")
+        return stored, f"{info.dtype}: the converted checkpoint's ({info.quantization})"
+    if mc.dtype == "auto":
+        workload = DtypeWorkload.of(config, read_arch(info.hf_config), cache_dir) \
+            if platform == "cpu" else None
+        dtype, why = auto_compute_dtype(platform, mc.matrix_units, workload)
+    else:
+        dtype, why = resolve_dtype(mc.dtype, platform, mc.matrix_units), f"dtype={mc.dtype}"
+    if dtype != stored:
+        why += f" (the checkpoint's {info.dtype} arrays cast while restored)"
+    return dtype, why
+
+
+def _restore(config: EngineConfig, path: str, mesh: Any, platform: str,
+             cache_dir: str | None) -> PlacedModel:
     from jaxserve.loader.orbax_checkpoint import (
         load_checkpoint_tokenizer,
         read_checkpoint,
@@ -156,10 +183,6 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
     if mc.load_format != "auto":
         raise ValueError(f"{path} is a converted checkpoint; load_format={mc.load_format!r} "
                          "does not apply to it (use auto)")
-    dtype = dtype_by_name(info.dtype)
-    if mc.dtype != "auto" and resolve_dtype(mc.dtype, platform, mc.matrix_units) != dtype:
-        raise ValueError(f"{path} was converted in {info.dtype}; dtype={mc.dtype!r} needs "
-                         f"`jaxserve convert --dtype {mc.dtype}`")
     quantization = check_mode(mc.quantization)
     if quantization is not None and quantization != info.quantization:
         raise ValueError(f"{path} was converted with quantization={info.quantization!r}; "
@@ -173,9 +196,10 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
             f"{info.manifest.get('converted_tensor_parallel_size')} with each of its "
             f"{source_arch.num_kv_heads} KV heads stored {info.kv_head_copies}x; "
             f"tensor_parallel_size={placement.tp} needs {copies}x: convert again at that size")
+    dtype, dtype_reason = _restored_dtype(config, info, platform, cache_dir)
     family = family_for(placement.arch.architecture)
     param_spec = family.param_spec_for(placement.arch)
-    target = restore_targets(info, placement.mesh, param_spec)
+    target = restore_targets(info, placement.mesh, param_spec, dtype=dtype)
     resident_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                          for x in jax.tree.leaves(target))
     phases: dict[str, float] = {}
@@ -203,4 +227,4 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str) -> Place
                        quantization=info.quantization, hf_config=info.hf_config,
                        tokenizer=tokenizer, generation_config=info.generation_config,
                        model_path=str(path), source_format="orbax", phases=phases,
-                       dtype_reason=f"{info.dtype}: the converted checkpoint's")
+                       dtype_reason=dtype_reason)

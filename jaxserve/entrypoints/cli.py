@@ -261,8 +261,12 @@ def _add_convert_command(commands: Any) -> None:
     convert.add_argument("--quantization", default=None,
                          choices=["none", "int8", "gguf", "awq", "gptq"])
     convert.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    convert.add_argument("--dtype", default="auto",
-                         help="auto (float32 on CPU, bfloat16 elsewhere), bfloat16, float32 ...")
+    convert.add_argument("--dtype", default="model",
+                         choices=["model", "auto", "float32", "bfloat16", "float16"],
+                         help="the weights' dtype in the checkpoint: model (default; 'auto' is "
+                         "the same) keeps the model's own (config.json's torch_dtype; float32 "
+                         "for a GGUF), so the checkpoint is the same whatever machine converts "
+                         "it; serving it with --dtype auto decides on the serving machine")
     convert.add_argument("--tokenizer", default=None,
                          help="tokenizer directory or name, if not the model's")
     convert.add_argument("--log-level", default="info",

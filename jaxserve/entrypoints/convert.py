@@ -7,6 +7,10 @@
 The weights go through exactly the steps serving applies (read, family layout, KV-head
 replication for tp, int8 quantization, sharded placement); what lands on the devices is
 saved with orbax (loader/orbax_checkpoint.py), with the config and tokenizer beside it.
+
+A checkpoint is a file format, read on other machines: with no ``dtype`` it keeps the
+model's own (`model_dtype`), never what ``auto`` means on the converting machine. ``auto``
+is decided where the checkpoint is served (engine/model_source.py).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -22,11 +27,29 @@ from jaxserve.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
+# The float dtypes a checkpoint may declare (config.json's torch_dtype) and keep.
+_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype(hf_config: Any) -> str:
+    """The dtype a model declares for its weights: config.json's ``torch_dtype`` (``dtype``
+    in newer transformers) when it is float32, bfloat16 or float16, else float32 -- also
+    for a GGUF, whose quantized blocks are dequantized to float32 (llama.cpp's own
+    precision for them). What `convert_model` writes when no dtype is asked for."""
+    declared = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    name = str(declared).removeprefix("torch.") if declared is not None else ""
+    return name if name in _CHECKPOINT_DTYPES else "float32"
+
+
 def convert_model(model: str | None, out: str, *, quantization: str | None = None,
-                  tensor_parallel_size: int = 1, dtype: str = "auto",
+                  tensor_parallel_size: int = 1, dtype: str = "model",
                   tokenizer: str | None = None) -> Path:
-    """Load `model` as serving would (on this process's devices) and save it to `out`."""
+    """Load `model` as serving would (on this process's devices) and save it to `out`.
+
+    dtype: "model" (or "auto", the CLI's historical name for it): the model's own
+    (`model_dtype`), the same on every machine; or float32 / bfloat16 / float16."""
     from jaxserve.engine.model_source import place_model
+    from jaxserve.loader import read_model_config
     from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
     from jaxserve.loader.resolve import resolve_model
     from jaxserve.models.partition import kv_replication
@@ -35,6 +58,8 @@ def convert_model(model: str | None, out: str, *, quantization: str | None = Non
         raise ValueError(f"{model} is already a converted checkpoint; convert its source model")
     if Path(out).exists() and any(Path(out).iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
+    if dtype in ("model", "auto"):
+        dtype = model_dtype(read_model_config(model)[0])
     config = EngineConfig.from_kwargs(model=model, quantization=quantization, dtype=dtype,
                                       tokenizer=tokenizer,
                                       tensor_parallel_size=tensor_parallel_size)

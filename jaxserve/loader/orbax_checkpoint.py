@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.dtypes import dtype_by_name
+
 MANIFEST = "jaxserve_checkpoint.json"
 PARAMS_DIR = "params"
 FORMAT = "jaxserve-orbax"
@@ -136,10 +138,13 @@ def save_checkpoint(out: str | os.PathLike, params: Any, *, hf_config: Any, toke
     return out
 
 
-def restore_targets(info: CheckpointInfo, mesh: Any, param_spec: Any) -> Any:
+def restore_targets(info: CheckpointInfo, mesh: Any, param_spec: Any,
+                    dtype: Any = None) -> Any:
     """The params tree as ShapeDtypeStructs on `mesh` with the family's partition specs (or
     on the default device when mesh is None), read from the checkpoint's metadata: what
-    `restore_params` will return, known before a byte of it is read."""
+    `restore_params` will return, known before a byte of it is read. dtype: the float
+    arrays stored in the checkpoint's dtype are restored as this one (orbax casts while it
+    reads); None keeps them."""
     import jax
     import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -155,8 +160,14 @@ def restore_targets(info: CheckpointInfo, mesh: Any, param_spec: Any) -> Any:
     else:
         specs = partition.param_specs(metadata, mesh.shape[MODEL_AXIS], param_spec)
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    stored = np.dtype(dtype_by_name(info.dtype))
+
+    def restored_dtype(meta: Any) -> np.dtype:
+        kind = np.dtype(meta.dtype)
+        return np.dtype(dtype) if dtype is not None and kind == stored else kind
+
     return jax.tree.map(lambda meta, sharding: jax.ShapeDtypeStruct(
-        tuple(meta.shape), np.dtype(meta.dtype), sharding=sharding), metadata, shardings)
+        tuple(meta.shape), restored_dtype(meta), sharding=sharding), metadata, shardings)
 
 
 def restore_params(info: CheckpointInfo, mesh: Any, param_spec: Any,
