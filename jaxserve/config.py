@@ -47,11 +47,11 @@ class ModelConfig:
         "auto", "auto reads the checkpoint (safetensors or GGUF); dummy builds random weights "
         "from the model's config alone (benchmarks of models you have no weights for).",
         choices=["auto", "dummy"])
-    dtype: str = opt("auto", "Weights and activations dtype: auto (bfloat16 on GPU; on CPU the "
-                     "faster of float32 and bfloat16 for this model, timed once at start and "
-                     "stored -- small, quantized or sharded models: bfloat16 when the CPU has "
-                     "bf16 matrix units, AMX or AVX512-BF16, else float32), float32, "
-                     "bfloat16, float16.",
+    dtype: str = opt("auto", "Weights and activations dtype: auto (bfloat16 on GPU and on a CPU "
+                     "with bf16 matrix units, AMX or AVX512-BF16; on other CPUs the faster of "
+                     "float32 and bfloat16 for this model, timed once at start and stored -- "
+                     "small, quantized or sharded models: float32), float32, bfloat16, "
+                     "float16.",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"])
     quantization: str | None = opt(
         None, "Weight quantization (vLLM's flag). int8: weight-only int8 per output channel "

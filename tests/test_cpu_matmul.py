@@ -211,6 +211,8 @@ def test_dtype_auto_on_a_cpu_is_timed_once_then_read_back(tmp_path, monkeypatch)
     from jaxserve.kernels.cpu import dtype_choice, gemv_choice, timings
 
     monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 18)   # a quick timing
+    # what is timed: a CPU without bf16 units (with them bfloat16 is taken untimed)
+    monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
     measured = []
     real = dtype_choice._measure.__wrapped__
     monkeypatch.setattr(dtype_choice, "_measure", lambda *a: measured.append(a) or real(*a))
@@ -248,6 +250,23 @@ def test_dtype_auto_is_not_timed_where_a_timing_decides_nothing(tmp_path, monkey
         assert dtype == (jnp.bfloat16 if kind == "avx512" else jnp.float32)
 
 
+def test_dtype_auto_takes_bfloat16_untimed_on_a_cpu_with_bf16_units(tmp_path, monkeypatch):
+    """With AMX or AVX512-BF16 bfloat16 wins at every row count: a timing with a threshold
+    could only turn that into a loss (an AMX Xeon scored 0.81 against a 0.8 margin and kept
+    float32, 1.4x slower served)."""
+    from jaxserve.engine.compute_dtype import auto_compute_dtype
+    from jaxserve.kernels.cpu import dtype_choice
+
+    monkeypatch.setattr(dtype_choice, "load_or_measure", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(matmul, "available", lambda: True)
+    large = _tiny_workload(tmp_path, num_layers=10**4)
+    for units in (matmul.MatrixUnits(amx_bf16=True, avx512_bf16=True),
+                  matmul.MatrixUnits(avx512_bf16=True)):
+        monkeypatch.setattr(matmul, "detect_matrix_units", lambda units=units: units)
+        dtype, why = auto_compute_dtype("cpu", "auto", large)
+        assert dtype == jnp.bfloat16 and "nothing to time" in why
+
+
 def test_a_dtype_timing_that_fails_takes_the_rule_by_kind(tmp_path, monkeypatch, caplog):
     import logging
 
@@ -275,11 +294,14 @@ def test_the_engine_loads_the_model_in_the_dtype_auto_timed(make_tiny_model, tmp
     from jaxserve.kernels.cpu import dtype_choice, timings
 
     monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 16)
+    monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
     chosen = []
     real = dtype_choice.choose
     monkeypatch.setattr(dtype_choice, "choose", lambda t: chosen.append(real(t)) or chosen[-1])
+    # matrix_units pinned to auto: a suite run as a forced kind ($JAXSERVE_MATRIX_UNITS)
+    # would otherwise take the rule by kind, untimed
     config = EngineConfig.from_kwargs(model=str(make_tiny_model("llama")), dtype="auto",
-                                      max_num_seqs=4, max_model_len=64)
+                                      max_num_seqs=4, max_model_len=64, matrix_units="auto")
     config.finalize("cpu")
     placed = place_model(config, None, "cpu", str(tmp_path))
     assert len(chosen) == 1 and sorted(chosen[0].timings) == [1, 2, 4]

@@ -53,9 +53,9 @@ def resolve_dtype(name: str, platform: str, matrix_units: str = "auto",
 def auto_compute_dtype(platform: str, matrix_units: str = "auto",
                        workload: DtypeWorkload | None = None) -> tuple[Any, str]:
     """dtype="auto": (dtype, why). bfloat16 on every accelerator. On a CPU, given the model
-    (`workload`) and neither a forced ``matrix_units`` kind nor quantized projections: the
-    faster of float32 and bfloat16 on its shapes, timed here once and stored
-    (kernels/cpu/dtype_choice.py). Otherwise by the CPU's kind: bfloat16 where it computes
+    (`workload`), a CPU without bf16 units and neither a forced ``matrix_units`` kind nor
+    quantized projections: the faster of float32 and bfloat16 on its shapes, timed here once
+    and stored (kernels/cpu/dtype_choice.py). Otherwise by the CPU's kind: bfloat16 where it computes
     bf16 products in hardware (AMX-BF16 or AVX512-BF16; or ``matrix_units`` names such a
     kind) and the oneDNN matmul library loads -- several times float32's speed at batch sizes
     above a few rows there; float32 elsewhere. vLLM's CPU build chooses by the kind alone."""
@@ -78,7 +78,9 @@ def auto_compute_dtype(platform: str, matrix_units: str = "auto",
                              "and large batches slower")
     if not matmul.available():
         return jnp.float32, "float32: the oneDNN matmul library is unavailable (see warning)"
-    return jnp.bfloat16, f"bfloat16 on {source}'s matrix units ({units.describe()}) via oneDNN"
+    return jnp.bfloat16, (f"bfloat16 on {source}'s matrix units ({units.describe()}) via "
+                          "oneDNN: faster than float32 at every row count there (half the "
+                          "bytes at decode rows, the units' products above), nothing to time")
 
 
 def _measured_cpu_dtype(matrix_units: str, workload: DtypeWorkload | None
@@ -86,7 +88,13 @@ def _measured_cpu_dtype(matrix_units: str, workload: DtypeWorkload | None
     """(dtype, why) timed on this CPU, or None where the rule by kind applies: no model
     given, a forced ``matrix_units`` kind (a timing cannot emulate another CPU), quantized
     or sharded projections, several processes (each one's timing could differ), weights that
-    fit the caches (nothing to stream: a timing decides nothing) or no oneDNN library."""
+    fit the caches (nothing to stream: a timing decides nothing), no oneDNN library -- or a
+    CPU with bf16 matrix units, where there is no trade to measure: bfloat16 reads half the
+    bytes at decode rows and the units multiply it faster above, so it wins at every row
+    count (an AMX Xeon: 0.84x float32's projection time at 1 row, 0.66x at 64, 1.35-1.4x
+    the served throughput), and a timing's threshold could only turn that win into a loss.
+    What is timed is a CPU without the units, where bfloat16 wins at few rows and loses
+    where oneDNN widens it to float32."""
     if workload is None or matrix_units != "auto" or not workload.in_place_float:
         return None
     if jax.process_count() > 1:
@@ -94,6 +102,8 @@ def _measured_cpu_dtype(matrix_units: str, workload: DtypeWorkload | None
     from jaxserve.kernels.cpu import matmul
     from jaxserve.kernels.cpu.timings import worth_measuring
 
+    if matmul.matrix_units_for("auto").bf16:
+        return None
     if not worth_measuring(jnp.float32, workload.shapes, workload.num_layers) or \
             not matmul.available():
         return None
