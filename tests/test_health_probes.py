@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,8 +31,6 @@ from jaxserve import load_progress
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.serving_app import ServingApp
-
-pytestmark = pytest.mark.fast
 
 DEADLINE_S = 10.0
 
@@ -98,6 +100,7 @@ async def stream_tokens(url: str, max_tokens: int, first_token: asyncio.Event | 
 
 
 # -- loading ----------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_listens_while_loading_reports_phase_and_progress_then_becomes_ready():
     release = threading.Event()
 
@@ -138,6 +141,7 @@ def test_listens_while_loading_reports_phase_and_progress_then_becomes_ready():
         srv.stop()
 
 
+@pytest.mark.fast
 def test_a_failed_load_is_neither_alive_nor_ready():
     failed = threading.Event()
 
@@ -157,6 +161,7 @@ def test_a_failed_load_is_neither_alive_nor_ready():
 
 
 # -- loaded -----------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_busy_at_twice_capacity_stays_alive_and_ready_while_the_queue_has_room():
     """8 streams on a batch of 4: every iteration is short, so the loop is alive even though
     it has been busy for longer than the liveness threshold in total."""
@@ -188,6 +193,7 @@ def test_busy_at_twice_capacity_stays_alive_and_ready_while_the_queue_has_room()
         srv.stop()
 
 
+@pytest.mark.fast
 def test_full_admission_is_alive_but_not_ready_until_a_sequence_finishes():
     """Capacity 4 running + 4 queued, 8 in flight: a new request would get 503 at once, so
     the replica says it is saturated; it is still alive."""
@@ -213,6 +219,7 @@ def test_full_admission_is_alive_but_not_ready_until_a_sequence_finishes():
         srv.stop()
 
 
+@pytest.mark.fast
 def test_draining_is_alive_but_not_ready_and_in_flight_requests_finish():
     fake = FakeEngine(step_delay=0.01)
     srv = loaded_server(fake)
@@ -237,6 +244,7 @@ def test_draining_is_alive_but_not_ready_and_in_flight_requests_finish():
         srv.stop()
 
 
+@pytest.mark.fast
 def test_a_stuck_engine_loop_is_not_alive_and_comes_back_when_it_moves():
     fake = FakeEngine()
     fake.step_gate = threading.Event()              # the next step blocks until set
@@ -259,6 +267,7 @@ def test_a_stuck_engine_loop_is_not_alive_and_comes_back_when_it_moves():
         srv.stop()
 
 
+@pytest.mark.fast
 def test_a_dead_engine_is_not_alive():
     fake = FakeEngine()
     srv = loaded_server(fake, max_engine_restarts=0)
@@ -271,3 +280,18 @@ def test_a_dead_engine_is_not_alive():
         assert srv.get("/readyz").status_code == 503
     finally:
         srv.stop()
+
+
+def test_a_model_that_is_not_there_is_one_line_and_exit_2_after_listening(tmp_path):
+    """The server listens before it loads; a bad model still ends `jaxserve serve` as a bad
+    option does: one line on stderr, no traceback, exit status 2."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(tmp_path / "nope"),
+         "--host", "127.0.0.1", "--port", "0", "--uvicorn-log-level", "warning"],
+        capture_output=True, text=True, timeout=120, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "listening on http://127.0.0.1:" in done.stderr
+    [line] = [l for l in done.stderr.splitlines() if l.startswith("jaxserve serve: error:")]
+    assert "not found" in line and "Traceback" not in done.stderr

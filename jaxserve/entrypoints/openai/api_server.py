@@ -124,7 +124,7 @@ def run_server(config: ServeConfig) -> int:
     requests get --shutdown-timeout s to finish, the rest are aborted (their streams end
     with finish_reason "abort"), then the process exits. A second SIGINT exits at once.
     """
-    from jaxserve.entrypoints.openai.serving_app import ServingApp, metrics_app
+    from jaxserve.entrypoints.openai.serving_app import BAD_INPUT_ERRORS, ServingApp, metrics_app
     from jaxserve.parallel.launch import create_engine
 
     server_config = config.server
@@ -184,6 +184,8 @@ def run_server(config: ServeConfig) -> int:
         logger.info("exiting while the model was still loading")
         logging.shutdown()
         os._exit(server.exit_code)
+    if isinstance(shell.load_error, BAD_INPUT_ERRORS):
+        raise shell.load_error          # a bad model or option: the CLI's one-line error
     logger.info("bye")
     return server.exit_code
 
@@ -250,7 +252,7 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
     def _load_failed(self, exc: BaseException) -> None:
-        logger.error("could not load the model (%r): exiting with status 1", exc)
+        """Loading failed: stop serving; run_server reports it (exit 1, or the CLI's line)."""
         self.exit_code = 1
         self.should_exit = True
 

@@ -39,6 +39,8 @@ __all__ = ["ServingApp", "metrics_app"]
 
 logger = logging.getLogger(__name__)
 
+# What a bad model name, path or option raises: `jaxserve serve` reports it as one line.
+BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
 # Seconds a client is told to wait before retrying while the model loads.
 LOADING_RETRY_AFTER_S = 5
 
@@ -72,7 +74,10 @@ class ServingApp:
                 engine.shutdown()
                 raise
         except BaseException as exc:
-            logger.exception("loading the model failed")
+            if isinstance(exc, BAD_INPUT_ERRORS):      # the CLI prints it as one line
+                logger.debug("loading the model failed", exc_info=exc)
+            else:
+                logger.exception("loading the model failed")
             self.load_error = exc
             self.loaded.set()
             if self.on_load_failed is not None:
