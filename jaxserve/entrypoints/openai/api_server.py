@@ -125,7 +125,7 @@ def run_server(config: ServeConfig) -> int:
     with finish_reason "abort"), then the process exits. A second SIGINT exits at once.
     """
     from jaxserve.entrypoints.openai.serving_app import BAD_INPUT_ERRORS, ServingApp, metrics_app
-    from jaxserve.parallel.launch import create_engine
+    from jaxserve.parallel.launch import create_engine, prepare_process
 
     server_config = config.server
     server_config.check()
@@ -134,9 +134,13 @@ def run_server(config: ServeConfig) -> int:
         raise ValueError(f"--metrics-port {server_config.metrics_port} is the API port; "
                          "pick another")
     parallel = config.engine.parallel_config
-    if parallel.num_processes > 1 and parallel.process_id != 0:
-        create_engine(config.engine)   # a multi-host follower: serves the leader, then exits
-        return 0
+    if parallel.num_processes > 1:
+        # On this thread, before uvicorn's signal handlers: jax.distributed installs its own.
+        # The server listens once every process of the group has joined.
+        prepare_process(config.engine)
+        if parallel.process_id != 0:
+            create_engine(config.engine)   # a follower: serves the leader's steps, then exits
+            return 0
 
     shell = ServingApp(config)
     host = server_config.host or "0.0.0.0"
