@@ -342,6 +342,14 @@ class ServerConfig:
         5.0, "GET /health answers 503 while one engine iteration (a step, or admitting "
         "requests) has been running longer than this many seconds. A step of a loaded CPU "
         "takes up to about a second; a stall of this length means every stream is stuck.")
+    liveness_stall_timeout: float = opt(
+        60.0, "GET /livez (liveness) answers 503 once one engine iteration has been running "
+        "longer than this many seconds: the loop is stuck, and only a restart helps. Longer "
+        "than --step-stall-timeout, which only takes the replica out of rotation (/readyz).")
+    metrics_port: int | None = opt(
+        None, "Also serve GET /metrics on this port (same host), so a network policy can "
+        "admit Prometheus there and only the gateway to the API port. Default: /metrics on "
+        "the API port only.")
     # -- faults, overload, shutdown (jaxserve/engine/async_engine.py) --
     max_engine_restarts: int = opt(
         3, "After a failed engine step (a device error, a bug) the requests in that step get "
@@ -374,6 +382,9 @@ class ServerConfig:
         if self.max_queue_time is not None:
             _check_range("max_queue_time", self.max_queue_time, 0.0, 1e9)
         _check_range("shutdown_timeout", self.shutdown_timeout, 0.0, 1e9)
+        _check_range("liveness_stall_timeout", self.liveness_stall_timeout, 0.0, 1e9)
+        if self.metrics_port is not None:
+            _check_range("metrics_port", self.metrics_port, 0, 65535)
         _check_range("fault_injection_every_steps", self.fault_injection_every_steps, 0,
                      1 << 40)
         return self

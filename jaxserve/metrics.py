@@ -144,12 +144,18 @@ class ServerMetrics:
         self._ttft = self.ttft.labels(model_name)
         self._itl = self.itl.labels(model_name)
         self._e2e = self.e2e.labels(model_name)
+        self.tpot = Histogram(
+            "jaxserve:request_time_per_output_token_seconds", "A finished request's time per "
+            "output token after its first (first token to finish, over the tokens after it).",
+            labels, buckets=_ITL_BUCKETS, registry=self.registry)
         self._queue_time = self.queue_time.labels(model_name)
+        self._tpot = self.tpot.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         self._lock = threading.Lock()
-        # request id -> time of its last token, for inter-token latency
-        self._progress: dict[str, float] = {}
+        # request id -> (time of its first token, of its last, tokens so far): inter-token
+        # latency and time per output token
+        self._progress: dict[str, tuple[float, float, int]] = {}
 
     def observe(self, outputs: list[EngineCoreOutput], now: float) -> None:
         """Record a step's outputs (called on the engine thread). A FINAL_ONLY request
@@ -161,23 +167,28 @@ class ServerMetrics:
     def _observe_one(self, out: EngineCoreOutput, now: float) -> None:
         m = out.metrics
         num_new = sum(len(s.new_token_ids) for s in out.seqs)
-        last_time = self._progress.get(out.request_id)
+        progress = self._progress.get(out.request_id)
         if num_new:
             token_time = m.last_token_time if m.last_token_time else now
-            if last_time is None:
+            if progress is None:
                 if m.first_token_time is not None:
                     self._ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
                 if m.first_scheduled_time is not None:
                     self._queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                progress = (token_time, token_time, num_new)
             else:
-                self._itl.observe(max(0.0, token_time - last_time))
-            self._progress[out.request_id] = token_time
+                self._itl.observe(max(0.0, token_time - progress[1]))
+                progress = (progress[0], token_time, progress[2] + num_new)
+            self._progress[out.request_id] = progress
         if out.finished:
             self._progress.pop(out.request_id, None)
             reasons = [s.finish_reason or "abort" for s in out.seqs]
             reason = "abort" if "abort" in reasons else reasons[0] if reasons else "abort"
             self.request_success.labels(self.model_name, reason).inc()
             self._e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+            if progress is not None and progress[2] > 1:
+                first, last, tokens = progress
+                self._tpot.observe(max(0.0, last - first) / (tokens - 1))
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests that ended with an error and no final output (engine thread)."""

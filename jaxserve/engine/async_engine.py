@@ -149,6 +149,26 @@ class AsyncLLMEngine(EngineThreadLoop):
     def dead_error(self) -> BaseException | None:
         return self._dead
 
+    @property
+    def loop_running(self) -> bool:
+        """The engine thread is alive and the engine not dead (it may be idle or draining)."""
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken (False once a drain or shutdown began)."""
+        return self._accepting and not self._stopping
+
+    @property
+    def recovery_reason(self) -> str | None:
+        """Why the engine is restarting in-process after a failed step; None otherwise."""
+        return self._recovering
+
+    def has_room(self, num_seqs: int = 1) -> bool:
+        """Admission control would admit `num_seqs` more sequences now."""
+        cap = self.max_unfinished_seqs
+        return cap is None or self._num_seqs + num_seqs <= cap
+
     def admission_error(self) -> BaseException | None:
         """Why a new request would be refused now (dead, shutting down), or None. A
         restart under way refuses nothing: new requests wait in the inbox."""

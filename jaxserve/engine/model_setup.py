@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxserve import load_progress
 from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.engine.memory_plan import MemoryPlan, plan_memory
@@ -128,6 +129,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     mc, cc = config.model_config, config.cache_config
 
     t0 = time.perf_counter()
+    load_progress.report("load")
     # Read + convert + place, or (a converted checkpoint) restore straight onto the devices.
     placed = place_model(config, mesh, platform, cache_dir)
     dtype, placement = placed.dtype, placed.placement
@@ -174,6 +176,7 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                 cache_dir or "off")
     warmup_seconds = 0.0
     if warmup:
+        load_progress.report("compile", 0.0)
         runner, kv_plan, warmup_seconds = _warm_up(config, runner, kv_plan, memory, build)
     phases["warmup"] = warmup_seconds
     phases.update(runner.startup_timings)

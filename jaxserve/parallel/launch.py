@@ -14,17 +14,29 @@ from typing import Any
 from jaxserve.config import EngineConfig
 
 
-def create_engine(config: EngineConfig, *, log_stats: bool | None = None) -> Any:
-    """Build the engine `config.parallel_config` asks for. On a multi-host follower this
-    never returns: the process serves the leader's steps, then raises SystemExit."""
-    from jaxserve.engine.llm_engine import LLMEngine
+def prepare_process(config: EngineConfig) -> bool:
+    """Size the GPU pool and, in a multi-process run, join jax.distributed: both before JAX
+    touches a device. True in a multi-process run; idempotent.
+
+    jax.distributed installs its own SIGTERM handler (a preemption notifier) when it starts:
+    a server calls this on its main thread before it installs its own, or SIGTERM would no
+    longer drain it."""
     from jaxserve.parallel import distributed
     from jaxserve.runner.memory import size_gpu_pool
 
     # Before the first jax.devices(): the GPU pool's size is fixed when the backend starts.
     size_gpu_pool(config.cache_config.gpu_memory_utilization)
+    return distributed.initialize(config.parallel_config)
+
+
+def create_engine(config: EngineConfig, *, log_stats: bool | None = None) -> Any:
+    """Build the engine `config.parallel_config` asks for. On a multi-host follower this
+    never returns: the process serves the leader's steps, then raises SystemExit."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.parallel import distributed
+
     parallel = config.parallel_config
-    if distributed.initialize(parallel):
+    if prepare_process(config):
         if not distributed.is_leader():
             distributed.run_follower(config)
         engine = LLMEngine(config, log_stats=log_stats)

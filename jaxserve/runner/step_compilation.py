@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from jaxserve import load_progress
 from jaxserve.runner.gpu_targets import GPU_STEP_COMPILER_OPTIONS
 from jaxserve.runner.step_function import step
 from jaxserve.step_inputs import StepLayout
@@ -194,8 +195,9 @@ class StepCompilation:
             bar = tqdm(total=len(shapes), desc="Compiling step buckets", unit="bucket")
         with ThreadPoolExecutor(workers) as pool:
             futures = {pool.submit(self._compile, t, s): (t, s) for t, s in shapes}
-            for future in as_completed(futures):
+            for done, future in enumerate(as_completed(futures), 1):
                 self._steps[futures[future]] = future.result()
+                load_progress.report("compile", done / len(shapes))
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

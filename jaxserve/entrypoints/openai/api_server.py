@@ -108,90 +108,144 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
         add_lora_routes(app, lora)
     add_tokenizer_routes(app, engine, completions, chat,
                          server.enable_tokenizer_info_endpoint)
-    add_operations_routes(app, engine, metrics, server.step_stall_timeout)
+    add_operations_routes(app, engine, metrics, server)
     add_error_handlers(app)
     return app
 
 
 # -- running it -----------------------------------------------------------------------------------
 def run_server(config: ServeConfig) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut down cleanly; returns the exit status:
-    0 after a signal, 1 when the engine died (--max-engine-restarts failed steps in a row),
-    so a supervisor restarts the process.
+    """Listen at once, load the engine meanwhile, serve until SIGINT/SIGTERM, shut down
+    cleanly; returns the exit status: 0 after a signal, 1 when loading failed or the engine
+    died (--max-engine-restarts failed steps in a row), so a supervisor restarts the process.
 
-    On SIGTERM or SIGINT: new requests get 503 and /health 503, in-flight requests get
-    --shutdown-timeout s to finish, the rest are aborted (their streams end with
-    finish_reason "abort"), then the process exits. A second SIGINT exits at once.
+    While the engine loads, /readyz says which phase and how far and the API answers 503
+    (serving_app.py). On SIGTERM or SIGINT: new requests get 503 and /health 503, in-flight
+    requests get --shutdown-timeout s to finish, the rest are aborted (their streams end
+    with finish_reason "abort"), then the process exits. A second SIGINT exits at once.
     """
-    from jaxserve.engine.fault_injection import StepFaultInjector
-    from jaxserve.parallel.launch import create_engine
+    from jaxserve.entrypoints.openai.serving_app import BAD_INPUT_ERRORS, ServingApp, metrics_app
+    from jaxserve.parallel.launch import create_engine, prepare_process
 
-    # tp / dp / multi-host (jaxserve/parallel); on a multi-host follower this never returns.
     server_config = config.server
-    core = create_engine(config.engine)
-    if server_config.fault_injection_every_steps:
-        core.fault_hook = StepFaultInjector(server_config.fault_injection_every_steps)
-        logger.warning("TESTING ONLY: a step fault is injected every %d steps "
-                       "(--fault-injection-every-steps)",
-                       server_config.fault_injection_every_steps)
-    engine = AsyncLLMEngine(core)
-    try:
-        app = build_app(engine, config)
-        uv_config = uvicorn.Config(
-            app, host=server_config.host or "0.0.0.0", port=server_config.port,
-            log_level=server_config.uvicorn_log_level,
-            # After the drain every request has ended: connections close at once.
-            timeout_graceful_shutdown=10.0,
-            access_log=not server_config.disable_uvicorn_access_log)
-        server = _Server(uv_config, names=served_model_names(config, engine), engine=engine,
-                         shutdown_timeout=server_config.shutdown_timeout)
+    server_config.check()
+    if server_config.metrics_port is not None and \
+            server_config.metrics_port == server_config.port != 0:
+        raise ValueError(f"--metrics-port {server_config.metrics_port} is the API port; "
+                         "pick another")
+    parallel = config.engine.parallel_config
+    if parallel.num_processes > 1:
+        # On this thread, before uvicorn's signal handlers: jax.distributed installs its own.
+        # The server listens once every process of the group has joined.
+        prepare_process(config.engine)
+        if parallel.process_id != 0:
+            create_engine(config.engine)   # a follower: serves the leader's steps, then exits
+            return 0
+
+    shell = ServingApp(config)
+    host = server_config.host or "0.0.0.0"
+    uv_config = uvicorn.Config(
+        shell, host=host, port=server_config.port,
+        log_level=server_config.uvicorn_log_level,
+        # After the drain every request has ended: connections close at once.
+        timeout_graceful_shutdown=10.0,
+        access_log=not server_config.disable_uvicorn_access_log)
+    server = _Server(uv_config, shell=shell, shutdown_timeout=server_config.shutdown_timeout)
+
+    def make_engine() -> AsyncLLMEngine:
+        from jaxserve.engine.fault_injection import StepFaultInjector
+
+        core = create_engine(config.engine)      # tp / dp / multi-host (jaxserve/parallel)
+        if server_config.fault_injection_every_steps:
+            core.fault_hook = StepFaultInjector(server_config.fault_injection_every_steps)
+            logger.warning("TESTING ONLY: a step fault is injected every %d steps "
+                           "(--fault-injection-every-steps)",
+                           server_config.fault_injection_every_steps)
+        engine = AsyncLLMEngine(core)
         engine.on_fatal = server.engine_died
+        return engine
+
+    server.start_loading = lambda: threading.Thread(
+        target=shell.load, args=(make_engine,), daemon=True, name="jaxserve-load").start()
+    metrics_server = None
+    if server_config.metrics_port is not None:
+        metrics_server = uvicorn.Server(uvicorn.Config(
+            metrics_app(shell), host=host, port=server_config.metrics_port,
+            log_level=server_config.uvicorn_log_level, access_log=False))
+        threading.Thread(target=metrics_server.run, daemon=True,
+                         name="jaxserve-metrics").start()
+    try:
         server.run()
     finally:
-        logger.info("shutting down the engine")
-        engine.shutdown(drain_timeout=0.0)
+        if metrics_server is not None:
+            metrics_server.should_exit = True
+        if shell.engine is not None:
+            logger.info("shutting down the engine")
+            shell.engine.shutdown(drain_timeout=0.0)
+    if not shell.loaded.is_set():
+        # The loading thread is deep in JAX (compiling, reading weights): a normal
+        # interpreter exit would wait on or tear down under it. Nothing is left to save.
+        logger.info("exiting while the model was still loading")
+        logging.shutdown()
+        os._exit(server.exit_code)
+    if isinstance(shell.load_error, BAD_INPUT_ERRORS):
+        raise shell.load_error          # a bad model or option: the CLI's one-line error
     logger.info("bye")
     return server.exit_code
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server, plus our 'serving on' line, a draining shutdown, and the exit status.
+    """uvicorn's Server, plus loading in the background once it listens, our 'serving on'
+    line, a draining shutdown, and the exit status.
 
     The first SIGINT/SIGTERM starts a drain (a thread: the engine refuses new requests with
     503 while uvicorn keeps answering; in-flight requests get `shutdown_timeout` s, then are
-    aborted); uvicorn's own shutdown starts once no request is left. A second SIGINT exits
-    at once. uvicorn re-raises a caught SIGTERM after its shutdown (so the process dies by the
-    signal); a server that shut down cleanly exits 0 instead.
+    aborted); uvicorn's own shutdown starts once no request is left. A signal while the
+    model loads exits at once. A second SIGINT exits at once. uvicorn re-raises a caught
+    SIGTERM after its shutdown (so the process dies by the signal); a server that shut down
+    cleanly exits 0 instead.
     """
 
-    def __init__(self, config: Any, names: list[str], engine: AsyncLLMEngine,
-                 shutdown_timeout: float) -> None:
+    def __init__(self, config: Any, shell: Any, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.names = names
-        self.engine = engine
+        self.shell = shell
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
+        self.start_loading: Any = None       # called once the sockets listen
+        self.address = ("localhost", config.port)
         self._drain: threading.Thread | None = None
+        shell.on_loaded = self._loaded
+        shell.on_load_failed = self._load_failed
+
+    @property
+    def engine(self) -> AsyncLLMEngine | None:
+        return self.shell.engine
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        engine = self.engine
+        if engine is None:
+            logger.info("signal %d while the model loads: exiting", sig)
+            self.should_exit = True
+            return
         if self._drain is None and not self.should_exit:
             logger.info("signal %d: draining (new requests get 503; in-flight ones get %g s "
                         "to finish; Ctrl-C again to quit now)", sig, self.shutdown_timeout)
-            self.engine.stop_accepting()
+            engine.stop_accepting()
             self._drain = threading.Thread(target=self._drain_then_exit, daemon=True,
                                            name="jaxserve-drain")
             self._drain.start()
         elif sig == signal.SIGINT:
             logger.info("second SIGINT: exiting now")
-            self.engine.abort_all()
+            engine.abort_all()
             self.should_exit = self.force_exit = True
 
     def _drain_then_exit(self) -> None:
-        if not self.engine.wait_until_idle(self.shutdown_timeout):
+        engine = self.engine
+        if not engine.wait_until_idle(self.shutdown_timeout):
             logger.info("shutdown timeout (%g s) passed: aborting the requests still running",
                         self.shutdown_timeout)
-            self.engine.abort_all()
-            self.engine.wait_until_idle(10.0)
+            engine.abort_all()
+            engine.wait_until_idle(10.0)
         self.should_exit = True
 
     def engine_died(self, exc: BaseException) -> None:
@@ -201,6 +255,20 @@ class _Server(uvicorn.Server):
         self.exit_code = 1
         self.should_exit = True
 
+    def _load_failed(self, exc: BaseException) -> None:
+        """Loading failed: stop serving; run_server reports it (exit 1, or the CLI's line)."""
+        self.exit_code = 1
+        self.should_exit = True
+
+    def _loaded(self, engine: AsyncLLMEngine) -> None:
+        if self.should_exit:            # a signal came while loading
+            return
+        host, port = self.address
+        shown = "localhost" if host in ("0.0.0.0", "::") else host
+        names = served_model_names(self.shell.config, engine)
+        logger.info("serving %s on http://%s:%d (OpenAI API at http://%s:%d/v1; "
+                    "Ctrl-C to stop)", ", ".join(names), host, port, shown, port)
+
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
         if self.started:
@@ -209,9 +277,11 @@ class _Server(uvicorn.Server):
                 for sock in server.sockets:
                     host, port = sock.getsockname()[:2]
                     break
-            shown = "localhost" if host in ("0.0.0.0", "::") else host
-            logger.info("serving %s on http://%s:%d (OpenAI API at http://%s:%d/v1; "
-                        "Ctrl-C to stop)", ", ".join(self.names), host, port, shown, port)
+            self.address = (host, port)
+            logger.info("listening on http://%s:%d while the model loads (GET /readyz "
+                        "shows the phase and progress)", host, port)
+            if self.start_loading is not None:
+                self.start_loading()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Any:

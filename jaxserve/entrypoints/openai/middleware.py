@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from jaxserve.config import ServeConfig, ServerConfig
 from jaxserve.entrypoints.openai.protocol import error_body
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/metrics"})
 
 
 def api_key_from(config: ServeConfig) -> str | None:

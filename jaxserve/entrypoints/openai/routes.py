@@ -3,7 +3,7 @@
 Generation: POST /v1/completions, /v1/chat/completions, /v1/responses (+ GET one stored
 response). Models: GET /v1/models, /v1/models/{id}. Tokenizer: POST /tokenize, /detokenize,
 GET /tokenizer_info. LoRA: POST /v1/load_lora_adapter, /v1/unload_lora_adapter.
-Operations: GET /health, /version, /metrics. Every route reads its JSON body with
+Operations: GET /health, /livez, /readyz, /version, /metrics. Every route reads its JSON body with
 `parse_body` (the end of this file), so every bad body is a 400 in OpenAI's shape.
 """
 
@@ -22,9 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import jaxserve
+from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.error_handlers import handle
 from jaxserve.entrypoints.openai.errors import APIError, validation_error
+from jaxserve.entrypoints.openai.health import health_problem, liveness, readiness
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,9 +47,6 @@ from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.tokenizer_info import tokenizer_info
 from jaxserve.loader.tokenizer import decode_releasing_gil
 from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
-
-# A request that the engine hasn't stepped for this long while it has work is "stuck".
-_HEALTH_STALL_SECONDS = 600.0
 
 
 def add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion,
@@ -178,26 +177,31 @@ def add_tokenizer_routes(app: FastAPI, engine: AsyncLLMEngine,
 
 
 def add_operations_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics,
-                          step_stall_timeout: float) -> None:
-    """GET /health, /version and /metrics."""
+                          server: ServerConfig) -> None:
+    """GET /health, /livez, /readyz (health.py says what each means), /version, /metrics."""
 
     @app.get("/health")
     async def health() -> Response:
         """200 while the engine serves; 503 with the reason while it restarts after a failed
         step, while the server shuts down, once the engine is dead or stalled, and while one
         engine iteration has run longer than --step-stall-timeout (the watchdog)."""
-        problem = engine.health_problem
-        if problem is None and engine.snapshot.num_running > 0 and \
-                time.monotonic() - engine.last_step_time > _HEALTH_STALL_SECONDS:
-            problem = "engine stalled"
-        busy_for = engine.watchdog.busy_for()
-        if problem is None and busy_for > step_stall_timeout:
-            problem = (f"the engine step has been running for {busy_for:.1f} s "
-                       f"(--step-stall-timeout {step_stall_timeout:g} s)")
+        problem = health_problem(engine, server.step_stall_timeout)
         if problem is None:
             return Response(status_code=200)
         return JSONResponse(error_body(f"unhealthy: {problem}", "service_unavailable"),
                             status_code=503)
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        """Liveness: the engine loop is advancing (a restart would not help otherwise)."""
+        status, body = liveness(engine, server.liveness_stall_timeout)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Readiness: this replica can take a request and produce a token now."""
+        status, body = readiness(engine, server.step_stall_timeout)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
