@@ -18,8 +18,8 @@ EntryNotFound / GatedRepo). Every request is logged in ``hub.requests``.
     ...
     hub.stop()
 
-Run as a script to serve a folder until interrupted (the request log on stdout):
-``python -m tests.hub_server ROOT --port 8765``.
+Run as a script to serve the test repos until interrupted (the request log on stdout):
+``python -m tests.hub_server /tmp/hub --build --port 8765``.
 """
 
 from __future__ import annotations
@@ -345,14 +345,43 @@ def populate(root: Path, model_dir: Path, other_model_dir: Path) -> Path:
     return root
 
 
+def build_tiny_models(directory: Path, hidden_size: int = 64) -> tuple[Path, Path]:
+    """Two tiny random Llamas (as conftest's make_tiny_model writes them), for running this
+    Hub outside pytest: (main's model, the "other" branch's model)."""
+    import torch
+    import transformers
+
+    from tests.conftest import _build_tiny_tokenizer, _randomize_norms_and_biases, _tiny_config
+
+    tokenizer = _build_tiny_tokenizer(directory / "tokenizer")
+    made = []
+    for name, intermediate in (("main", 2 * hidden_size), ("other", hidden_size + 32)):
+        config = _tiny_config("llama", len(tokenizer), {"hidden_size": hidden_size,
+                                                        "intermediate_size": intermediate})
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize_norms_and_biases(model)
+        model.save_pretrained(directory / name)
+        transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 0],
+                                      pad_token_id=2).save_pretrained(directory / name)
+        tokenizer.save_pretrained(directory / name)
+        made.append(directory / name)
+    return made[0], made[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("root", type=Path)
+    parser.add_argument("root", type=Path, help="the repos' folder (built with --build)")
+    parser.add_argument("--build", action="store_true",
+                        help="write the test repos (populate) into ROOT first")
+    parser.add_argument("--hidden-size", type=int, default=64,
+                        help="with --build: the tiny models' width (larger: bigger files)")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--gated", nargs="*", default=[])
-    parser.add_argument("--token", default=None)
     args = parser.parse_args()
-    hub = HubServer(args.root, gated=set(args.gated), token=args.token, port=args.port)
+    if args.build:
+        populate(args.root, *build_tiny_models(args.root.with_name(args.root.name + "-models"),
+                                               args.hidden_size))
+    hub = HubServer(args.root, gated={"tiny-org/gated"}, token=TOKEN, port=args.port)
     print(f"HF_ENDPOINT={hub.endpoint}", flush=True)
     seen = 0
     hub.start()

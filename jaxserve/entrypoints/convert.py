@@ -24,20 +24,24 @@ logger = logging.getLogger(__name__)
 
 def convert_model(model: str | None, out: str, *, quantization: str | None = None,
                   tensor_parallel_size: int = 1, dtype: str = "auto",
-                  tokenizer: str | None = None) -> Path:
-    """Load `model` as serving would (on this process's devices) and save it to `out`."""
+                  tokenizer: str | None = None, revision: str | None = None,
+                  download_dir: str | None = None, hf_token: str | None = None) -> Path:
+    """Load `model` as serving would (on this process's devices) and save it to `out`;
+    a Hub name is fetched (revision, download_dir, hf_token: as `serve`'s flags)."""
     from jaxserve.engine.model_source import place_model
     from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
+    from jaxserve.loader.hub_download import hub_options
     from jaxserve.loader.resolve import resolve_model
     from jaxserve.models.partition import kv_replication
 
-    if resolve_model(model).format == "orbax":
-        raise ValueError(f"{model} is already a converted checkpoint; convert its source model")
     if Path(out).exists() and any(Path(out).iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
     config = EngineConfig.from_kwargs(model=model, quantization=quantization, dtype=dtype,
-                                      tokenizer=tokenizer,
+                                      tokenizer=tokenizer, revision=revision,
+                                      download_dir=download_dir, hf_token=hf_token,
                                       tensor_parallel_size=tensor_parallel_size)
+    if resolve_model(model, hub_options(config.model_config)).format == "orbax":
+        raise ValueError(f"{model} is already a converted checkpoint; convert its source model")
     start = time.perf_counter()
     placed = place_model(config, None, jax.default_backend())
     loaded_at = time.perf_counter()

@@ -25,6 +25,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jaxserve.loader.hub_files import KINDS, RemoteFile, select_files
 from jaxserve.loader.hub_lock import DownloadLock
@@ -48,6 +49,17 @@ class HubOptions:
     cache_dir: str | None = None
     token: str | None = None
     gguf_file: str | None = None
+
+
+def hub_options(model_config: Any, for_tokenizer: bool = False) -> HubOptions:
+    """The Hub options of a ModelConfig (jaxserve/config.py) for its model, or its tokenizer
+    (--tokenizer-revision; else --revision when the tokenizer is the model's own)."""
+    mc = model_config
+    if not for_tokenizer:
+        return HubOptions(mc.revision, mc.download_dir, mc.hf_token, mc.gguf_file)
+    own = mc.tokenizer is None or mc.tokenizer == mc.model
+    return HubOptions(mc.tokenizer_revision or (mc.revision if own else None), mc.download_dir,
+                      mc.hf_token)
 
 
 def hub_endpoint() -> str:

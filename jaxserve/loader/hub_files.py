@@ -53,7 +53,8 @@ def _matching(files: Sequence[RemoteFile], patterns: Sequence[str]) -> list[Remo
 
 
 def _sizes(files: Sequence[RemoteFile]) -> str:
-    return ", ".join(f"{f.path} ({f.size / 1e9:.2f} GB)" for f in files)
+    return ", ".join(f"{f.path} ({f.size / 1e9:.2f} GB)" if f.size >= 1e8 else
+                     f"{f.path} ({f.size / 1e6:.1f} MB)" for f in files)
 
 
 def select_files(listing: Sequence[RemoteFile], kind: str, repo: str,
