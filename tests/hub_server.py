@@ -88,15 +88,19 @@ class HubServer:
 
     gated: repo ids whose files need ``Authorization: Bearer <token>`` (their info stays
     public, as on the Hub). drop_once: file paths ("org/name/file") whose first GET sends
-    the headers and half the body, then closes the connection.
+    the headers and half the body, then closes the connection. hold: file paths whose GETs
+    wait until ``release`` is set (a download kept in flight while a test looks at it).
     """
 
     def __init__(self, root: Path, gated: set[str] = frozenset(), token: str | None = None,
-                 drop_once: set[str] = frozenset(), port: int = 0) -> None:
+                 drop_once: set[str] = frozenset(), hold: set[str] = frozenset(),
+                 port: int = 0) -> None:
         self.root = Path(root)
         self.gated = set(gated)
         self.token = token
         self.drop_once = set(drop_once)
+        self.hold = set(hold)
+        self.release = threading.Event()
         self.requests: list[LoggedRequest] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
@@ -250,6 +254,8 @@ def _handler_for(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             if not body:
                 return
             key = f"{repo_id}/{filename}"
+            if key in hub.hold:
+                hub.release.wait(timeout=120)
             if key in hub.drop_once and start == 0:
                 hub.drop_once.discard(key)
                 self.wfile.write(payload[:len(payload) // 2])

@@ -29,8 +29,8 @@ def convert_model(model: str | None, out: str, *, quantization: str | None = Non
     """Load `model` as serving would (on this process's devices) and save it to `out`;
     a Hub name is fetched (revision, download_dir, hf_token: as `serve`'s flags)."""
     from jaxserve.engine.model_source import place_model
-    from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
     from jaxserve.loader.hub_download import hub_options
+    from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
     from jaxserve.loader.resolve import resolve_model
     from jaxserve.models.partition import kv_replication
 

@@ -88,9 +88,11 @@ def download_file_set(repo_id: str, revision: str, kind: str, options: HubOption
             fetcher.check_access(chosen[0])
         fetcher.plan(chosen, f"{repo_id}@{revision}")
         paths = [fetcher.get(f) for f in chosen]
+    except HubError:
+        raise
+    except ValueError as e:     # the repo holds no usable file set (hub_files says why)
+        raise HubError(str(e)) from None
     except (HfHubHTTPError, *_network_errors(), OSError) as e:
-        if isinstance(e, HubError):
-            raise
         raise explain(e, repo_id, revision, endpoint, options.token) from None
     if revision != commit:
         # Last, once all is verified: only now does `revision` lead to this snapshot.

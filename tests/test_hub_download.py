@@ -1,0 +1,295 @@
+"""Models by name from the Hugging Face Hub, against a Hub on loopback (tests/hub_server.py).
+
+The `hub` fixture (conftest) serves tiny-org/* repos and points HF_ENDPOINT at it, and
+HF_HUB_CACHE at a fresh folder; `hub.requests` is everything the client asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxserve.loader.hub_download import HubError, HubOptions, fetch_from_hub
+from jaxserve.loader.hub_files import RemoteFile, select_files
+from jaxserve.loader.hub_lock import DownloadLock
+from jaxserve.loader.resolve import resolve_model
+from tests import hub_server
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja", "model.safetensors"}
+DECOY_MARKERS = (".bin", ".pth", "original/", "README", ".png", ".gguf", "consolidated")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _downloaded(hub: hub_server.HubServer, repo: str) -> list[str]:
+    return [name[len(repo) + 1:] for name in hub.downloads() if name.startswith(repo + "/")]
+
+
+def _env(hub: hub_server.HubServer, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE")}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+# -- the file set -----------------------------------------------------------------------------
+@pytest.mark.fast
+def test_download_requests_safetensors_config_and_tokenizer_only(hub, hub_repos):
+    snapshot = Path(resolve_model("tiny-org/tiny-llama").path)
+    assert sorted(_downloaded(hub, "tiny-org/tiny-llama")) == sorted(MODEL_FILES)
+    requested = [r.path for r in hub.requests]
+    assert not [p for p in requested if any(m in p for m in DECOY_MARKERS)], requested
+    source = hub_repos / "tiny-org" / "tiny-llama" / "main"
+    assert _sha256(snapshot / "model.safetensors") == _sha256(source / "model.safetensors")
+    # A second resolve is the cache's: no request at all.
+    before = len(hub.requests)
+    assert resolve_model("tiny-org/tiny-llama").path == str(snapshot)
+    assert len(hub.requests) == before
+
+
+@pytest.mark.fast
+def test_sharded_repo_fetches_only_the_shards_its_index_names(hub):
+    snapshot = Path(resolve_model("tiny-org/tiny-sharded").path)
+    fetched = set(_downloaded(hub, "tiny-org/tiny-sharded"))
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json"} <= fetched
+    assert "consolidated.safetensors" not in fetched
+    assert not (snapshot / "consolidated.safetensors").exists()
+
+
+@pytest.mark.fast
+def test_revision_picks_the_other_branch_weights(hub, hub_repos):
+    main = Path(resolve_model("tiny-org/tiny-llama").path)
+    other = Path(resolve_model("tiny-org/tiny-llama", HubOptions(revision="other")).path)
+    assert other != main and other.name == hub.commit("tiny-org/tiny-llama", "other")
+    source = hub_repos / "tiny-org" / "tiny-llama" / "other" / "model.safetensors"
+    assert _sha256(other / "model.safetensors") == _sha256(source)
+    assert _sha256(other / "model.safetensors") != _sha256(main / "model.safetensors")
+    refs = other.parents[1] / "refs"
+    assert (refs / "other").read_text() == other.name
+
+
+@pytest.mark.fast
+def test_selection_refuses_pickled_only_repos_and_ambiguous_ggufs():
+    def listing(*names: str) -> list[RemoteFile]:
+        return [RemoteFile(n, 10, None, None) for n in names]
+
+    with pytest.raises(ValueError, match=r"only pickled PyTorch files \(pytorch_model.bin"):
+        select_files(listing("config.json", "pytorch_model.bin"), "model", "o/m")
+    with pytest.raises(ValueError, match="a.Q4_K_M.gguf, a.Q8_0.gguf"):
+        select_files(listing("a.Q4_K_M.gguf", "a.Q8_0.gguf"), "model", "o/m")
+    [picked] = select_files(listing("a.Q4_K_M.gguf", "a.Q8_0.gguf"), "model", "o/m", "q8_0")
+    assert picked.path == "a.Q8_0.gguf"
+    chosen = select_files(listing("config.json", "model.safetensors", "original/x.pth",
+                                  "pytorch_model.bin", "m.gguf"), "config", "o/m")
+    assert [f.path for f in chosen] == ["config.json"]
+
+
+@pytest.mark.fast
+def test_gguf_repo_by_quant_tag_fetches_one_file(hub):
+    path = Path(resolve_model("tiny-org/two-ggufs:Q8_0").path)
+    assert path.name == "tiny.Q8_0.gguf"
+    assert _downloaded(hub, "tiny-org/two-ggufs") == ["tiny.Q8_0.gguf"]
+    with pytest.raises(HubError, match="tiny.Q4_K_M.gguf, tiny.Q8_0.gguf"):
+        fetch_from_hub("tiny-org/two-ggufs", "model",
+                       HubOptions(cache_dir=str(Path(os.environ["HF_HUB_CACHE"]) / "fresh")))
+
+
+@pytest.mark.fast
+def test_compile_needs_config_json_only(hub):
+    from jaxserve.loader import read_model_config
+
+    hf_config, _ = read_model_config("tiny-org/tiny-llama")
+    assert hf_config.hidden_size == 64
+    assert _downloaded(hub, "tiny-org/tiny-llama") == ["config.json"]
+
+
+# -- errors -----------------------------------------------------------------------------------
+@pytest.mark.fast
+def test_gated_repo_needs_a_token_and_no_weight_byte_moves_without_one(hub):
+    with pytest.raises(HubError, match=r"gated model and no token was given \(401\).*HF_TOKEN"):
+        fetch_from_hub("tiny-org/gated")
+    with pytest.raises(HubError, match=r"refused for it \(403\)"):
+        fetch_from_hub("tiny-org/gated", options=HubOptions(token="hf_wrong"))
+    assert _downloaded(hub, "tiny-org/gated") == []
+    snapshot = fetch_from_hub("tiny-org/gated", options=HubOptions(token=hub_server.TOKEN))
+    assert (snapshot / "model.safetensors").is_file()
+
+
+@pytest.mark.fast
+def test_unknown_repo_and_revision_say_what_is_wrong(hub):
+    with pytest.raises(HubError, match=rf"{hub.endpoint} \(HF_ENDPOINT\) has no model repo "
+                                       r"'tiny-org/nope'"):
+        fetch_from_hub("tiny-org/nope")
+    with pytest.raises(HubError, match="has no revision 'v9'"):
+        fetch_from_hub("tiny-org/tiny-llama", options=HubOptions(revision="v9"))
+
+
+def test_cli_errors_are_one_line_and_quick(hub):
+    for name, expected in (("tiny-org/does-not-exist", "has no model repo"),
+                           ("tiny-org/gated", "gated model")):
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "download",
+                               name], capture_output=True, text=True, env=_env(hub), cwd=ROOT,
+                              timeout=60)
+        assert done.returncode != 0
+        assert "Traceback" not in done.stderr
+        errors = [line for line in done.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and expected in errors[0], done.stderr
+        assert time.monotonic() - start < 30
+
+
+# -- offline and the cache --------------------------------------------------------------------
+@pytest.mark.fast
+def test_offline_uses_the_cache_with_the_hub_stopped(hub, monkeypatch):
+    snapshot = resolve_model("tiny-org/tiny-llama").path
+    hub.stop()
+    assert resolve_model("tiny-org/tiny-llama").path == snapshot     # cache first, no network
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("tiny-org/tiny-llama").path == snapshot
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE is set and tiny-org/tiny-sharded@main "
+                                       "is not in the cache"):
+        resolve_model("tiny-org/tiny-sharded")
+
+
+@pytest.mark.fast
+def test_no_network_and_no_cache_mentions_hf_hub_offline(hub, monkeypatch):
+    hub.stop()
+    with pytest.raises(HubError, match="cannot reach the Hub.*HF_HUB_OFFLINE=1"):
+        fetch_from_hub("tiny-org/tiny-llama")
+
+
+@pytest.mark.fast
+def test_corrupt_cached_shard_is_named_and_fetched_again(hub, monkeypatch, caplog):
+    snapshot = Path(resolve_model("tiny-org/tiny-sharded").path)
+    shard = snapshot / "model-00002-of-00002.safetensors"
+    good = _sha256(shard)
+    blob = Path(os.path.realpath(shard))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))           # same size, one byte flipped
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match="model-00002-of-00002.safetensors in the cache was "
+                                       "corrupt"):
+        resolve_model("tiny-org/tiny-sharded")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    caplog.set_level(logging.WARNING)
+    assert Path(resolve_model("tiny-org/tiny-sharded").path) == snapshot
+    assert _sha256(shard) == good
+    fetched = _downloaded(hub, "tiny-org/tiny-sharded")
+    assert fetched.count("model-00002-of-00002.safetensors") == 2
+    assert fetched.count("model-00001-of-00002.safetensors") == 1
+
+
+@pytest.mark.fast
+def test_missing_shard_is_never_loaded_and_is_fetched_again(hub, monkeypatch):
+    snapshot = Path(resolve_model("tiny-org/tiny-sharded").path)
+    shard = snapshot / "model-00001-of-00002.safetensors"
+    os.unlink(os.path.realpath(shard))
+    shard.unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match="model-00001-of-00002.safetensors"):
+        resolve_model("tiny-org/tiny-sharded")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    resolve_model("tiny-org/tiny-sharded")
+    assert shard.is_file()
+    assert _downloaded(hub, "tiny-org/tiny-sharded").count(shard.name) == 2
+
+
+@pytest.mark.fast
+def test_download_cut_halfway_resumes_and_ends_verified(hub, hub_repos, monkeypatch):
+    from huggingface_hub import constants
+
+    # The client writes whole chunks (10 MiB by default): smaller ones, so that the bytes
+    # before the cut of this 0.5 MB file are on disk and the retry asks for the rest.
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 << 10)
+    hub.drop_once.add("tiny-org/tiny-llama/model.safetensors")
+    snapshot = Path(resolve_model("tiny-org/tiny-llama").path)
+    gets = [r for r in hub.requests
+            if r.method == "GET" and r.path.endswith("/model.safetensors")]
+    assert len(gets) == 2 and gets[0].range is None
+    assert gets[1].range is not None and gets[1].range.startswith("bytes=")
+    assert int(gets[1].range[len("bytes="):].split("-")[0]) > 0      # resumed, not restarted
+    source = hub_repos / "tiny-org" / "tiny-llama" / "main" / "model.safetensors"
+    assert _sha256(snapshot / "model.safetensors") == _sha256(source)
+
+
+@pytest.mark.fast
+def test_not_enough_disk_is_refused_before_downloading(hub, monkeypatch):
+    from jaxserve.loader import hub_fetch
+
+    monkeypatch.setattr(hub_fetch, "free_bytes", lambda directory: (1000, directory))
+    with pytest.raises(HubError, match=r"needs 0\.6 MB, 0\.0 MB free in"):
+        fetch_from_hub("tiny-org/tiny-llama")
+    assert _downloaded(hub, "tiny-org/tiny-llama") == []
+
+
+# -- one download across processes ------------------------------------------------------------
+@pytest.mark.fast
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    import socket
+
+    path = tmp_path / "m.lock"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    path.write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname(),
+                                "token": "old"}))
+    with DownloadLock(path, what="m"):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not path.exists()
+    path.write_text(json.dumps({"pid": 1, "host": "another-host", "token": "old"}))
+    os.utime(path, (time.time() - 600, time.time() - 600))     # no heartbeat for 10 min
+    with DownloadLock(path, what="m", stale_after=60):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+
+
+def test_two_processes_at_once_fetch_each_file_once(hub, tmp_path):
+    hub.hold.add("tiny-org/tiny-llama/model.safetensors")   # the first stays in flight
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO); "
+            "from jaxserve.loader.hub_download import fetch_from_hub; "
+            "print(fetch_from_hub('tiny-org/tiny-llama'))")
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=open(log, "w"), text=True, env=_env(hub), cwd=ROOT)
+             for log in logs]
+    deadline = time.monotonic() + 120
+    while not any("waiting for tiny-org/tiny-llama@main" in log.read_text() for log in logs):
+        assert time.monotonic() < deadline, [log.read_text() for log in logs]
+        assert all(p.poll() is None for p in procs), [log.read_text() for log in logs]
+        time.sleep(0.1)
+    hub.release.set()
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [log.read_text() for log in logs]
+    assert outs[0] == outs[1] and Path(outs[0]).is_dir()
+    fetched = _downloaded(hub, "tiny-org/tiny-llama")
+    assert sorted(fetched) == sorted(MODEL_FILES), fetched
+
+
+# -- jaxserve download, then offline -----------------------------------------------------------
+def test_download_command_then_offline_load(hub, monkeypatch):
+    done = subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "download",
+                           "tiny-org/tiny-llama", "--revision", "other"], capture_output=True,
+                          text=True, env=_env(hub), cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    snapshot = Path(done.stdout.strip().splitlines()[-1])
+    assert snapshot.name == hub.commit("tiny-org/tiny-llama", "other")
+    hub.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from jaxserve.loader import load_model
+
+    loaded = load_model("tiny-org/tiny-llama", hub=HubOptions(revision="other"),
+                        tokenizer="tiny-org/tiny-llama",
+                        tokenizer_hub=HubOptions(revision="other"))
+    assert loaded.model_path == str(snapshot)
+    assert loaded.hf_config.intermediate_size == 96
+    assert loaded.tokenizer.encode("hello") == loaded.tokenizer.encode("hello")
