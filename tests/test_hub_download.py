@@ -21,7 +21,7 @@ from jaxserve.loader.hub_download import HubError, HubOptions, fetch_from_hub
 from jaxserve.loader.hub_files import RemoteFile, select_files
 from jaxserve.loader.hub_lock import DownloadLock
 from jaxserve.loader.resolve import resolve_model
-from tests import hub_server
+from tests import hub_server, precision
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -234,6 +234,25 @@ def test_not_enough_disk_is_refused_before_downloading(hub, monkeypatch):
     assert _downloaded(hub, "tiny-org/tiny-llama") == []
 
 
+@pytest.mark.fast
+def test_progress_off_a_terminal_is_a_log_line_every_tenth_and_quiet_at_warning(
+        hub, monkeypatch, caplog):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)   # many updates
+    caplog.set_level(logging.INFO, logger="jaxserve.loader")
+    fetch_from_hub("tiny-org/tiny-llama")
+    lines = [r.getMessage() for r in caplog.records if "downloading tiny-org" in r.getMessage()]
+    percents = [int(line.split(": ")[1].split("%")[0]) for line in lines]
+    assert percents == sorted(set(percents)) and len(percents) >= 8 and percents[-1] == 100
+    assert all(" at " in line and "ETA" in line and " of 0.6 MB" in line for line in lines)
+    assert any("6 files, 0.6 MB; 0.6 MB to download" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    caplog.set_level(logging.WARNING, logger="jaxserve.loader")
+    fetch_from_hub("tiny-org/tiny-llama", options=HubOptions(revision="other"))
+    assert not [r for r in caplog.records if r.levelno < logging.WARNING]
+
+
 # -- one download across processes ------------------------------------------------------------
 @pytest.mark.fast
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
@@ -293,3 +312,71 @@ def test_download_command_then_offline_load(hub, monkeypatch):
     assert loaded.model_path == str(snapshot)
     assert loaded.hf_config.intermediate_size == 96
     assert loaded.tokenizer.encode("hello") == loaded.tokenizer.encode("hello")
+
+
+# -- by name, end to end (engines: not in the fast tier) --------------------------------------
+# Two step buckets per engine (as tests/test_restart.py): compiling is nearly all the cost,
+# and the second engine of the same shapes loads the first one's executables.
+ENGINE_KWARGS = {"max_model_len": 64, "max_num_batched_tokens": 2, "max_num_seqs": 2,
+                 "kv_cache_memory_bytes": 2 << 20, **precision.EXACT}
+PROMPTS = [[11, 23, 98], [7] + list(range(40, 52))]
+
+
+def test_llm_by_name_gives_the_tokens_of_the_same_folder_from_disk(hub, hub_repos, tmp_path):
+    import gc
+
+    from jaxserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for source in ("tiny-org/tiny-llama", str(hub_repos / "tiny-org" / "tiny-llama" / "main")):
+        llm = LLM(source, compilation_cache_dir=str(tmp_path / "xla"), **ENGINE_KWARGS,
+                  **precision.forced_kwargs())
+        tokens[source] = [list(o.outputs[0].token_ids)
+                          for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        del llm
+        gc.collect()
+    by_name, from_disk = tokens.values()
+    assert by_name == from_disk and all(len(t) == 6 for t in by_name)
+    assert sorted(_downloaded(hub, "tiny-org/tiny-llama")) == sorted(MODEL_FILES)
+
+
+def test_serve_by_name_answers_a_chat_completion(hub, tmp_path):
+    import httpx
+
+    from tests.test_server import STARTUP_TIMEOUT, free_port
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "tiny-org/tiny-llama",
+             "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning",
+             "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "2",
+             "--kv-cache-memory-bytes", str(2 << 20), "--dtype", "float32",
+             *precision.server_flags()],
+            stdout=log, stderr=subprocess.STDOUT, env=_env(hub), cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        models = httpx.get(url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-org/tiny-llama"]   # as typed
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny-org/tiny-llama", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Hello"}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert sorted(_downloaded(hub, "tiny-org/tiny-llama")) == sorted(MODEL_FILES)
+    assert "downloading tiny-org/tiny-llama@main: 100%" in log_path.read_text()
