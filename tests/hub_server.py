@@ -58,9 +58,23 @@ def _git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+_described: dict[tuple, list[_Entry]] = {}
+_described_lock = threading.Lock()
+
+
 def _describe(root: Path) -> list[_Entry]:
+    """The files under `root` with their digests (hashed again only when a file changed)."""
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    key = (str(root), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    with _described_lock:
+        if key not in _described:
+            _described[key] = _hash_files(root, files)
+        return _described[key]
+
+
+def _hash_files(root: Path, files: list[Path]) -> list[_Entry]:
     entries = []
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+    for file in files:
         data = file.read_bytes()
         rel = file.relative_to(root).as_posix()
         lfs = rel.endswith(LFS_SUFFIXES)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jaxserve.loader.hub_download import HubError, HubOptions, free_bytes
 from jaxserve.loader.hub_files import RemoteFile, select_files
-from jaxserve.loader.hub_progress import progress_bar_class
+from jaxserve.loader.hub_progress import DownloadProgress
 from jaxserve.loader.hub_verify import BlobVerifier, discard
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,11 @@ def download_file_set(repo_id: str, revision: str, kind: str, options: HubOption
         if info.gated or info.private:
             fetcher.check_access(chosen[0])
         fetcher.plan(chosen, f"{repo_id}@{revision}")
-        paths = [fetcher.get(f) for f in chosen]
+        try:
+            paths = [fetcher.get(f) for f in chosen]
+        finally:
+            if fetcher.progress is not None:
+                fetcher.progress.close()
     except HubError:
         raise
     except ValueError as e:     # the repo holds no usable file set (hub_files says why)
@@ -110,7 +114,7 @@ class _Fetcher:
         self.repo_id, self.commit, self.options = repo_id, commit, options
         self.cache_dir, self.storage, self.endpoint = cache_dir, storage, endpoint
         self.verifier = BlobVerifier(storage)
-        self.bar_class: type | None = None
+        self.progress: DownloadProgress | None = None
         self._done: dict[str, Path] = {}
 
     def check_access(self, first: RemoteFile) -> None:
@@ -149,7 +153,7 @@ class _Fetcher:
             raise HubError(f"{label} needs {_size(needed)}, {_size(free)} free in {where}: free "
                            "space there, or pick another cache with --download-dir / "
                            "HF_HUB_CACHE")
-        self.bar_class = progress_bar_class(needed, label)
+        self.progress = DownloadProgress(needed, label)
 
     def get(self, file: RemoteFile) -> Path:
         """The file in the snapshot, downloaded unless its blob is cached and matches."""
@@ -163,7 +167,8 @@ class _Fetcher:
                 break
             path = hf_hub_download(self.repo_id, file.path, revision=self.commit,
                                    cache_dir=str(self.cache_dir), token=self.options.token,
-                                   endpoint=self.endpoint, tqdm_class=self.bar_class)
+                                   endpoint=self.endpoint,
+                                   tqdm_class=self.progress.bar_class if self.progress else None)
             ok = self.verifier.matches(path, file.etag) if file.etag else None
             if ok is not False:
                 break

@@ -1,8 +1,10 @@
-"""How a download shows its progress: huggingface_hub's bar on a terminal, a log line every
-~10 % (bytes, rate, ETA) elsewhere (container logs), nothing when INFO is not logged.
+"""How a download shows its progress: one huggingface_hub tqdm bar for the whole model on a
+terminal, a log line every ~10 % (bytes, rate, ETA) elsewhere (container logs), nothing when
+INFO is not logged.
 
-    bar_class = progress_bar_class(total_bytes=..., label="org/name")
-    hf_hub_download(..., tqdm_class=bar_class)
+    progress = DownloadProgress(total_bytes=..., label="org/name@main")
+    hf_hub_download(..., tqdm_class=progress.bar_class)      # for each file
+    progress.close()
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ class ProgressLog:
         self.total = max(total, 1)
         self.label = label
         self.done = 0
-        self._start = time.monotonic()
+        self._start: float | None = None     # when the first transfer began
         self._next_tenth = 1
         self._lock = threading.Lock()
+
+    def started(self) -> None:
+        with self._lock:
+            if self._start is None:
+                self._start = time.monotonic()
 
     def add(self, num_bytes: int) -> None:
         with self._lock:
@@ -38,34 +45,75 @@ class ProgressLog:
             if tenth < self._next_tenth:
                 return
             self._next_tenth = tenth + 1
-            elapsed = max(time.monotonic() - self._start, 1e-6)
+            elapsed = max(time.monotonic() - (self._start or time.monotonic()), 1e-6)
             rate = self.done / elapsed
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
             logger.info("downloading %s: %d%% (%s of %s) at %s/s, ETA %.0f s", self.label,
                         tenth * 10, _gb(self.done), _gb(self.total), _gb(rate), eta)
 
 
-def _logging_bar(progress: ProgressLog) -> type:
-    class LoggingBar:
-        """What huggingface_hub's http_get asks of a tqdm class, writing log lines instead."""
+class _TerminalBar:
+    """One huggingface_hub tqdm bar over the whole model's bytes (not one per file)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        from huggingface_hub.utils import tqdm as hf_tqdm
+
+        self._bar = hf_tqdm(total=total, unit="B", unit_scale=True,
+                            desc=label, dynamic_ncols=True)
+
+    def started(self) -> None:
+        pass
+
+    def add(self, num_bytes: int) -> None:
+        self._bar.update(num_bytes)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _forwarding_bar(sink: ProgressLog | _TerminalBar) -> type:
+    class ForwardingBar:
+        """What huggingface_hub's http_get asks of a tqdm class: each file's bytes go to
+        the one model-wide sink (a log line every tenth, or one terminal bar)."""
 
         def __init__(self, *args: Any, initial: int = 0, **kwargs: Any) -> None:
+            sink.started()
             if initial:
-                progress.add(initial)
+                sink.add(initial)
 
         def update(self, n: int | float = 1) -> None:
-            progress.add(int(n))
+            sink.add(int(n))
 
         def close(self) -> None:
             pass
 
-        def __enter__(self) -> LoggingBar:
+        def __enter__(self) -> ForwardingBar:
             return self
 
         def __exit__(self, *exc: object) -> None:
             pass
 
-    return LoggingBar
+    return ForwardingBar
+
+
+class DownloadProgress:
+    """The ``tqdm_class`` to hand ``hf_hub_download`` for one model's files (``bar_class``;
+    None: silent), and ``close()`` once they are all down."""
+
+    def __init__(self, total_bytes: int, label: str) -> None:
+        self._terminal: _TerminalBar | None = None
+        self.bar_class: type | None
+        if not logger.isEnabledFor(logging.INFO):
+            self.bar_class = _silent_bar()
+        elif sys.stderr.isatty():
+            self._terminal = _TerminalBar(total_bytes, label)
+            self.bar_class = _forwarding_bar(self._terminal)
+        else:
+            self.bar_class = _forwarding_bar(ProgressLog(total_bytes, label))
+
+    def close(self) -> None:
+        if self._terminal is not None:
+            self._terminal.close()
 
 
 def _silent_bar() -> type:
@@ -77,13 +125,3 @@ def _silent_bar() -> type:
             super().__init__(*args, **kwargs)
 
     return SilentBar
-
-
-def progress_bar_class(total_bytes: int, label: str) -> type | None:
-    """The ``tqdm_class`` for ``hf_hub_download``: None (huggingface_hub's own bar) on a
-    terminal, a class logging every ~10 % elsewhere, a silent one below INFO."""
-    if not logger.isEnabledFor(logging.INFO):
-        return _silent_bar()
-    if sys.stderr.isatty():
-        return None
-    return _logging_bar(ProgressLog(total_bytes, label))
