@@ -114,6 +114,22 @@ def test_compile_needs_config_json_only(hub):
     assert _downloaded(hub, "tiny-org/tiny-llama") == ["config.json"]
 
 
+@pytest.mark.fast
+def test_lora_adapter_by_name_fetches_its_config_and_safetensors_only(hub):
+    import transformers
+
+    from jaxserve.lora.peft_loader import load_peft_adapter
+    from jaxserve.models.registry import family_for, read_arch
+
+    base = resolve_model("tiny-org/tiny-llama").path
+    arch = read_arch(transformers.AutoConfig.from_pretrained(base))
+    weights = load_peft_adapter("tiny-org/tiny-adapter", family_for(arch.architecture), arch,
+                                max_lora_rank=8, hub=HubOptions())
+    assert weights.rank == 4 and weights.a
+    assert sorted(_downloaded(hub, "tiny-org/tiny-adapter")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+
+
 # -- errors -----------------------------------------------------------------------------------
 @pytest.mark.fast
 def test_gated_repo_needs_a_token_and_no_weight_byte_moves_without_one(hub):
@@ -380,3 +396,15 @@ def test_serve_by_name_answers_a_chat_completion(hub, tmp_path):
         proc.wait(60)
     assert sorted(_downloaded(hub, "tiny-org/tiny-llama")) == sorted(MODEL_FILES)
     assert "downloading tiny-org/tiny-llama@main: 100%" in log_path.read_text()
+
+
+def test_convert_by_name_downloads_then_writes_the_checkpoint(hub, tmp_path):
+    from jaxserve.entrypoints.convert import convert_model
+    from jaxserve.loader.orbax_checkpoint import is_checkpoint
+
+    out = convert_model("tiny-org/tiny-llama", str(tmp_path / "ckpt"), dtype="float32",
+                        revision="other")
+    assert is_checkpoint(Path(out))
+    fetched = [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
+    assert fetched and all(hub.commit("tiny-org/tiny-llama", "other") in p for p in fetched)
+    assert sorted(_downloaded(hub, "tiny-org/tiny-llama")) == sorted(MODEL_FILES)

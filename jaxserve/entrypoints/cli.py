@@ -259,7 +259,7 @@ def _add_convert_command(commands: Any) -> None:
         "the config and tokenizer, to OUT. `jaxserve serve OUT` / LLM(OUT) then restore each "
         "array straight onto its device. MODEL 'default' is the embedded SmolLM2.")
     convert.add_argument("model", metavar="MODEL",
-                         help="model directory, .gguf file, cached HF name, or 'default'")
+                         help="model directory, .gguf file, Hub name org/name, or 'default'")
     convert.add_argument("out", metavar="OUT", help="directory to write (must be new or empty)")
     convert.add_argument("--quantization", default=None,
                          choices=["none", "int8", "gguf", "awq", "gptq"])

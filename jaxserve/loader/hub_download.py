@@ -162,7 +162,7 @@ def fetch_from_hub(name: str, kind: str = "model", options: HubOptions | None = 
             files = _from_cache(snapshot, repo_id, kind, options, BlobVerifier(storage))
         except HubError as e:
             return None, f"{label}: {e}"
-        return _result(snapshot, files, options), ""
+        return _result(snapshot, files), ""
 
     found, why = cached()
     if found is not None:
@@ -181,10 +181,10 @@ def fetch_from_hub(name: str, kind: str = "model", options: HubOptions | None = 
 
         snapshot, files = download_file_set(repo_id, revision, kind, options, cache_dir,
                                             storage, hub_endpoint())
-    return _result(snapshot, files, options)
+    return _result(snapshot, files)
 
 
-def _result(snapshot: Path, files: list[Path], options: HubOptions) -> Path:
+def _result(snapshot: Path, files: list[Path]) -> Path:
     ggufs = [f for f in files if f.name.endswith(".gguf")]
     return ggufs[0] if len(ggufs) == 1 and len(files) == 1 else snapshot
 

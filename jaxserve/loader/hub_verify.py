@@ -94,3 +94,5 @@ def discard(snapshot_file: str | os.PathLike) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as e:     # a read-only cache: the caller still refuses the file
+            logger.warning("could not remove %s: %s", path, e)
