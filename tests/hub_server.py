@@ -103,17 +103,20 @@ class HubServer:
     gated: repo ids whose files need ``Authorization: Bearer <token>`` (their info stays
     public, as on the Hub). drop_once: file paths ("org/name/file") whose first GET sends
     the headers and half the body, then closes the connection. hold: file paths whose GETs
-    wait until ``release`` is set (a download kept in flight while a test looks at it).
+    wait until ``release`` is set (a download kept in flight while a test looks at it);
+    stall_once: file paths whose first GET sends half the body, then waits for ``release``
+    (a download in flight when its process is interrupted).
     """
 
     def __init__(self, root: Path, gated: set[str] = frozenset(), token: str | None = None,
                  drop_once: set[str] = frozenset(), hold: set[str] = frozenset(),
-                 port: int = 0) -> None:
+                 stall_once: set[str] = frozenset(), port: int = 0) -> None:
         self.root = Path(root)
         self.gated = set(gated)
         self.token = token
         self.drop_once = set(drop_once)
         self.hold = set(hold)
+        self.stall_once = set(stall_once)
         self.release = threading.Event()
         self.requests: list[LoggedRequest] = []
         self._lock = threading.Lock()
@@ -270,6 +273,13 @@ def _handler_for(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             key = f"{repo_id}/{filename}"
             if key in hub.hold:
                 hub.release.wait(timeout=120)
+            if key in hub.stall_once and start == 0:
+                hub.stall_once.discard(key)
+                self.wfile.write(payload[:len(payload) // 2])
+                self.wfile.flush()
+                hub.release.wait(timeout=120)
+                self.close_connection = True
+                return
             if key in hub.drop_once and start == 0:
                 hub.drop_once.discard(key)
                 self.wfile.write(payload[:len(payload) // 2])

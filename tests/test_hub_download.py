@@ -240,6 +240,36 @@ def test_download_cut_halfway_resumes_and_ends_verified(hub, hub_repos, monkeypa
     assert _sha256(snapshot / "model.safetensors") == _sha256(source)
 
 
+def test_download_interrupted_by_ctrl_c_resumes_in_the_next_process(hub, hub_repos):
+    import signal
+
+    hub.stall_once.add("tiny-org/tiny-llama/model.safetensors")
+    code = ("from huggingface_hub import constants; constants.DOWNLOAD_CHUNK_SIZE = 1 << 14; "
+            "from jaxserve.loader.hub_download import fetch_from_hub; "
+            "fetch_from_hub('tiny-org/tiny-llama')")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(hub), cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    source = hub_repos / "tiny-org" / "tiny-llama" / "main" / "model.safetensors"
+    size = source.stat().st_size
+    blobs = Path(os.environ["HF_HUB_CACHE"]) / "models--tiny-org--tiny-llama" / "blobs"
+    partial = blobs / (_sha256(source) + ".jaxserve-partial")
+    deadline = time.monotonic() + 120
+    # Half the file was sent; the client wrote what arrived in whole 16 KiB chunks.
+    while not (partial.exists() and partial.stat().st_size >= size // 2 - (1 << 14)):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)             # Ctrl-C
+    assert proc.wait(60) != 0
+    hub.release.set()
+    kept = partial.stat().st_size
+    assert 0 < kept < size and not (blobs / _sha256(source)).exists()
+    snapshot = Path(resolve_model("tiny-org/tiny-llama").path)
+    gets = [r for r in hub.requests if r.method == "GET" and r.path.endswith("/model.safetensors")]
+    assert [g.range for g in gets] == [None, f"bytes={kept}-"]
+    assert _sha256(snapshot / "model.safetensors") == _sha256(source)
+    assert not partial.exists()
+
+
 @pytest.mark.fast
 def test_not_enough_disk_is_refused_before_downloading(hub, monkeypatch):
     from jaxserve.loader import hub_fetch

@@ -11,6 +11,8 @@ Around it this module adds what serving needs:
   its size printed and the free disk checked first; a gated repo refused with what to do;
 - every file checked against the digest the Hub published (loader/hub_verify.py), in the cache
   too: a missing or corrupt file is named and fetched again, never loaded;
+- weights resumable across processes (loader/hub_resume.py: after Ctrl-C, a later start
+  asks for the rest with ``Range``);
 - one download per repo + revision across processes (loader/hub_lock.py): the others wait;
 - ``refs/<revision>`` is written only once the whole set is verified, so an interrupted
   download (Ctrl-C, a full disk) never looks complete to a later start;

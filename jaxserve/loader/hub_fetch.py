@@ -12,6 +12,7 @@ from pathlib import Path
 from jaxserve.loader.hub_download import HubError, HubOptions, free_bytes
 from jaxserve.loader.hub_files import RemoteFile, select_files
 from jaxserve.loader.hub_progress import DownloadProgress
+from jaxserve.loader.hub_resume import download_blob, link_into_snapshot
 from jaxserve.loader.hub_verify import BlobVerifier, discard
 
 logger = logging.getLogger(__name__)
@@ -159,20 +160,37 @@ class _Fetcher:
         """The file in the snapshot, downloaded unless its blob is cached and matches."""
         if file.path in self._done:
             return self._done[file.path]
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download, hf_hub_url
 
         pointer = self._pointer(file)
         for attempt in (1, 2):
-            if self._cached_ok(file) and pointer.exists():
+            if self._cached_ok(file):
+                if not pointer.exists():        # the blob of another revision: link it
+                    if file.sha256:
+                        link_into_snapshot(self.storage / "blobs" / file.sha256, pointer)
+                    else:
+                        hf_hub_download(self.repo_id, file.path, revision=self.commit,
+                                        cache_dir=str(self.cache_dir), token=self.options.token,
+                                        endpoint=self.endpoint)
                 break
-            path = hf_hub_download(self.repo_id, file.path, revision=self.commit,
-                                   cache_dir=str(self.cache_dir), token=self.options.token,
-                                   endpoint=self.endpoint,
-                                   tqdm_class=self.progress.bar_class if self.progress else None)
-            ok = self.verifier.matches(path, file.etag) if file.etag else None
-            if ok is not False:
-                break
-            discard(path)
+            bar_class = self.progress.bar_class if self.progress else None
+            if file.sha256:     # weights: resumable, verified before they become a blob
+                url = hf_hub_url(self.repo_id, file.path, revision=self.commit,
+                                 endpoint=self.endpoint)
+                blob = self.storage / "blobs" / file.sha256
+                ok = download_blob(url, blob, file.sha256, file.size, self.options.token,
+                                   bar_class)
+                if ok:
+                    self.verifier.record(blob)
+                    link_into_snapshot(blob, pointer)
+                    break
+            else:
+                path = hf_hub_download(self.repo_id, file.path, revision=self.commit,
+                                       cache_dir=str(self.cache_dir), token=self.options.token,
+                                       endpoint=self.endpoint, tqdm_class=bar_class)
+                if self.verifier.matches(path, file.etag) if file.etag else True:
+                    break
+                discard(path)
             if attempt == 2:
                 raise HubError(f"{file.path} of {self.repo_id}@{self.commit[:12]} did not match "
                                f"the Hub's digest {file.etag} after two downloads (removed); "

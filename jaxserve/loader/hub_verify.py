@@ -72,6 +72,12 @@ class BlobVerifier:
             self._dirty = True
         return ok
 
+    def record(self, blob: str | os.PathLike) -> None:
+        """Stamp a blob just verified (its name is its digest) so no start hashes it again."""
+        real = Path(os.path.realpath(blob))
+        self._stamps[real.name] = _stamp_key(real.stat())
+        self._dirty = True
+
     def save(self) -> None:
         """Write the stamps (atomically: concurrent writers lose at most each other's news)."""
         if not self._dirty:
