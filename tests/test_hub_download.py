@@ -270,6 +270,32 @@ def test_download_interrupted_by_ctrl_c_resumes_in_the_next_process(hub, hub_rep
     assert not partial.exists()
 
 
+def test_disk_full_mid_download_leaves_nothing_taken_for_complete(hub, hub_repos, monkeypatch):
+    import resource
+    import signal
+
+    def small_disk() -> None:       # writes past 300 kB fail with EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    done = subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "download",
+                           "tiny-org/tiny-llama"], capture_output=True, text=True,
+                          env=_env(hub), cwd=ROOT, timeout=120, preexec_fn=small_disk)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "the disk filled while downloading" in done.stderr, done.stderr
+    storage = Path(os.environ["HF_HUB_CACHE"]) / "models--tiny-org--tiny-llama"
+    assert not (storage / "refs" / "main").exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match="not in the cache"):
+        resolve_model("tiny-org/tiny-llama")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    snapshot = Path(resolve_model("tiny-org/tiny-llama").path)      # room again: resumes
+    source = hub_repos / "tiny-org" / "tiny-llama" / "main" / "model.safetensors"
+    assert _sha256(snapshot / "model.safetensors") == _sha256(source)
+    gets = [r for r in hub.requests if r.method == "GET" and r.path.endswith("/model.safetensors")]
+    assert gets[-1].range is not None
+
+
 @pytest.mark.fast
 def test_not_enough_disk_is_refused_before_downloading(hub, monkeypatch):
     from jaxserve.loader import hub_fetch

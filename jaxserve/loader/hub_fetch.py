@@ -6,16 +6,19 @@ HubError line saying what to do (no traceback reaches a user for a missing or ga
 
 from __future__ import annotations
 
+import errno
 import logging
 from pathlib import Path
 
 from jaxserve.loader.hub_download import HubError, HubOptions, free_bytes
 from jaxserve.loader.hub_files import RemoteFile, select_files
 from jaxserve.loader.hub_progress import DownloadProgress
-from jaxserve.loader.hub_resume import download_blob, link_into_snapshot
+from jaxserve.loader.hub_resume import PARTIAL_SUFFIX, download_blob, link_into_snapshot
 from jaxserve.loader.hub_verify import BlobVerifier, discard
 
 logger = logging.getLogger(__name__)
+
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def _size(num_bytes: int) -> str:
@@ -97,7 +100,14 @@ def download_file_set(repo_id: str, revision: str, kind: str, options: HubOption
         raise
     except ValueError as e:     # the repo holds no usable file set (hub_files says why)
         raise HubError(str(e)) from None
-    except (HfHubHTTPError, *_network_errors(), OSError) as e:
+    except OSError as e:
+        if e.errno in _DISK_FULL and not isinstance(e, HfHubHTTPError):
+            raise HubError(f"{repo_id}@{revision}: the disk filled while downloading into "
+                           f"{storage} ({e.strerror}); free space (or pick another cache with "
+                           "--download-dir) and start again: the download resumes where it "
+                           "stopped, and nothing partial is ever loaded") from None
+        raise explain(e, repo_id, revision, endpoint, options.token) from None
+    except _network_errors() as e:
         raise explain(e, repo_id, revision, endpoint, options.token) from None
     if revision != commit:
         # Last, once all is verified: only now does `revision` lead to this snapshot.
@@ -141,12 +151,19 @@ class _Fetcher:
         self._pointer(file).unlink(missing_ok=True)
         return False
 
+    def _kept(self, file: RemoteFile) -> int:
+        """Bytes of `file` a stopped download left (it resumes from there)."""
+        if not file.sha256:
+            return 0
+        partial = self.storage / "blobs" / (file.sha256 + PARTIAL_SUFFIX)
+        return min(partial.stat().st_size, file.size) if partial.is_file() else 0
+
     def plan(self, files: list[RemoteFile], label: str) -> None:
         """Print what will move, and refuse when the disk cannot hold it."""
         missing = [f for f in files if not self._cached_ok(f)]
         self.verifier.save()
         total = sum(f.size for f in files)
-        needed = sum(f.size for f in missing)
+        needed = sum(f.size - self._kept(f) for f in missing)
         logger.info("%s (commit %s): %d files, %s; %s to download into %s", label,
                     self.commit[:12], len(files), _size(total), _size(needed), self.storage)
         free, where = free_bytes(self.storage)
