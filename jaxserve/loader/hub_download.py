@@ -27,11 +27,14 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jaxserve.loader.hub_files import KINDS, RemoteFile, select_files
 from jaxserve.loader.hub_lock import DownloadLock
 from jaxserve.loader.hub_verify import BlobVerifier, discard
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class HubOptions:
     gguf_file: str | None = None
 
 
-def hub_options(model_config: Any, for_tokenizer: bool = False) -> HubOptions:
+def hub_options(model_config: ModelConfig, for_tokenizer: bool = False) -> HubOptions:
     """The Hub options of a ModelConfig (jaxserve/config.py) for its model, or its tokenizer
     (--tokenizer-revision; else --revision when the tokenizer is the model's own)."""
     mc = model_config

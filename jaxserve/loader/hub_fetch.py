@@ -205,7 +205,9 @@ class _Fetcher:
                 path = hf_hub_download(self.repo_id, file.path, revision=self.commit,
                                        cache_dir=str(self.cache_dir), token=self.options.token,
                                        endpoint=self.endpoint, tqdm_class=bar_class)
-                if self.verifier.matches(path, file.etag) if file.etag else True:
+                # Checked against the digest its blob is named by: the ETag the Hub sent
+                # for it (the listing's blob id of a file stored in LFS is its pointer's).
+                if self.verifier.matches(path) is not False:
                     break
                 discard(path)
             if attempt == 2:
