@@ -413,6 +413,27 @@ def test_llm_by_name_gives_the_tokens_of_the_same_folder_from_disk(hub, hub_repo
     assert sorted(_downloaded(hub, "tiny-org/tiny-llama")) == sorted(MODEL_FILES)
 
 
+def test_draft_model_by_name_is_fetched_and_drafts(hub, hub_repos, tmp_path):
+    from jaxserve import LLM, SamplingParams
+
+    # The draft is the target's weights, sharded: greedy drafts are all accepted, and the
+    # tokens are the target's own.
+    llm = LLM(str(hub_repos / "tiny-org" / "tiny-llama" / "main"),
+              compilation_cache_dir=str(tmp_path / "xla"), max_model_len=64, max_num_seqs=1,
+              max_num_batched_tokens=4, kv_cache_memory_bytes=2 << 20,
+              speculative_config={"method": "draft_model", "model": "tiny-org/tiny-sharded",
+                                  "num_speculative_tokens": 1},
+              **precision.EXACT, **precision.forced_kwargs())
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=6,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    snapshot = llm.llm_engine.snapshot()
+    assert snapshot.spec_decode_num_accepted_tokens > 0
+    fetched = set(_downloaded(hub, "tiny-org/tiny-sharded"))
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"} <= fetched
+    assert "consolidated.safetensors" not in fetched
+
+
 def test_serve_by_name_answers_a_chat_completion(hub, tmp_path):
     import httpx
 
