@@ -263,7 +263,7 @@ def _cpu_kind(pytestconfig: pytest.Config):
 
 # ---------------------------------------------------------------------------
 # A Hugging Face Hub on loopback (owner: loader/hub_download). tests/hub_server.py serves
-# the repos `hub_server.populate` lays out (tiny-org/tiny-llama with a branch "other" and
+# the repos `hub_repos.populate` lays out (tiny-org/tiny-llama with a branch "other" and
 # decoy .bin/.pth/.gguf/README/image files, tiny-org/tiny-sharded, tiny-org/gated,
 # tiny-org/bin-only, tiny-org/two-ggufs, and tiny-org/tiny-adapter: a PEFT LoRA of the tiny
 # Llama with a decoy adapter_model.bin) with the HTTP huggingface_hub speaks.
@@ -274,11 +274,11 @@ def _cpu_kind(pytestconfig: pytest.Config):
 # ---------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def hub_repos(make_tiny_model, tmp_path_factory) -> Path:
-    from tests import hub_server
+    from tests import hub_repos
     from tests.lora_adapters import make_peft_adapter
 
-    root = hub_server.populate(tmp_path_factory.mktemp("hub_repos"), make_tiny_model("llama"),
-                               make_tiny_model("llama", intermediate_size=96))
+    root = hub_repos.populate(tmp_path_factory.mktemp("hub_repos"), make_tiny_model("llama"),
+                              make_tiny_model("llama", intermediate_size=96))
     adapter = root / "tiny-org" / "tiny-adapter" / "main"
     make_peft_adapter(make_tiny_model("llama"), adapter, rank=4, alpha=8.0)
     (adapter / "adapter_model.bin").write_bytes(b"decoy" * 100)
