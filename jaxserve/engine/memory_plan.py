@@ -98,14 +98,17 @@ def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str,
     """Speculative decoding's draft model: weights on the target's device, and the size of
     its KV cache (enough for max_rows sequences of max_model_len + k, plus one spare block
     each); one device only."""
-    from jaxserve.loader import load_model
+    from jaxserve.loader import HubOptions, load_model
     from jaxserve.runner.memory import bytes_per_block
 
     spec = config.spec_decode
     if config.parallel_config.tensor_parallel_size > 1:
         raise ValueError("speculative_config method 'draft_model' runs on one device; "
                          "tensor_parallel_size > 1 is not supported with it")
-    loaded = load_model(spec.model, dtype=np.dtype(dtype))
+    # A draft named by its Hub id: the target's cache and token, the draft's main revision.
+    mc = config.model_config
+    loaded = load_model(spec.model, dtype=np.dtype(dtype),
+                        hub=HubOptions(cache_dir=mc.download_dir, token=mc.hf_token))
     draft_arch = read_arch(loaded.hf_config)
     if draft_arch.vocab_size != arch.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary "

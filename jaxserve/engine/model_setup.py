@@ -22,6 +22,7 @@ from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.engine.memory_plan import MemoryPlan, plan_memory
 from jaxserve.kernels.cpu.matmul import use_matrix_units
+from jaxserve.loader.hub_download import HubOptions
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
@@ -386,7 +387,9 @@ def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict
     stacks = LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
                         dtype, placement.mesh, specs)
     registry = LoRARegistry(family, placement.source_arch, max_lora_rank=lc.max_lora_rank,
-                            max_cpu_loras=lc.max_cpu_loras, tp=placement.tp)
+                            max_cpu_loras=lc.max_cpu_loras, tp=placement.tp,
+                            hub=HubOptions(cache_dir=config.model_config.download_dir,
+                                           token=config.model_config.hf_token))
     logger.info("LoRA: %d slots of rank %d on %s (%.1f MiB); %d adapters in host memory",
                 lc.max_loras, lc.max_lora_rank, ", ".join(targets), stacks.nbytes / 2**20,
                 lc.max_cpu_loras)

@@ -81,12 +81,15 @@ class RestoringParams:
 def place_model(config: EngineConfig, mesh: Any, platform: str,
                 cache_dir: str | None = None) -> PlacedModel:
     """cache_dir: where a measured dtype=auto stores its CPU timings (compute_dtype.py)."""
+    from jaxserve.loader.hub_download import hub_options
     from jaxserve.loader.resolve import resolve_model
 
-    resolved = resolve_model(config.model_config.model)
+    # Resolved once (a model by name: found in the cache or downloaded here); the rest of
+    # loading reads the local path.
+    resolved = resolve_model(config.model_config.model, hub_options(config.model_config))
     if resolved.format == "orbax":
         return _restore(config, resolved.path, mesh, platform, cache_dir)
-    return _load_and_place(config, mesh, platform, cache_dir)
+    return _load_and_place(config, resolved.path, mesh, platform, cache_dir)
 
 
 def _placement(config: EngineConfig, arch: ModelArch, mesh: Any) -> Any:
@@ -95,24 +98,26 @@ def _placement(config: EngineConfig, arch: ModelArch, mesh: Any) -> Any:
     return ModelPlacement.create(config.parallel_config, arch, mesh)
 
 
-def _load_and_place(config: EngineConfig, mesh: Any, platform: str,
+def _load_and_place(config: EngineConfig, model_path: str, mesh: Any, platform: str,
                     cache_dir: str | None) -> PlacedModel:
     from jaxserve.loader import load_model, read_model_config
+    from jaxserve.loader.hub_download import hub_options
 
     mc = config.model_config
     dtype_reason = None
     if mc.dtype == "auto":
         # Only a CPU times the model's shapes (compute_dtype.py): only there is its config
         # read ahead of the weights.
-        workload = DtypeWorkload.of(config, read_arch(read_model_config(mc.model)[0]),
+        workload = DtypeWorkload.of(config, read_arch(read_model_config(model_path)[0]),
                                     cache_dir) if platform == "cpu" else None
         dtype, dtype_reason = auto_compute_dtype(platform, mc.matrix_units, workload)
     else:
         dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
     quantization = check_mode(mc.quantization)
-    loaded = load_model(mc.model, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
+    loaded = load_model(model_path, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
                         load_format=mc.load_format, quantization=quantization,
-                        skip_tokenizer_init=mc.skip_tokenizer_init)
+                        skip_tokenizer_init=mc.skip_tokenizer_init,
+                        tokenizer_hub=hub_options(mc, for_tokenizer=True))
     quantization = loaded.quantization     # awq / gptq: the checkpoint's own
     source_arch = read_arch(loaded.hf_config)
     family = family_for(source_arch.architecture)
@@ -167,6 +172,7 @@ def _restored_dtype(config: EngineConfig, info: Any, platform: str,
 
 def _restore(config: EngineConfig, path: str, mesh: Any, platform: str,
              cache_dir: str | None) -> PlacedModel:
+    from jaxserve.loader.hub_download import hub_options
     from jaxserve.loader.orbax_checkpoint import (
         load_checkpoint_tokenizer,
         read_checkpoint,
@@ -219,7 +225,8 @@ def _restore(config: EngineConfig, path: str, mesh: Any, platform: str,
         phases["restore_weights"] = time.perf_counter() - start
     start = time.perf_counter()
     tokenizer = None if mc.skip_tokenizer_init else (
-        load_tokenizer(mc.tokenizer) if mc.tokenizer is not None
+        load_tokenizer(mc.tokenizer, hub=hub_options(mc, for_tokenizer=True))
+        if mc.tokenizer is not None
         else load_checkpoint_tokenizer(path))
     phases["tokenizer"] = time.perf_counter() - start
     return PlacedModel(arch=placement.arch, source_arch=source_arch, placement=placement,

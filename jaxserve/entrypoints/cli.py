@@ -37,6 +37,8 @@ prefix caching) with an OpenAI-compatible API.
 
   jaxserve serve                      serve the embedded SmolLM2-135M-Instruct on :8000
   jaxserve serve /models/Qwen3-0.6B   serve a Hugging Face model directory
+  jaxserve serve Qwen/Qwen3-0.6B      serve a model from the Hugging Face Hub (downloaded once)
+  jaxserve download Qwen/Qwen3-0.6B   fetch and verify it only (image builds, init containers)
   jaxserve serve --config configs/cpu.yaml --port 8080
   jaxserve chat                       chat with a model in the terminal
   jaxserve export-tokenizer tok/      the served model's tokenizer as a HF directory
@@ -168,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_tokenizer_command(commands)
     _add_compile_command(commands)
     _add_convert_command(commands)
+    _add_download_command(commands)
     return parser
 
 
@@ -209,7 +212,7 @@ def _add_export_tokenizer_command(commands: Any) -> None:
         "(lm-eval's tokenizer=OUT_DIR).")
     export.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
     export.add_argument("--model", default=None,
-                        help="model directory, .gguf file or cached HF name (default: the "
+                        help="model directory, .gguf file or Hub name org/name (default: the "
                         "embedded SmolLM2-135M-Instruct)")
     export.add_argument("--tokenizer", default=None,
                         help="tokenizer directory or name, if not the model's")
@@ -256,7 +259,7 @@ def _add_convert_command(commands: Any) -> None:
         "the config and tokenizer, to OUT. `jaxserve serve OUT` / LLM(OUT) then restore each "
         "array straight onto its device. MODEL 'default' is the embedded SmolLM2.")
     convert.add_argument("model", metavar="MODEL",
-                         help="model directory, .gguf file, cached HF name, or 'default'")
+                         help="model directory, .gguf file, Hub name org/name, or 'default'")
     convert.add_argument("out", metavar="OUT", help="directory to write (must be new or empty)")
     convert.add_argument("--quantization", default=None,
                          choices=["none", "int8", "gguf", "awq", "gptq"])
@@ -269,13 +272,44 @@ def _add_convert_command(commands: Any) -> None:
                          "it; serving it with --dtype auto decides on the serving machine")
     convert.add_argument("--tokenizer", default=None,
                          help="tokenizer directory or name, if not the model's")
+    _add_hub_flags(convert)
     convert.add_argument("--log-level", default="info",
                          choices=["debug", "info", "warning", "error"])
 
 
+def _add_hub_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for a model named by its Hub id (the ModelConfig fields of that name)."""
+    parser.add_argument("--revision", default=None,
+                        help="the model's Hub revision: branch, tag or commit (default: main)")
+    parser.add_argument("--download-dir", default=None, help="the Hugging Face cache to use "
+                        "(default: HF_HUB_CACHE, else HF_HOME/hub)")
+    parser.add_argument("--hf-token", default=None,
+                        help="token for gated or private models (default: HF_TOKEN)")
+
+
+def _add_download_command(commands: Any) -> None:
+    """`jaxserve download`: fetch and verify what `serve` would, print where it is."""
+    download = commands.add_parser(
+        "download", help="download and verify a model from the Hugging Face Hub",
+        usage="jaxserve download MODEL [--revision R] [--download-dir DIR] [--hf-token T]",
+        description="Fetch exactly the files `jaxserve serve MODEL` would (safetensors, "
+        "config, tokenizer, chat template; one .gguf of a GGUF repo), check each against the "
+        "Hub's sha256, and print the snapshot directory (or .gguf file). Then `jaxserve "
+        "serve MODEL` starts with HF_HUB_OFFLINE=1: for image builds and init containers.")
+    download.add_argument("model", metavar="MODEL", help="org/name, or org/name:QUANT")
+    _add_hub_flags(download)
+    download.add_argument("--gguf-file", default=None,
+                          help="for a GGUF repo: the file (or quant tag) to fetch")
+    download.add_argument("--tokenizer", default=None,
+                          help="another repo's tokenizer to fetch too (as serve's --tokenizer)")
+    download.add_argument("--tokenizer-revision", default=None)
+    download.add_argument("--log-level", default="info",
+                          choices=["debug", "info", "warning", "error"])
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
-                        help="model directory, .gguf file or cached HF name (default: the "
+                        help="model directory, .gguf file or Hub name org/name (default: the "
                         "embedded SmolLM2-135M-Instruct); same as --model")
     parser.add_argument("--config", metavar="FILE.yaml",
                         help="YAML file whose keys are these long flag names; flags given "
@@ -307,6 +341,10 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    # The Hub client logs every HTTP request at INFO; the download's own lines say enough.
+    if level != "debug":
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -354,7 +392,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model = None if args.model == "default" else args.model
     path = convert_model(model, args.out, quantization=args.quantization,
                          tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-                         tokenizer=args.tokenizer)
+                         tokenizer=args.tokenizer, revision=args.revision,
+                         download_dir=args.download_dir, hf_token=args.hf_token)
     print(f"wrote {path}; serve it with `jaxserve serve {path}`")
     return 0
 
@@ -370,8 +409,24 @@ def cmd_compile(args: argparse.Namespace) -> int:
                        plan_only=args.plan_only)
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    from jaxserve.loader.hub_download import HubOptions, fetch_from_hub
+    from jaxserve.loader.resolve import is_repo_id
+
+    if not is_repo_id(args.model):
+        raise ValueError(f"{args.model!r} is not a Hugging Face repo id (org/name)")
+    path = fetch_from_hub(args.model, "model", HubOptions(
+        args.revision, args.download_dir, args.hf_token, args.gguf_file))
+    if args.tokenizer is not None:
+        fetch_from_hub(args.tokenizer, "tokenizer", HubOptions(
+            args.tokenizer_revision, args.download_dir, args.hf_token))
+    print(path)
+    return 0
+
+
 _COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_export_tokenizer,
-             "convert": cmd_convert, "compile": cmd_compile}
+             "convert": cmd_convert, "compile": cmd_compile, "download": cmd_download}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,26 +43,33 @@ def model_dtype(hf_config: Any) -> str:
 
 def convert_model(model: str | None, out: str, *, quantization: str | None = None,
                   tensor_parallel_size: int = 1, dtype: str = "model",
-                  tokenizer: str | None = None) -> Path:
-    """Load `model` as serving would (on this process's devices) and save it to `out`.
+                  tokenizer: str | None = None, revision: str | None = None,
+                  download_dir: str | None = None, hf_token: str | None = None) -> Path:
+    """Load `model` as serving would (on this process's devices) and save it to `out`;
+    a Hub name is fetched (revision, download_dir, hf_token: as `serve`'s flags).
 
     dtype: "model" (or "auto", the CLI's historical name for it): the model's own
     (`model_dtype`), the same on every machine; or float32 / bfloat16 / float16."""
     from jaxserve.engine.model_source import place_model
     from jaxserve.loader import read_model_config
+    from jaxserve.loader.hub_download import hub_options
     from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
     from jaxserve.loader.resolve import resolve_model
     from jaxserve.models.partition import kv_replication
 
-    if resolve_model(model).format == "orbax":
-        raise ValueError(f"{model} is already a converted checkpoint; convert its source model")
     if Path(out).exists() and any(Path(out).iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
-    if dtype in ("model", "auto"):
-        dtype = model_dtype(read_model_config(model)[0])
-    config = EngineConfig.from_kwargs(model=model, quantization=quantization, dtype=dtype,
-                                      tokenizer=tokenizer,
+    own_dtype = dtype in ("model", "auto")
+    config = EngineConfig.from_kwargs(model=model, quantization=quantization,
+                                      dtype="auto" if own_dtype else dtype,
+                                      tokenizer=tokenizer, revision=revision,
+                                      download_dir=download_dir, hf_token=hf_token,
                                       tensor_parallel_size=tensor_parallel_size)
+    resolved = resolve_model(model, hub_options(config.model_config))
+    if resolved.format == "orbax":
+        raise ValueError(f"{model} is already a converted checkpoint; convert its source model")
+    if own_dtype:
+        config.model_config.dtype = model_dtype(read_model_config(resolved.path)[0])
     start = time.perf_counter()
     placed = place_model(config, None, jax.default_backend())
     loaded_at = time.perf_counter()

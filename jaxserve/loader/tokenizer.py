@@ -12,18 +12,19 @@ from pathlib import Path
 from typing import Any
 
 
-def load_tokenizer(source: Any, chat_template: str | None = None) -> Any:
-    """A Hugging Face tokenizer from a model directory, .gguf file, cached repo id or LoadedModel.
+def load_tokenizer(source: Any, chat_template: str | None = None, hub: Any = None) -> Any:
+    """A Hugging Face tokenizer from a model directory, .gguf file, Hub repo id or LoadedModel.
 
     chat_template: a Jinja template, or a path to a file holding one, that replaces the
-    model's own (vLLM's ``--chat-template``).
+    model's own (vLLM's ``--chat-template``). hub: a HubOptions (revision, cache, token)
+    for a repo id; only the tokenizer's files are downloaded.
     """
     if hasattr(source, "tokenizer") and hasattr(source, "weights"):  # a LoadedModel
         tokenizer = source.tokenizer
     else:
         from jaxserve.loader.resolve import resolve_model
 
-        resolved = resolve_model(source)
+        resolved = resolve_model(source, hub, kind="tokenizer")
         if resolved.format == "gguf":
             from jaxserve.loader.gguf_loader import gguf_tokenizer
 

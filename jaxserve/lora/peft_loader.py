@@ -26,6 +26,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -73,8 +74,10 @@ class LoRAWeights:
 
 
 def load_peft_adapter(path: str, family: ModelFamily, arch: ModelArch,
-                      max_lora_rank: int) -> LoRAWeights:
-    """Read and check the adapter at ``path`` against the base model (its checkpoint arch)."""
+                      max_lora_rank: int, hub: Any = None) -> LoRAWeights:
+    """Read and check the adapter at ``path`` (a PEFT directory, or a Hub repo id: fetched
+    with `hub`, a HubOptions) against the base model (its checkpoint arch)."""
+    path = adapter_directory(path, hub)
     config = _read_config(path)
     rank = int(config.get("r", 0))
     if not 1 <= rank <= max_lora_rank:
@@ -143,6 +146,18 @@ def load_peft_adapter(path: str, family: ModelFamily, arch: ModelArch,
     if not a:
         raise ValueError(f"LoRA adapter {path}: adapter_model.safetensors holds no LoRA weights")
     return LoRAWeights(rank, scaling, a, b)
+
+
+def adapter_directory(path: str, hub: Any = None) -> str:
+    """`path` if it is a directory; a Hub repo id's adapter files, from the cache or
+    downloaded (adapter_config.json + adapter_model.safetensors only)."""
+    from jaxserve.loader.resolve import is_repo_id
+
+    if os.path.isdir(path) or not is_repo_id(path):
+        return path
+    from jaxserve.loader.hub_download import fetch_from_hub
+
+    return str(fetch_from_hub(path, "adapter", hub))
 
 
 def _read_config(path: str) -> dict:

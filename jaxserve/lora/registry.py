@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from jaxserve.lora.peft_loader import LoRAWeights, load_peft_adapter
 from jaxserve.lora.request import LoRARequest
@@ -41,10 +42,11 @@ class LoadedLoRA:
 
 class LoRARegistry:
     def __init__(self, family: ModelFamily, source_arch: ModelArch, *, max_lora_rank: int,
-                 max_cpu_loras: int, tp: int = 1) -> None:
+                 max_cpu_loras: int, tp: int = 1, hub: Any = None) -> None:
         """source_arch: the checkpoint's (adapters are checked against it); tp: KV heads are
-        replicated in B of k/v exactly as in the base weights when tp > num_kv_heads."""
-        self.family, self.arch = family, source_arch
+        replicated in B of k/v exactly as in the base weights when tp > num_kv_heads.
+        hub: the HubOptions (cache, token) an adapter named by its Hub id is fetched with."""
+        self.family, self.arch, self.hub = family, source_arch, hub
         self.max_lora_rank, self.max_cpu_loras, self.tp = max_lora_rank, max_cpu_loras, tp
         self._lock = threading.Lock()
         self._served: dict[str, LoRARequest] = {}                    # by name
@@ -96,7 +98,7 @@ class LoRARegistry:
                 self._cache.move_to_end(request.key)
                 return loaded
         weights = load_peft_adapter(request.lora_path, self.family, self.arch,
-                                    self.max_lora_rank)
+                                    self.max_lora_rank, hub=self.hub)
         if partition.kv_replication(self.arch, self.tp) > 1:
             weights.b.update(partition.replicate_kv_heads(
                 {k: v for k, v in weights.b.items() if k in ("k_proj", "v_proj")},
