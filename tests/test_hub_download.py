@@ -321,8 +321,19 @@ def test_progress_off_a_terminal_is_a_log_line_every_tenth_and_quiet_at_warning(
     assert any("6 files, 0.6 MB; 0.6 MB to download" in r.getMessage() for r in caplog.records)
     caplog.clear()
     caplog.set_level(logging.WARNING, logger="jaxserve.loader")
+    from jaxserve.load_progress import LOAD_PROGRESS
+
+    seen = []
+    real_report = LOAD_PROGRESS.report
+    monkeypatch.setattr(LOAD_PROGRESS, "report",
+                        lambda phase, progress=None: seen.append((phase, progress))
+                        or real_report(phase, progress))
     fetch_from_hub("tiny-org/tiny-llama", options=HubOptions(revision="other"))
     assert not [r for r in caplog.records if r.levelno < logging.WARNING]
+    # quiet in the log, still counted for a listening server's /readyz
+    fractions = [f for phase, f in seen if phase == "download"]
+    assert fractions[0] == 0.0 and fractions[-1] == 1.0 and fractions == sorted(fractions)
+    assert LOAD_PROGRESS.state().phase == "download"
 
 
 # -- one download across processes ------------------------------------------------------------

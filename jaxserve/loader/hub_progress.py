@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from jaxserve import load_progress
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,7 +73,39 @@ class _TerminalBar:
         self._bar.close()
 
 
-def _forwarding_bar(sink: ProgressLog | _TerminalBar) -> type:
+class _Quiet:
+    """A sink that shows nothing (INFO not logged): the readiness probe still counts."""
+
+    def started(self) -> None:
+        pass
+
+    def add(self, num_bytes: int) -> None:
+        pass
+
+
+class _ReadinessCount:
+    """Forwards to a sink and reports the fraction done as the "download" load phase,
+    which a listening server's /readyz shows (jaxserve/load_progress.py)."""
+
+    def __init__(self, sink: ProgressLog | _TerminalBar | _Quiet, total: int) -> None:
+        self._sink = sink
+        self._total = max(total, 1)
+        self._done = 0
+        self._lock = threading.Lock()
+        load_progress.report("download", 0.0)
+
+    def started(self) -> None:
+        self._sink.started()
+
+    def add(self, num_bytes: int) -> None:
+        with self._lock:
+            self._done += num_bytes
+            done = self._done
+        load_progress.report("download", done / self._total)
+        self._sink.add(num_bytes)
+
+
+def _forwarding_bar(sink: _ReadinessCount) -> type:
     class ForwardingBar:
         """What huggingface_hub's http_get asks of a tqdm class: each file's bytes go to
         the one model-wide sink (a log line every tenth, or one terminal bar)."""
@@ -102,26 +136,16 @@ class DownloadProgress:
 
     def __init__(self, total_bytes: int, label: str) -> None:
         self._terminal: _TerminalBar | None = None
-        self.bar_class: type | None
+        sink: ProgressLog | _TerminalBar | _Quiet
         if not logger.isEnabledFor(logging.INFO):
-            self.bar_class = _silent_bar()
+            sink = _Quiet()
         elif sys.stderr.isatty():
-            self._terminal = _TerminalBar(total_bytes, label)
-            self.bar_class = _forwarding_bar(self._terminal)
+            sink = self._terminal = _TerminalBar(total_bytes, label)
         else:
-            self.bar_class = _forwarding_bar(ProgressLog(total_bytes, label))
+            sink = ProgressLog(total_bytes, label)
+        self.bar_class: type = _forwarding_bar(_ReadinessCount(sink, total_bytes))
 
     def close(self) -> None:
         if self._terminal is not None:
             self._terminal.close()
 
-
-def _silent_bar() -> type:
-    from huggingface_hub.utils import tqdm as hf_tqdm
-
-    class SilentBar(hf_tqdm):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-    return SilentBar
