@@ -227,6 +227,25 @@ def tools_server(make_tiny_model, tmp_path_factory):
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--matrix-units", default="auto", choices=["auto", "none", "avx512", "amx"],
                      help="run the suite as on a CPU with these matrix units (see conftest)")
+    parser.addoption("--every-module-once", action="store_true",
+                     help="run the fast tier and the first test of every other module: each "
+                     "module's fixtures (engines, servers, conversions) built once")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """--every-module-once: .ci/run's second pass, as the other CPU kind. A test that
+    passes on one kind only fails there through what its module builds (an engine, a
+    server, a converted checkpoint, a compile): the module's first test builds it."""
+    if not config.getoption("--every-module-once"):
+        return
+    seen: set[str] = set()
+    keep, drop = [], []
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        (keep if item.get_closest_marker("fast") or module not in seen else drop).append(item)
+        seen.add(module)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 def pytest_configure(config: pytest.Config) -> None:
