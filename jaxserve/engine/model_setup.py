@@ -358,13 +358,19 @@ def _draft_proposer(config: EngineConfig, draft: dict[str, Any], backend: Any, d
 
 def _sampling_overrides(config: EngineConfig, placed: Any) -> dict[str, Any]:
     """Default sampling parameters from generation_config.json (vLLM's --generation-config
-    auto); none with "vllm"."""
-    if config.model_config.generation_config == "vllm":
-        return {}
-    overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
+    auto; none with "vllm"), then --override-generation-config's values over them."""
+    overrides = {}
+    if config.model_config.generation_config != "vllm":
+        overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
     if overrides:
         logger.info("default sampling params from generation_config.json: %s", overrides)
+    forced = config.model_config.override_generation_config   # keys checked by finalize
+    if forced:
+        overrides.update(forced)
+        logger.info("default sampling params after --override-generation-config: %s",
+                    overrides)
     return overrides
+
 
 
 def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict,

@@ -32,7 +32,8 @@ import jaxserve
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.error_handlers import add_error_handlers
-from jaxserve.entrypoints.openai.middleware import add_middleware, api_key_from
+from jaxserve.entrypoints.openai.middleware import add_middleware, api_key_from, key_table_from
+from jaxserve.entrypoints.openai.rate_limit import make_rate_limiter
 from jaxserve.entrypoints.openai.routes import (
     add_generation_routes,
     add_lora_routes,
@@ -82,15 +83,21 @@ def _apply_server_limits(engine: AsyncLLMEngine, config: ServeConfig) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """A FastAPI app serving `engine`. The caller starts and shuts down the engine."""
+              api_key: str | list[str] | None = None) -> FastAPI:
+    """A FastAPI app serving `engine`. The caller starts and shuts down the engine.
+    `api_key` (one or several) overrides the config's keys."""
     config = config or ServeConfig(engine=engine.config)
     server = config.server
+    if server.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated (removed in vLLM 0.32): requests "
+                       "are not logged unless --enable-log-requests")
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names, server)
     for serving in (completions, chat):
-        serving.log_requests = not server.disable_log_requests
+        serving.log_requests = server.enable_log_requests
+        serving.return_tokens_as_token_ids = server.return_tokens_as_token_ids
+        serving.enable_prompt_tokens_details = server.enable_prompt_tokens_details
     lora = OpenAIServingLoRA(engine.lora_registry, names[0])
     lora.load_startup_modules(server.lora_modules)
     _apply_server_limits(engine, config)
@@ -98,10 +105,17 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
-                  description="OpenAI-compatible LLM server on JAX/XLA")
+                  description="OpenAI-compatible LLM server on JAX/XLA",
+                  root_path=server.root_path or "")
     app.state.engine = engine
     app.state.metrics = metrics
-    add_middleware(app, server, api_key if api_key is not None else api_key_from(config))
+    keys = key_table_from(config, api_key)
+    app.state.keys = keys
+    app.state.rate_limiter = None
+    if keys is not None:
+        app.state.rate_limiter = make_rate_limiter(server.rate_limit_backend,
+                                                   server.rate_limit_fail_mode)
+    add_middleware(app, server, keys, app.state.rate_limiter)
     add_generation_routes(app, completions, chat, OpenAIServingResponses(chat))
     add_model_routes(app, engine, names, config.engine.model_config.model or names[0], lora)
     if server.allow_runtime_lora_updating:
@@ -114,6 +128,25 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
 
 # -- running it -----------------------------------------------------------------------------------
+def tls_options(server: Any) -> dict[str, Any]:
+    """uvicorn's TLS settings from --ssl-keyfile / --ssl-certfile / --ssl-ca-certs /
+    --ssl-cert-reqs (vLLM's flags); {} for plain HTTP."""
+    if not server.ssl_certfile and not server.ssl_keyfile:
+        return {}
+    for flag, path in (("--ssl-certfile", server.ssl_certfile),
+                       ("--ssl-keyfile", server.ssl_keyfile), ("--ssl-ca-certs",
+                                                               server.ssl_ca_certs)):
+        if flag != "--ssl-ca-certs" and not path:
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+        if path and not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+    options = {"ssl_keyfile": server.ssl_keyfile, "ssl_certfile": server.ssl_certfile,
+               "ssl_cert_reqs": server.ssl_cert_reqs}
+    if server.ssl_ca_certs:
+        options["ssl_ca_certs"] = server.ssl_ca_certs
+    return options
+
+
 def run_server(config: ServeConfig) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, shut down cleanly; returns the exit status:
     0 after a signal, 1 when the engine died (--max-engine-restarts failed steps in a row),
@@ -142,9 +175,11 @@ def run_server(config: ServeConfig) -> int:
             log_level=server_config.uvicorn_log_level,
             # After the drain every request has ended: connections close at once.
             timeout_graceful_shutdown=10.0,
-            access_log=not server_config.disable_uvicorn_access_log)
+            access_log=not server_config.disable_uvicorn_access_log,
+            **tls_options(server_config))
         server = _Server(uv_config, names=served_model_names(config, engine), engine=engine,
-                         shutdown_timeout=server_config.shutdown_timeout)
+                         shutdown_timeout=server_config.shutdown_timeout,
+                         keys=app.state.keys)
         engine.on_fatal = server.engine_died
         server.run()
     finally:
@@ -152,6 +187,14 @@ def run_server(config: ServeConfig) -> int:
         engine.shutdown(drain_timeout=0.0)
     logger.info("bye")
     return server.exit_code
+
+
+def reload_keys_on(keys: Any) -> Any:
+    """A signal handler that re-reads the keys file (SIGHUP)."""
+    def handler(sig: int, frame: Any) -> None:
+        logger.info("signal %d: re-reading the API keys file %s", sig, keys.keys_file)
+        keys.reload()
+    return handler
 
 
 class _Server(uvicorn.Server):
@@ -165,8 +208,9 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(self, config: Any, names: list[str], engine: AsyncLLMEngine,
-                 shutdown_timeout: float) -> None:
+                 shutdown_timeout: float, keys: Any = None) -> None:
         super().__init__(config)
+        self.keys = keys        # KeyTable: SIGHUP re-reads its keys file
         self.names = names
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
@@ -210,8 +254,10 @@ class _Server(uvicorn.Server):
                     host, port = sock.getsockname()[:2]
                     break
             shown = "localhost" if host in ("0.0.0.0", "::") else host
-            logger.info("serving %s on http://%s:%d (OpenAI API at http://%s:%d/v1; "
-                        "Ctrl-C to stop)", ", ".join(self.names), host, port, shown, port)
+            scheme = "https" if self.config.ssl_certfile else "http"
+            logger.info("serving %s on %s://%s:%d (OpenAI API at %s://%s:%d/v1; "
+                        "Ctrl-C to stop)", ", ".join(self.names), scheme, host, port, scheme,
+                        shown, port)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Any:
@@ -220,6 +266,8 @@ class _Server(uvicorn.Server):
             return
         handled = (signal.SIGINT, signal.SIGTERM)
         original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        if self.keys is not None and self.keys.keys_file is not None:
+            original[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload_keys_on(self.keys))
         try:
             yield
         finally:

@@ -25,6 +25,7 @@ import jaxserve
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.error_handlers import handle
 from jaxserve.entrypoints.openai.errors import APIError, validation_error
+from jaxserve.entrypoints.openai.key_auth import allowed_models
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -97,14 +98,19 @@ def add_model_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], roo
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in names]
-                + lora.model_cards(engine.max_model_len)}
+        """The served names, then the adapters: those the request's key may use."""
+        cards = [model_card(name) for name in names] + lora.model_cards(engine.max_model_len)
+        allowed = set(allowed_models([card["id"] for card in cards]))
+        return {"object": "list", "data": [card for card in cards if card["id"] in allowed]}
 
     @app.get("/v1/models/{model_id:path}")
     @handle
     async def retrieve_model(raw_request: Request) -> Response:
         """One model card (OpenAI's `client.models.retrieve`); 404 for a model not served."""
         model_id = raw_request.path_params["model_id"]
+        if not allowed_models([model_id]):
+            raise APIError(f"The model `{model_id}` does not exist.", 404, param="model",
+                           code="model_not_found")
         for card in lora.model_cards(engine.max_model_len):
             if card["id"] == model_id:
                 return JSONResponse(card)
