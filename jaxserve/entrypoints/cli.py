@@ -66,17 +66,21 @@ def _field_kind(section: Any, field: dataclasses.Field) -> tuple[type, bool]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config: Any,
-                     skip: Sequence[str] = ()) -> None:
-    """One flag per leaf field of `config`, grouped by section. Defaults are SUPPRESSed so
-    that only flags given on the command line appear in the parsed namespace."""
+                     skip: Sequence[str] = (), vllm_groups: bool = False) -> None:
+    """One flag per leaf field of `config`, grouped by section (with `vllm_groups`, a flag
+    vLLM also has sits in vLLM's --help section: ModelConfig, CacheConfig, Frontend...).
+    Defaults are SUPPRESSed so that only flags given on the command line appear in the
+    parsed namespace."""
     groups: dict[str, argparse._ArgumentGroup] = {}
+    vllm_group = _vllm_group_of() if vllm_groups else {}
     for section, name, field in iter_leaf_fields(config):
         if name in skip:
             continue
-        title = _SECTION_TITLES.get(type(section).__name__, type(section).__name__)
-        group = groups.get(title) or groups.setdefault(
-            title, parser.add_argument_group(f"{title} options"))
         flag = "--" + name.replace("_", "-")
+        title = vllm_group.get(flag) or \
+            _SECTION_TITLES.get(type(section).__name__, type(section).__name__) + " options"
+        group = groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(title))
         meta = dict(field.metadata)
         help_text = meta.pop("help", "")
         default = getattr(section, name)
@@ -100,6 +104,18 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
         if "choices" in kwargs and kwargs.get("metavar") is None:
             kwargs.pop("metavar")
         group.add_argument(flag, help=help_text, **kwargs)
+
+
+@functools.cache
+def _vllm_group_of() -> dict[str, str]:
+    """vLLM's --help section of each of its serve flags (and aliases): "ModelConfig"..."""
+    from jaxserve.entrypoints.vllm_compat import RENAMED, vllm_flags
+
+    groups = {}
+    for flag in vllm_flags()[1]:
+        for name in (flag.flag, *flag.aliases):
+            groups[RENAMED.get(name, name)] = flag.group
+    return groups
 
 
 def _json_object(text: str) -> dict:
@@ -155,13 +171,22 @@ def config_to_yaml(config: Any) -> str:
 
 
 # -- the parser -----------------------------------------------------------------------------------
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """A bad command line is one line on stderr and exit status 2 (no usage dump)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the "
+                  "flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         prog="jaxserve", description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version",
                         version=f"jaxserve {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=_OneLineErrorParser)
 
     _add_serve_command(commands)
     _add_chat_command(commands)
@@ -179,9 +204,12 @@ def _add_serve_command(commands: Any) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics ...).")
     _add_common(serve)
-    add_config_flags(serve, ServeConfig())
+    add_config_flags(serve, ServeConfig(), vllm_groups=True)
     serve.add_argument("--print-config", action="store_true",
                        help="print the resolved configuration as YAML and exit")
+    serve.epilog = ("vLLM command lines run unchanged: each `vllm serve` flag is implemented, "
+                    "accepted with a warning, or refused with what to use instead; "
+                    "`jaxserve serve --help=vllm` prints the table.")
 
 
 def _add_chat_command(commands: Any) -> None:
@@ -286,9 +314,20 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_serve_args(argv: Sequence[str]) -> ServeConfig:
-    """`jaxserve serve ...` arguments (without the 'serve') → a ServeConfig."""
-    args = build_parser().parse_args(["serve", *argv])
+    """`jaxserve serve ...` arguments (without the 'serve') → a ServeConfig. vLLM's flags
+    are settled first (vllm_compat.py); a refused or unknown one raises FlagError."""
+    from jaxserve.entrypoints.vllm_compat import translate_serve_argv
+
+    translated = translate_serve_argv(argv, serve_option_strings())
+    args = build_parser().parse_args(["serve", *translated.argv])
     return _serve_config(args)
+
+
+def serve_option_strings() -> frozenset[str]:
+    """Every option string `jaxserve serve` takes (--no-X forms included)."""
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return frozenset(o for action in serve._actions for o in action.option_strings)
 
 
 def _serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -316,6 +355,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.stdout.write(config_to_yaml(config))
         return 0
     setup_logging(args.log_level)
+    for warning in getattr(args, "vllm_warnings", ()):
+        logger.warning("%s", warning)
+    if config.server.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated (removed in vLLM 0.32): requests "
+                       "are not logged unless --enable-log-requests")
     from jaxserve.entrypoints.openai.api_server import run_server
 
     return run_server(config)
@@ -375,8 +419,23 @@ _COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_expor
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_warnings: list[str] = []
+    if argv[:1] == ["serve"]:
+        from jaxserve.entrypoints.vllm_compat import FlagError, summary, translate_serve_argv
+
+        if "--help=vllm" in argv:
+            print(summary(serve_option_strings()))
+            return 0
+        try:
+            translated = translate_serve_argv(argv[1:], serve_option_strings())
+        except FlagError as exc:
+            print(f"jaxserve serve: error: {exc}", file=sys.stderr)
+            return 2
+        argv, vllm_warnings = ["serve", *translated.argv], translated.warnings
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.vllm_warnings = vllm_warnings
     if args.command is None:
         parser.print_help()
         return 2

@@ -88,9 +88,6 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     `api_key` (one or several) overrides the config's keys."""
     config = config or ServeConfig(engine=engine.config)
     server = config.server
-    if server.disable_log_requests:
-        logger.warning("--disable-log-requests is deprecated (removed in vLLM 0.32): requests "
-                       "are not logged unless --enable-log-requests")
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names, server)

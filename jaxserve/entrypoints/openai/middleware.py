@@ -16,6 +16,7 @@ from jaxserve.entrypoints.openai.api_keys import KeyTable
 from jaxserve.entrypoints.openai.key_auth import KeyAuthMiddleware
 from jaxserve.entrypoints.openai.rate_limit import RateLimiter
 
+
 def api_key_from(config: ServeConfig) -> list[str] | None:
     """--api-key's keys, else $JAXSERVE_API_KEY, else $VLLM_API_KEY (vLLM's), else None."""
     keys = config.server.api_key
