@@ -102,8 +102,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
-                  description="OpenAI-compatible LLM server on JAX/XLA",
-                  root_path=server.root_path or "")
+                  description="OpenAI-compatible LLM server on JAX/XLA")
     app.state.engine = engine
     app.state.metrics = metrics
     keys = key_table_from(config, api_key)
@@ -125,20 +124,21 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
 
 # -- running it -----------------------------------------------------------------------------------
-def tls_options(server: Any) -> dict[str, Any]:
-    """uvicorn's TLS settings from --ssl-keyfile / --ssl-certfile / --ssl-ca-certs /
-    --ssl-cert-reqs (vLLM's flags); {} for plain HTTP."""
+def uvicorn_options(server: Any) -> dict[str, Any]:
+    """uvicorn's --root-path and TLS settings (vLLM's flags: --ssl-keyfile, --ssl-certfile,
+    --ssl-ca-certs, --ssl-cert-reqs; none for plain HTTP)."""
+    options: dict[str, Any] = {"root_path": server.root_path or ""}
     if not server.ssl_certfile and not server.ssl_keyfile:
-        return {}
+        return options
+    if not server.ssl_certfile or not server.ssl_keyfile:
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     for flag, path in (("--ssl-certfile", server.ssl_certfile),
-                       ("--ssl-keyfile", server.ssl_keyfile), ("--ssl-ca-certs",
-                                                               server.ssl_ca_certs)):
-        if flag != "--ssl-ca-certs" and not path:
-            raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+                       ("--ssl-keyfile", server.ssl_keyfile),
+                       ("--ssl-ca-certs", server.ssl_ca_certs)):
         if path and not os.path.isfile(path):
             raise FileNotFoundError(f"{flag} {path}: no such file")
-    options = {"ssl_keyfile": server.ssl_keyfile, "ssl_certfile": server.ssl_certfile,
-               "ssl_cert_reqs": server.ssl_cert_reqs}
+    options.update(ssl_keyfile=server.ssl_keyfile, ssl_certfile=server.ssl_certfile,
+                   ssl_cert_reqs=server.ssl_cert_reqs)
     if server.ssl_ca_certs:
         options["ssl_ca_certs"] = server.ssl_ca_certs
     return options
@@ -173,7 +173,7 @@ def run_server(config: ServeConfig) -> int:
             # After the drain every request has ended: connections close at once.
             timeout_graceful_shutdown=10.0,
             access_log=not server_config.disable_uvicorn_access_log,
-            **tls_options(server_config))
+            **uvicorn_options(server_config))
         server = _Server(uv_config, names=served_model_names(config, engine), engine=engine,
                          shutdown_timeout=server_config.shutdown_timeout,
                          keys=app.state.keys)

@@ -48,6 +48,13 @@ def is_open_path(path: str) -> bool:
     return path in OPEN_PATHS or path.startswith("/health/")
 
 
+def _route_path(scope: dict) -> str:
+    """The path the router matches: without --root-path's prefix, which uvicorn puts in
+    front of every path."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 def _bearer(scope: dict) -> bytes | None:
     value = next((v for k, v in scope["headers"] if k == b"authorization"), None)
     if value is None:
@@ -65,7 +72,7 @@ class KeyAuthMiddleware:
         self.limiter = limiter
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or is_open_path(scope["path"]) \
+        if scope["type"] != "http" or is_open_path(_route_path(scope)) \
                 or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
         presented = _bearer(scope)
