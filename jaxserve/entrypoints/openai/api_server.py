@@ -111,6 +111,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     if keys is not None:
         app.state.rate_limiter = make_rate_limiter(server.rate_limit_backend,
                                                    server.rate_limit_fail_mode)
+        app.router.on_shutdown.append(app.state.rate_limiter.close)
     add_middleware(app, server, keys, app.state.rate_limiter)
     add_generation_routes(app, completions, chat, OpenAIServingResponses(chat))
     add_model_routes(app, engine, names, config.engine.model_config.model or names[0], lora)
