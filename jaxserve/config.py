@@ -114,7 +114,9 @@ class CacheConfig:
         "fraction applies to available RAM, capped at 4 GiB of KV cache unless "
         "--kv-cache-memory-bytes is given.")
     kv_cache_memory_bytes: int | None = opt(
-        None, "KV cache size in bytes; overrides --gpu-memory-utilization.")
+        None, "KV cache size in bytes per device (vLLM's: per GPU), taken as given: "
+        "--gpu-memory-utilization is then ignored. Simulated CPU devices share host RAM, so "
+        "there it is the size for all of them together.")
     kv_cache_dtype: str = opt(
         "auto", "KV cache dtype (vLLM's flag): auto (the model dtype), float32, bfloat16, "
         "float16, fp8 (e4m3) or int8; fp8 and int8 store a 1-byte scale per token and KV "

@@ -357,6 +357,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     for warning in getattr(args, "vllm_warnings", ()):
         logger.warning("%s", warning)
+    if config.engine.model_config.trust_remote_code:
+        logger.info("--trust-remote-code: jaxserve runs its own implementation of the model's "
+                    "architecture; no code from the model repository runs")
     if config.server.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated (removed in vLLM 0.32): requests "
                        "are not logged unless --enable-log-requests")
