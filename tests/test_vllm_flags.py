@@ -110,3 +110,15 @@ def test_help_groups_flags_as_vllm_and_help_vllm_prints_the_table():
                                 env=env, check=True).stdout
     assert "316 in all" in table_text and "UNCLASSIFIED" not in table_text
     assert "--disable-custom-all-reduce" in table_text
+
+
+def test_a_bad_keys_file_or_backend_stops_the_start_before_the_model_loads(tmp_path, capsys):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: a\n    rpm: 3\n")
+    assert main(["serve", "--api-keys-file", str(keys), "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown field" in err and "rpm" in err
+    assert main(["serve", "--rate-limit-backend", "mongodb://x", "--model", "/no"]) == 2
+    assert "--rate-limit-backend" in capsys.readouterr().err
+    assert main(["serve", "--ssl-certfile", str(keys), "--model", "/no"]) == 2
+    assert "go together" in capsys.readouterr().err

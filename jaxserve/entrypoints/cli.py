@@ -355,6 +355,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.stdout.write(config_to_yaml(config))
         return 0
     setup_logging(args.log_level)
+    check_server_options(config)
     for warning in getattr(args, "vllm_warnings", ()):
         logger.warning("%s", warning)
     if config.engine.model_config.trust_remote_code:
@@ -366,6 +367,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.entrypoints.openai.api_server import run_server
 
     return run_server(config)
+
+
+def check_server_options(config: ServeConfig) -> None:
+    """The HTTP front end's files and backends, checked before the model loads (minutes),
+    so a typo in them is one error line at once: the keys file, TLS files, rate limiter."""
+    from jaxserve.entrypoints.openai.api_server import uvicorn_options
+    from jaxserve.entrypoints.openai.middleware import key_table_from
+    from jaxserve.entrypoints.openai.rate_limit import backend_kind
+
+    key_table_from(config)
+    uvicorn_options(config.server)
+    backend_kind(config.server.rate_limit_backend)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

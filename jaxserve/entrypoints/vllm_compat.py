@@ -43,7 +43,8 @@ _CUDA = "a CUDA/PyTorch mechanism; XLA compiles the whole step ahead of time"
 _MM = "jaxserve serves text-only models: nothing multimodal to configure"
 _MAMBA = "no Mamba/SSM architectures here"
 _NCCL = "XLA inserts the collectives of a sharded step (no NCCL or custom all-reduce)"
-_DEFAULT = "jaxserve's behaviour is vLLM's default for this flag"
+_DEFAULT = "a knob of vLLM's own implementation with no counterpart here; jaxserve " \
+    "behaves as vLLM does by default"
 _LOG = "jaxserve's logs and metrics are configured by --log-level, --disable-log-stats and " \
     "/metrics"
 
@@ -99,7 +100,7 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
                "--dcp-kv-cache-interleave-size", "--dcp-q-replicate",
                "--anthropic-disabled-thinking-effort", "--cohere-format",
                "--cohere-is-reasoning-model", "--enable-flash-late-interaction",
-               "--fingerprint-mode", "--fingerprint-value", "--disable-sliding-window"),
+               "--fingerprint-mode", "--fingerprint-value"),
     _LOG: ("--aggregate-engine-logging", "--enable-log-deltas", "--enable-log-outputs",
            "--enable-logging-iteration-details", "--enable-mfu-metrics",
            "--enable-per-request-metrics", "--cudagraph-metrics", "--kv-cache-metrics",
@@ -164,6 +165,8 @@ REFUSED: dict[str, str] = {
     "--sleep-preserve-parameter-names": "sleep mode is not implemented",
     "--enable-prompt-embeds": "prompts are text or token ids",
     "--mm-encoder-only": "jaxserve serves text-only models",
+    "--disable-sliding-window": "a model's sliding window is always applied as its config "
+                                "says; lower --max-model-len instead",
     "--default-chat-template-kwargs": "send chat_template_kwargs with each chat request",
     "--enable-return-routed-experts": "not implemented",
     "--enable-trace-replay": "not implemented",
@@ -412,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxserve.entrypoints.cli import serve_option_strings
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    print(summary(serve_option_strings(), markdown="--markdown" in argv))
+    sys.stdout.write(summary(serve_option_strings(), markdown="--markdown" in argv) + "\n")
     return 0
 
 

@@ -169,11 +169,8 @@ class RedisRateLimiter:
 
     def __init__(self, url: str, fail_open: bool = False, prefix: str = "jaxserve:ratelimit",
                  timeout_s: float = 1.0) -> None:
-        try:
-            import redis.asyncio as aioredis
-        except ImportError:
-            raise ValueError("--rate-limit-backend redis:// needs the redis package: "
-                             "pip install 'jaxserve[redis]'") from None
+        import redis.asyncio as aioredis
+
         self.url = url
         self.fail_open = fail_open
         self.prefix = prefix
@@ -235,11 +232,24 @@ class RedisRateLimiter:
         await self.client.aclose()
 
 
-def make_rate_limiter(backend: str, fail_mode: str = "closed") -> RateLimiter:
-    """`--rate-limit-backend`: "memory" or a redis:// URL."""
+def backend_kind(backend: str) -> str:
+    """"memory" or "redis" for a --rate-limit-backend value; ValueError for anything else,
+    or for redis:// without the redis package."""
     if backend in ("", "memory"):
-        return MemoryRateLimiter()
+        return "memory"
     if backend.startswith(("redis://", "rediss://", "unix://")):
-        return RedisRateLimiter(backend, fail_open=fail_mode == "open")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            raise ValueError("--rate-limit-backend redis:// needs the redis package: "
+                             "pip install 'jaxserve[redis]'") from None
+        return "redis"
     raise ValueError(f"--rate-limit-backend must be 'memory' or redis://HOST:PORT, "
                      f"got {backend!r}")
+
+
+def make_rate_limiter(backend: str, fail_mode: str = "closed") -> RateLimiter:
+    """`--rate-limit-backend`: "memory" or a redis:// URL."""
+    if backend_kind(backend) == "memory":
+        return MemoryRateLimiter()
+    return RedisRateLimiter(backend, fail_open=fail_mode == "open")
