@@ -343,6 +343,11 @@ class ServerConfig:
     ssl_cert_reqs: int = opt(
         0, "TLS: whether client certificates are required (Python's ssl.CERT_NONE=0, "
         "CERT_OPTIONAL=1, CERT_REQUIRED=2).", choices=[0, 1, 2])
+    otlp_traces_endpoint: str | None = opt(
+        None, "Send one OpenTelemetry span per request (vLLM's llm_request span and "
+        "gen_ai.* attributes; a traceparent header joins the caller's trace) to this OTLP "
+        "endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (default) or "
+        "http/protobuf. Needs pip install 'jaxserve[otel]'.")
     root_path: str | None = opt(
         None, "The path prefix a proxy serves this app under (FastAPI's root_path), for "
         "links and OpenAPI docs; routes still answer at their own paths.")

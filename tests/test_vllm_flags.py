@@ -122,3 +122,12 @@ def test_a_bad_keys_file_or_backend_stops_the_start_before_the_model_loads(tmp_p
     assert "--rate-limit-backend" in capsys.readouterr().err
     assert main(["serve", "--ssl-certfile", str(keys), "--model", "/no"]) == 2
     assert "go together" in capsys.readouterr().err
+
+
+def test_readme_carries_the_current_table():
+    from jaxserve.entrypoints.vllm_compat import summary
+
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    assert summary(serve_option_strings(), markdown=True) in readme, \
+        "regenerate README's table: python -m jaxserve.entrypoints.vllm_compat --markdown"

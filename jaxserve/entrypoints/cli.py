@@ -371,7 +371,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def check_server_options(config: ServeConfig) -> None:
     """The HTTP front end's files and backends, checked before the model loads (minutes),
-    so a typo in them is one error line at once: the keys file, TLS files, rate limiter."""
+    so a typo in them is one error line at once: the keys file, TLS files, rate limiter,
+    trace exporter."""
     from jaxserve.entrypoints.openai.api_server import uvicorn_options
     from jaxserve.entrypoints.openai.middleware import key_table_from
     from jaxserve.entrypoints.openai.rate_limit import backend_kind
@@ -379,6 +380,9 @@ def check_server_options(config: ServeConfig) -> None:
     key_table_from(config)
     uvicorn_options(config.server)
     backend_kind(config.server.rate_limit_backend)
+    if config.server.otlp_traces_endpoint:
+        from jaxserve.entrypoints.openai.tracing import check_available
+        check_available()
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

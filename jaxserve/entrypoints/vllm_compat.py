@@ -218,8 +218,6 @@ REFUSED: dict[str, str] = {
     "--max-num-scheduled-tokens": "use --max-num-batched-tokens",
     "--scheduling-policy": "scheduling is first-come first-served (vLLM's default fcfs)",
     "--scheduler-cls": "the scheduler is jaxserve's own",
-    "--otlp-traces-endpoint": "OpenTelemetry tracing is not implemented yet (issue 43); "
-                              "request ids are in x-request-id and the request log",
 }
 
 # Refused flags given their no-op value are accepted instead (vLLM defaults).

@@ -91,7 +91,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names, server)
+    tracer = None
+    if server.otlp_traces_endpoint:
+        from jaxserve.entrypoints.openai.tracing import RequestTracer
+        tracer = RequestTracer(server.otlp_traces_endpoint)
     for serving in (completions, chat):
+        serving.tracer = tracer
         serving.log_requests = server.enable_log_requests
         serving.return_tokens_as_token_ids = server.return_tokens_as_token_ids
         serving.enable_prompt_tokens_details = server.enable_prompt_tokens_details
@@ -113,6 +118,11 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
                                                    server.rate_limit_fail_mode)
         app.router.on_shutdown.append(app.state.rate_limiter.close)
     add_middleware(app, server, keys, app.state.rate_limiter)
+    app.state.tracer = tracer
+    if tracer is not None:
+        from jaxserve.entrypoints.openai.tracing import TraceHeadersMiddleware
+        app.add_middleware(TraceHeadersMiddleware)
+        app.router.on_shutdown.append(tracer.shutdown)
     add_generation_routes(app, completions, chat, OpenAIServingResponses(chat))
     add_model_routes(app, engine, names, config.engine.model_config.model or names[0], lora)
     if server.allow_runtime_lora_updating:

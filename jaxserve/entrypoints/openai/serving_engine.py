@@ -55,6 +55,7 @@ class OpenAIServing:
     log_requests = False    # one INFO line per admitted request (--enable-log-requests)
     return_tokens_as_token_ids = False       # logprob tokens as "token_id:N"
     enable_prompt_tokens_details = True      # usage.prompt_tokens_details.cached_tokens
+    tracer: Any = None                       # tracing.RequestTracer (--otlp-traces-endpoint)
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -264,11 +265,16 @@ class OpenAIServing:
             if isinstance(exc, (ValueError, EngineUnavailableError)):
                 raise engine_error(exc) from None
             raise
+        outputs = [self.engine.stream_outputs(stream) for stream in streams]
+        if self.tracer is not None:     # --otlp-traces-endpoint: a span per request
+            model = lora_request.lora_name if lora_request is not None else \
+                self.served_model_names[0]
+            outputs = [self.tracer.traced(out, sp, model) for out, sp in zip(outputs, params)]
         grant = current_grant.get()
-        if grant is None:
-            return [self.engine.stream_outputs(stream) for stream in streams]
-        grant.prompt_tokens += sum(len(p) * sp.n for p, sp in zip(prompts, params))
-        return [_metered(self.engine.stream_outputs(stream), grant) for stream in streams]
+        if grant is not None:           # the key's tokens, charged when the response ends
+            grant.prompt_tokens += sum(len(p) * sp.n for p, sp in zip(prompts, params))
+            outputs = [_metered(out, grant) for out in outputs]
+        return outputs
 
 
 async def _metered(outputs: AsyncIterator[RequestOutput], grant: KeyGrant
