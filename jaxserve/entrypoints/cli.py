@@ -79,7 +79,8 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
         flag = "--" + name.replace("_", "-")
         title = vllm_group.get(flag) or \
             _SECTION_TITLES.get(type(section).__name__, type(section).__name__) + " options"
-        group = groups.get(title) or groups.setdefault(
+        # vLLM's ungrouped flags sit in argparse's own "options" section, as there.
+        group = parser if title == "options" else groups.get(title) or groups.setdefault(
             title, parser.add_argument_group(title))
         meta = dict(field.metadata)
         help_text = meta.pop("help", "")
