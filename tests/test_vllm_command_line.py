@@ -11,7 +11,6 @@ import sys
 import time
 
 import httpx
-import pytest
 
 try:                                    # tests/ as a package or as a plain directory
     from tests.test_api_keys import free_port
