@@ -131,3 +131,23 @@ def test_readme_carries_the_current_table():
         readme = f.read()
     assert summary(serve_option_strings(), markdown=True) in readme, \
         "regenerate README's table: python -m jaxserve.entrypoints.vllm_compat --markdown"
+
+
+def test_a_vllm_config_yaml_is_settled_like_its_command_line(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "vllm.yaml"
+    path.write_text("max-num-seqs: 4\ndevice-memory-utilization: 0.5\n"
+                    "disable-custom-all-reduce: true\npipeline-parallel-size: 1\n"
+                    "max_model_len: 256\n")
+    assert main(["serve", "--config", str(path), "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["max-num-seqs"] == 4 and printed["gpu-memory-utilization"] == 0.5
+    assert printed["max-model-len"] == 256
+    path.write_text("pipeline-parallel-size: 2\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pipeline-parallel-size" in err and "issue 43" in err
+    path.write_text("frobnicate: 2\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "frobnicate" in capsys.readouterr().err

@@ -129,10 +129,20 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def config_from_args(config: Any, args: argparse.Namespace) -> Any:
-    """Defaults ← `--config` YAML ← flags given on the command line."""
+def config_from_args(config: Any, args: argparse.Namespace,
+                     vllm_keys: bool = False) -> Any:
+    """Defaults ← `--config` YAML ← flags given on the command line. With `vllm_keys`
+    (serve) the YAML's vLLM keys are settled as vLLM flags are on the command line; the
+    warnings for accepted ones join `args.vllm_warnings`."""
     if getattr(args, "config", None):
         values = load_yaml(args.config)
+        if vllm_keys:
+            from jaxserve.entrypoints.vllm_compat import translate_config_keys
+
+            leaves = [name for _, name, _ in iter_leaf_fields(config)]
+            translated = translate_config_keys(values, leaves, args.config)
+            values = translated.values
+            args.vllm_warnings = [*getattr(args, "vllm_warnings", []), *translated.warnings]
         try:
             set_flat(config, values)
         except TypeError as exc:
@@ -332,7 +342,7 @@ def serve_option_strings() -> frozenset[str]:
 
 
 def _serve_config(args: argparse.Namespace) -> ServeConfig:
-    config = config_from_args(ServeConfig(), args)
+    config = config_from_args(ServeConfig(), args, vllm_keys=True)
     if args.model_positional is not None:
         config.engine.model_config.model = args.model_positional
     return config

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 FLAGS_FILE = os.path.join(os.path.dirname(__file__), "vllm_flags.json")
 
@@ -285,8 +286,11 @@ class FlagError(ValueError):
 
 @dataclasses.dataclass
 class Translation:
+    """What is left for argparse (`argv`) or the config tree (`values`), and the warning
+    lines for the accepted vLLM flags that were dropped."""
     argv: list[str]
     warnings: list[str]
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def translate_serve_argv(argv: Sequence[str], ours: Iterable[str]) -> Translation:
@@ -337,6 +341,45 @@ def translate_serve_argv(argv: Sequence[str], ours: Iterable[str]) -> Translatio
             raise FlagError(f"{name} is not supported: {note}")
         raise FlagError(f"{name} (vLLM {version}) is not classified by jaxserve yet")
     return Translation(out, warnings)
+
+
+def translate_config_keys(values: dict[str, Any], leaves: Iterable[str], source: str
+                          ) -> Translation:
+    """A `--config` YAML's keys (underscore names) with vLLM's settled as on the command
+    line: renamed ones renamed, accepted ones dropped with a warning, refused ones raised.
+    Keys neither jaxserve's nor vLLM's are kept (in `values`), for the config's own
+    unknown-key error."""
+    leaves = frozenset(leaves)
+    version, flags = vllm_flags()
+    by_name = {name: flag for flag in flags for name in (flag.flag, *flag.aliases)}
+    kept: dict[str, Any] = {}
+    warnings: list[str] = []
+    for key, value in values.items():
+        flag_name = "--" + key.replace("_", "-")
+        if key in leaves:
+            kept[key] = value
+            continue
+        ours = RENAMED.get(flag_name)
+        if ours is not None and ours[2:].replace("-", "_") in leaves:
+            kept[ours[2:].replace("-", "_")] = value
+            continue
+        flag = by_name.get(flag_name)
+        if flag is None:
+            kept[key] = value
+            continue
+        status, note = classify(flag, frozenset("--" + leaf.replace("_", "-")
+                                                for leaf in leaves))
+        if status == "refused" and str(value) in HARMLESS_VALUES.get(flag.flag, set()):
+            warnings.append(f"{source}: {flag_name[2:]}: {value}: accepted (vLLM's default; "
+                            "nothing to do)")
+        elif status == "accepted":
+            warnings.append(f"{source}: {flag_name[2:]}: accepted and ignored ({note})")
+        elif status == "refused":
+            raise FlagError(f"{source}: {flag_name[2:]} is not supported: {note}")
+        else:
+            raise FlagError(f"{source}: {flag_name[2:]} is not available in this build yet "
+                            f"({note})")
+    return Translation([], warnings, kept)
 
 
 def _take_values(args: list[str], i: int, nargs: int | str | None) -> tuple[int, list[str]]:
