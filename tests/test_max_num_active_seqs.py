@@ -78,6 +78,7 @@ def test_engine_runs_at_most_the_cap_with_the_same_tokens_and_compiles_lazily(
         most_running = max(most_running, snapshot.num_running)
         held.append(snapshot.num_held_by_active_cap)
     assert most_running == 2 and max(held) == 4
+    assert runner.buckets.seq_cap == 8        # the batch window is still --max-num-seqs
     assert engine.snapshot().max_num_active_seqs == 2
     assert len(runner.compiled_shapes) > 2          # compiled as steps needed them
     reference = LLM(str(make_tiny_model("llama")), **common).generate(
