@@ -210,6 +210,22 @@ def test_sighup_reloads_the_keys_file(server, keys_file):
 
 
 @pytest.mark.fast
+def test_a_stored_response_is_visible_to_its_own_key_only(server):
+    mine = server.client("sk-admin")
+    created = mine.responses.create(model="smol", input="hi", max_output_tokens=3)
+    assert mine.responses.retrieve(created.id).id == created.id
+    other = server.client("sk-team-a")
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="smol", input="more", previous_response_id=created.id,
+                               max_output_tokens=2)
+    follow = mine.responses.create(model="smol", input="more", max_output_tokens=2,
+                                   previous_response_id=created.id)
+    assert follow.status in ("completed", "incomplete")
+
+
+@pytest.mark.fast
 def test_keys_file_mistakes_are_one_clear_error(tmp_path):
     path = tmp_path / "k.yaml"
     for text, words in [("keys:\n  - models: [a]\n", "exactly one of 'key' or 'sha256'"),
