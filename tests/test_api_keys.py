@@ -226,6 +226,25 @@ def test_a_stored_response_is_visible_to_its_own_key_only(server):
 
 
 @pytest.mark.fast
+def test_only_a_key_with_every_model_may_load_or_unload_adapters(keys_file):
+    srv = Server(api_keys_file=keys_file, api_key=["sk-admin"],
+                 allow_runtime_lora_updating=True)
+    try:
+        body = {"lora_name": "x", "lora_path": "/nonexistent"}
+        limited = httpx.post(srv.url + "/v1/load_lora_adapter", json=body,
+                             headers={"Authorization": "Bearer sk-team-a"})
+        assert limited.status_code == 403
+        assert limited.json()["error"]["type"] == "permission_error"
+        admin = httpx.post(srv.url + "/v1/load_lora_adapter", json=body,
+                           headers={"Authorization": "Bearer sk-admin"})
+        assert admin.status_code == 400 and "--enable-lora" in admin.text   # past the check
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "x"},
+                          headers={"Authorization": "Bearer sk-team-a"}).status_code == 403
+    finally:
+        srv.stop()
+
+
+@pytest.mark.fast
 def test_keys_file_mistakes_are_one_clear_error(tmp_path):
     path = tmp_path / "k.yaml"
     for text, words in [("keys:\n  - models: [a]\n", "exactly one of 'key' or 'sha256'"),

@@ -25,7 +25,7 @@ import jaxserve
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.error_handlers import handle
 from jaxserve.entrypoints.openai.errors import APIError, validation_error
-from jaxserve.entrypoints.openai.key_auth import allowed_models
+from jaxserve.entrypoints.openai.key_auth import allowed_models, current_grant
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -123,10 +123,19 @@ def add_model_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], roo
 def add_lora_routes(app: FastAPI, lora: OpenAIServingLoRA) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating)."""
 
+    def check_may_manage() -> None:
+        """Adapters serve every key: only a key with every model may change them."""
+        grant = current_grant.get()
+        if grant is not None and grant.key.models is not None:
+            raise APIError("this API key may not load or unload adapters (it needs access to "
+                           "all models: models: [\"*\"] in --api-keys-file)", 403,
+                           "permission_error", code="insufficient_permissions")
+
     @app.post("/v1/load_lora_adapter")
     @handle
     async def load_lora_adapter(raw_request: Request) -> Response:
         """Load a PEFT adapter and serve it under lora_name (vLLM's endpoint)."""
+        check_may_manage()
         request = await parse_body(raw_request, LoadLoRAAdapterRequest)
         return Response(await lora.load(request), media_type="text/plain")
 
@@ -134,6 +143,7 @@ def add_lora_routes(app: FastAPI, lora: OpenAIServingLoRA) -> None:
     @handle
     async def unload_lora_adapter(raw_request: Request) -> Response:
         """Stop serving an adapter; its running requests finish first."""
+        check_may_manage()
         request = await parse_body(raw_request, UnloadLoRAAdapterRequest)
         return Response(await lora.unload(request), media_type="text/plain")
 
