@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from jaxserve.sampling_params import GENERATION_CONFIG_DEFAULTS
 from jaxserve.spec_settings import parse_speculative_config
 
 
@@ -108,6 +109,15 @@ class ModelConfig:
         "auto", "'auto' reads default sampling params from the model's generation_config.json; "
         "'vllm' ignores it; or a directory holding one.")
     max_logprobs: int = opt(20, "Largest `logprobs` a request may ask for.")
+    override_generation_config: dict | None = opt(
+        None, "Default sampling params over the model's generation config, as JSON "
+        "(vLLM's flag): {\"temperature\": 0.5, \"max_new_tokens\": 64}; a request's own "
+        "values still win.")
+    trust_remote_code: bool = opt(
+        False, "Accepted for vLLM command lines: jaxserve runs its own implementation of "
+        "each supported architecture and never executes code from a model repository, so "
+        "the flag changes nothing; a model whose architecture is not native is refused "
+        "with or without it.")
 
 
 @dataclass
@@ -120,7 +130,9 @@ class CacheConfig:
         "fraction applies to available RAM, capped at 4 GiB of KV cache unless "
         "--kv-cache-memory-bytes is given.")
     kv_cache_memory_bytes: int | None = opt(
-        None, "KV cache size in bytes; overrides --gpu-memory-utilization.")
+        None, "KV cache size in bytes per device (vLLM's: per GPU), taken as given: "
+        "--gpu-memory-utilization is then ignored. Simulated CPU devices share host RAM, so "
+        "there it is the size for all of them together.")
     kv_cache_dtype: str = opt(
         "auto", "KV cache dtype (vLLM's flag): auto (the model dtype), float32, bfloat16, "
         "float16, fp8 (e4m3) or int8; fp8 and int8 store a 1-byte scale per token and KV "
@@ -133,6 +145,10 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = opt(256, "Most sequences in one step.")
+    max_num_active_seqs: int | None = opt(
+        None, "Most RUNNING sequences (those holding KV blocks and decoding), independent of "
+        "--max-num-seqs: new requests wait while this many run, which bounds inter-token "
+        "latency without shrinking the scheduler's batch window. Default: --max-num-seqs.")
     max_num_batched_tokens: int | None = opt(
         None, "Token budget of one step (prefill chunks + decodes). Default: 2048 on GPU, "
         "512 on CPU.")
@@ -190,6 +206,11 @@ class RunnerConfig:
         "ahead of time, e.g. for --target h200 on a machine without a GPU) instead of "
         "compiling them, when its manifest matches this engine (device, versions, config); "
         "otherwise compile as usual, with one warning saying why.")
+    enforce_eager: bool = opt(
+        False, "Fast boot for debugging (vLLM's flag, whose CUDA graphs and torch.compile "
+        "have no JAX twin): at start compile only the largest and the one-token step "
+        "buckets the memory plan needs, and every other bucket the first time a step uses "
+        "it (that step waits for its compile). Off: warm-up compiles every bucket.")
     compile_in_background: bool = opt(
         True, "Start serving once the largest step bucket (which serves any step, padded) "
         "and the one-token bucket are compiled, and compile the other buckets in a background "
@@ -268,6 +289,8 @@ class EngineConfig(FlatOptions):
         # attention_backend stays as given: "auto" needs a build probe of the CPU kernel, which
         # belongs to the attention layer (attention.backend.resolve_backend_name), not to config.
         _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
+        if s.max_num_active_seqs is not None:
+            _check_range("max_num_active_seqs", s.max_num_active_seqs, 1, 4096)
         _check_range("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
         _check_range("long_prefill_token_threshold", s.long_prefill_token_threshold, 0, 1 << 20)
         _check_range("max_num_partial_prefills", s.max_num_partial_prefills, 1, 4096)
@@ -301,6 +324,11 @@ class EngineConfig(FlatOptions):
                              f"{', '.join(MATRIX_UNIT_CHOICES)} (also "
                              "$JAXSERVE_MATRIX_UNITS), got "
                              f"{self.model_config.matrix_units!r}")
+        forced = self.model_config.override_generation_config or {}
+        unknown = sorted(set(forced) - set(GENERATION_CONFIG_DEFAULTS))
+        if unknown:
+            raise ValueError(f"override_generation_config: unsupported key(s) {unknown}; "
+                             f"supported: {', '.join(GENERATION_CONFIG_DEFAULTS)}")
         if self.model_config.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.model_config.max_logprobs}")
         return self
@@ -310,9 +338,35 @@ class EngineConfig(FlatOptions):
 class ServerConfig:
     host: str | None = opt(None, "Address to bind; default all interfaces.")
     port: int = opt(8000, "Port to serve on.")
-    api_key: str | None = opt(
-        None, "Require 'Authorization: Bearer KEY' on every route but /health and /metrics. "
-        "Also read from JAXSERVE_API_KEY.")
+    api_key: list[str] | None = opt(
+        None, "Require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
+        "several keys may be given, each with access to every model and no rate limit. "
+        "Also read from JAXSERVE_API_KEY or VLLM_API_KEY (one key).", nargs="+")
+    api_keys_file: str | None = opt(
+        None, "A YAML file of API keys, each with the served model names / LoRA adapters it "
+        "may use and its requests_per_minute / tokens_per_minute limits (README: Keys, model "
+        "access and rate limits). Re-read on SIGHUP.")
+    rate_limit_backend: str = opt(
+        "memory", "Where the per-key rate-limit counters live: memory (this process) or "
+        "redis://HOST:PORT[/DB] (shared by every replica that names the same Redis).")
+    rate_limit_fail_mode: str = opt(
+        "closed", "When the Redis rate-limit backend cannot be reached: closed answers 503 to "
+        "requests of keys that have limits; open lets them through unlimited. Either way "
+        "one error line is logged per outage.", choices=["closed", "open"])
+    ssl_keyfile: str | None = opt(None, "TLS: the private key file (PEM); serves HTTPS.")
+    ssl_certfile: str | None = opt(None, "TLS: the certificate chain file (PEM).")
+    ssl_ca_certs: str | None = opt(None, "TLS: CA certificates to verify client certificates.")
+    ssl_cert_reqs: int = opt(
+        0, "TLS: whether client certificates are required (Python's ssl.CERT_NONE=0, "
+        "CERT_OPTIONAL=1, CERT_REQUIRED=2).", choices=[0, 1, 2])
+    otlp_traces_endpoint: str | None = opt(
+        None, "Send one OpenTelemetry span per request (vLLM's llm_request span and "
+        "gen_ai.* attributes; a traceparent header joins the caller's trace) to this OTLP "
+        "endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (default) or "
+        "http/protobuf. Needs pip install 'jaxserve[otel]'.")
+    root_path: str | None = opt(
+        None, "The path prefix a proxy serves this app under (FastAPI's root_path), for "
+        "links and OpenAPI docs; routes still answer at their own paths.")
     enable_tokenizer_info_endpoint: bool = opt(
         False, "Serve GET /tokenizer_info (the tokenizer's configuration and chat template), "
         "as vLLM's flag does; lm-eval's tokenizer_backend=remote reads it.")
@@ -321,9 +375,19 @@ class ServerConfig:
                                           "trace"])
     disable_uvicorn_access_log: bool = opt(
         False, "Do not write uvicorn's one access-log line per HTTP request.")
+    enable_log_requests: bool = opt(
+        False, "Log one line per generation request (id, prompt tokens, sampling params) "
+        "when it is admitted (vLLM's flag; off by default, as in vLLM).")
     disable_log_requests: bool = opt(
-        False, "Do not log one line per generation request (id, prompt tokens, sampling "
-        "params) when it is admitted.")
+        False, "Deprecated (removed in vLLM 0.32): requests are not logged unless "
+        "--enable-log-requests; accepted with a warning.")
+    return_tokens_as_token_ids: bool = opt(
+        False, "Logprob tokens as 'token_id:N' strings instead of their text, so tokens that "
+        "are not valid UTF-8 alone can be told apart (vLLM's flag).")
+    enable_prompt_tokens_details: bool = opt(
+        True, "Report usage.prompt_tokens_details.cached_tokens: prompt tokens served from "
+        "the prefix cache (vLLM's flag; on by default here, as OpenAI's API always sends "
+        "it: --no-enable-prompt-tokens-details leaves it out).")
     allowed_origins: list[str] = opt(["*"], "CORS: allowed origins.", nargs="+")
     allowed_methods: list[str] = opt(["*"], "CORS: allowed methods.", nargs="+")
     allowed_headers: list[str] = opt(["*"], "CORS: allowed headers.", nargs="+")

@@ -57,6 +57,12 @@ class _EngineCollector(Collector):
                     snap.num_running)
         yield gauge("jaxserve:num_requests_waiting", "Sequences waiting to be scheduled.",
                     snap.num_waiting)
+        yield gauge("jaxserve:num_requests_active_cap",
+                    "Most sequences that may run at once (--max-num-active-seqs; "
+                    "--max-num-seqs when unset).", snap.max_num_active_seqs)
+        yield gauge("jaxserve:num_requests_held_by_active_cap",
+                    "Waiting sequences the running cap (--max-num-active-seqs) kept out of "
+                    "the latest step.", snap.num_held_by_active_cap)
         yield gauge("jaxserve:kv_cache_usage_perc",
                     "Fraction of KV-cache blocks in use (1 = full).", snap.kv_cache_usage)
         yield counter("jaxserve:prefix_cache_queries",

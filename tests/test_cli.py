@@ -60,7 +60,7 @@ def test_flags_map_onto_the_config_tree():
     assert engine.model_config.served_model_name == ["a", "b"]
     assert engine.cache_config.enable_prefix_caching is False
     assert engine.cache_config.gpu_memory_utilization == 0.5
-    assert config.server.port == 9001 and config.server.api_key == "k"
+    assert config.server.port == 9001 and config.server.api_key == ["k"]
 
 
 def test_command_line_wins_over_the_yaml_file(tmp_path):
@@ -123,8 +123,9 @@ def test_print_config_prints_yaml(capsys):
 
 def test_api_key_comes_from_flag_or_environment(monkeypatch):
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
-    assert api_key_from(parse_serve_args([])) == "from-env"
-    assert api_key_from(parse_serve_args(["--api-key", "flag"])) == "flag"
+    assert api_key_from(parse_serve_args([])) == ["from-env"]
+    assert api_key_from(parse_serve_args(["--api-key", "flag"])) == ["flag"]
+    assert api_key_from(parse_serve_args(["--api-key", "a", "b"])) == ["a", "b"]
     monkeypatch.delenv("JAXSERVE_API_KEY")
     assert api_key_from(parse_serve_args([])) is None
 

@@ -346,12 +346,12 @@ def test_cors_flags_restrict_origins():
         engine.shutdown()
 
 
-def test_request_log_line_per_request_unless_disabled(caplog):
+def test_request_log_line_per_request_with_enable_log_requests(caplog):
     from jaxserve.entrypoints.openai.api_server import build_app
 
     for disabled in (False, True):
         config = ServeConfig()
-        config.server.disable_log_requests = disabled
+        config.server.enable_log_requests = not disabled
         engine = AsyncLLMEngine(FakeEngine())
         try:
             from starlette.testclient import TestClient

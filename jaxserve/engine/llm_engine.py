@@ -386,6 +386,8 @@ class LLMEngine:
             num_blocks=blocks.num_blocks, prefix_cache_queries=blocks.prefix_cache_queries,
             prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
+            max_num_active_seqs=scheduler.max_num_active_seqs,
+            num_held_by_active_cap=scheduler.num_held_by_active_cap,
             num_prompt_tokens=stats.num_prompt_tokens,
             num_generation_tokens=stats.num_generation_tokens, num_steps=stats.num_steps,
             spec_decode_num_drafts=stats.spec_num_drafts,

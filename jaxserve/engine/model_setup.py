@@ -286,7 +286,11 @@ def _warm_up(config: EngineConfig, runner: ModelRunner, kv_plan: KVCachePlan,
     again with them, and if that leaves fewer blocks the runner is rebuilt for them and
     compiled again (the step's signature holds the cache's shape) before any cache exists."""
     start = time.perf_counter()
-    background = config.runner_config.compile_in_background and jax.process_count() == 1
+    # --enforce-eager: only the two buckets the memory plan needs now; each other bucket is
+    # compiled by the first step that needs it (runner.execute), none in the background.
+    eager = config.runner_config.enforce_eager
+    background = eager or (config.runner_config.compile_in_background
+                           and jax.process_count() == 1)
     rest = runner.compile_warmup_buckets(progress=True, background=background)
     peak = runner.compiled_temp_bytes()
     if peak > kv_plan.activation_bytes:
@@ -298,6 +302,10 @@ def _warm_up(config: EngineConfig, runner: ModelRunner, kv_plan: KVCachePlan,
                            replanned.num_blocks, kv_plan.num_blocks)
             kv_plan, runner = replanned, build(replanned)
             rest = runner.compile_warmup_buckets(progress=True, background=background)
+    if eager and rest:
+        logger.info("--enforce-eager: %d step buckets compile on first use instead of at "
+                    "start", len(rest))
+        rest = []
     runner.finish_warmup(rest, start)
     return runner, kv_plan, time.perf_counter() - start
 
@@ -362,13 +370,19 @@ def _draft_proposer(config: EngineConfig, draft: dict[str, Any], backend: Any, d
 
 def _sampling_overrides(config: EngineConfig, placed: Any) -> dict[str, Any]:
     """Default sampling parameters from generation_config.json (vLLM's --generation-config
-    auto); none with "vllm"."""
-    if config.model_config.generation_config == "vllm":
-        return {}
-    overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
+    auto; none with "vllm"), then --override-generation-config's values over them."""
+    overrides = {}
+    if config.model_config.generation_config != "vllm":
+        overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
     if overrides:
         logger.info("default sampling params from generation_config.json: %s", overrides)
+    forced = config.model_config.override_generation_config   # keys checked by finalize
+    if forced:
+        overrides.update(forced)
+        logger.info("default sampling params after --override-generation-config: %s",
+                    overrides)
     return overrides
+
 
 
 def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict,

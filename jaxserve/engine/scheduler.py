@@ -79,6 +79,11 @@ class Scheduler:
                 f"the KV cache holds {capacity} tokens, fewer than max_model_len "
                 f"({max_model_len}); a single sequence could never finish")
         self.max_num_seqs = scheduler_config.max_num_seqs
+        # The RUNNING cap (--max-num-active-seqs): at most this many sequences hold KV blocks
+        # and decode; the rest wait. Independent of max_num_seqs, which sizes the batch.
+        self.max_num_active_seqs = min(scheduler_config.max_num_active_seqs or
+                                       self.max_num_seqs, self.max_num_seqs)
+        self.num_held_by_active_cap = 0   # waiting sequences the cap kept out, last schedule
         self.max_num_batched_tokens = budget
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold or 0
@@ -239,7 +244,10 @@ class Scheduler:
         slot for them, or a sibling still prefilling the shared prompt."""
         running = self._running
         passed_over: list[Sequence] = []
-        while self._waiting and room.budget > 0 and len(running) < self.max_num_seqs:
+        # A preempted sequence re-enters at the front of the queue, so under the active cap
+        # the requests that already had KV (and a stream started) are re-admitted first.
+        cap = self.max_num_active_seqs
+        while self._waiting and room.budget > 0 and len(running) < cap:
             seq = self._waiting[0]
             if seq.num_pending_tokens:
                 break   # preempted while a step ran: wait for that step's token
@@ -247,14 +255,14 @@ class Scheduler:
                     self.shared_prefill.waits(seq):
                 passed_over.append(self._waiting.popleft())
                 continue
-            cap = min(room.budget, self._chunk_cap(room))
-            if cap <= 0:
+            chunk = min(room.budget, self._chunk_cap(room))
+            if chunk <= 0:
                 break
             computed_blocks, num_cached = [], 0
             if seq.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             num_remaining = seq.num_tokens - num_cached
-            num_new = fit_prompt_logprobs(seq, num_cached, min(num_remaining, cap),
+            num_new = fit_prompt_logprobs(seq, num_cached, min(num_remaining, chunk),
                                            room.prompt_logprobs)
             if num_new <= 0:
                 break
@@ -282,6 +290,8 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 room.num_partial += 1
         self._waiting.extendleft(reversed(passed_over))
+        self.num_held_by_active_cap = len(self._waiting) if len(running) >= cap and \
+            cap < self.max_num_seqs else 0
 
     def acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give seq its adapter's slot (telling the runner to write it if it is new there);

@@ -19,6 +19,8 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0        # tokens looked up / found in the prefix cache
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    max_num_active_seqs: int = 0         # the RUNNING cap (--max-num-active-seqs)
+    num_held_by_active_cap: int = 0      # waiting sequences that cap kept out
     num_prompt_tokens: int = 0           # totals since start
     num_generation_tokens: int = 0
     num_steps: int = 0

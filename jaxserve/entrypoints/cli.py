@@ -68,17 +68,22 @@ def _field_kind(section: Any, field: dataclasses.Field) -> tuple[type, bool]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config: Any,
-                     skip: Sequence[str] = ()) -> None:
-    """One flag per leaf field of `config`, grouped by section. Defaults are SUPPRESSed so
-    that only flags given on the command line appear in the parsed namespace."""
+                     skip: Sequence[str] = (), vllm_groups: bool = False) -> None:
+    """One flag per leaf field of `config`, grouped by section (with `vllm_groups`, a flag
+    vLLM also has sits in vLLM's --help section: ModelConfig, CacheConfig, Frontend...).
+    Defaults are SUPPRESSed so that only flags given on the command line appear in the
+    parsed namespace."""
     groups: dict[str, argparse._ArgumentGroup] = {}
+    vllm_group = _vllm_group_of() if vllm_groups else {}
     for section, name, field in iter_leaf_fields(config):
         if name in skip:
             continue
-        title = _SECTION_TITLES.get(type(section).__name__, type(section).__name__)
-        group = groups.get(title) or groups.setdefault(
-            title, parser.add_argument_group(f"{title} options"))
         flag = "--" + name.replace("_", "-")
+        title = vllm_group.get(flag) or \
+            _SECTION_TITLES.get(type(section).__name__, type(section).__name__) + " options"
+        # vLLM's ungrouped flags sit in argparse's own "options" section, as there.
+        group = parser if title == "options" else groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(title))
         meta = dict(field.metadata)
         help_text = meta.pop("help", "")
         default = getattr(section, name)
@@ -104,6 +109,18 @@ def add_config_flags(parser: argparse.ArgumentParser, config: Any,
         group.add_argument(flag, help=help_text, **kwargs)
 
 
+@functools.cache
+def _vllm_group_of() -> dict[str, str]:
+    """vLLM's --help section of each of its serve flags (and aliases): "ModelConfig"..."""
+    from jaxserve.entrypoints.vllm_compat import RENAMED, vllm_flags
+
+    groups = {}
+    for flag in vllm_flags()[1]:
+        for name in (flag.flag, *flag.aliases):
+            groups[RENAMED.get(name, name)] = flag.group
+    return groups
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -114,10 +131,20 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def config_from_args(config: Any, args: argparse.Namespace) -> Any:
-    """Defaults ← `--config` YAML ← flags given on the command line."""
+def config_from_args(config: Any, args: argparse.Namespace,
+                     vllm_keys: bool = False) -> Any:
+    """Defaults ← `--config` YAML ← flags given on the command line. With `vllm_keys`
+    (serve) the YAML's vLLM keys are settled as vLLM flags are on the command line; the
+    warnings for accepted ones join `args.vllm_warnings`."""
     if getattr(args, "config", None):
         values = load_yaml(args.config)
+        if vllm_keys:
+            from jaxserve.entrypoints.vllm_compat import translate_config_keys
+
+            leaves = [name for _, name, _ in iter_leaf_fields(config)]
+            translated = translate_config_keys(values, leaves, args.config)
+            values = translated.values
+            args.vllm_warnings = [*getattr(args, "vllm_warnings", []), *translated.warnings]
         try:
             set_flat(config, values)
         except TypeError as exc:
@@ -157,13 +184,22 @@ def config_to_yaml(config: Any) -> str:
 
 
 # -- the parser -----------------------------------------------------------------------------------
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """A bad command line is one line on stderr and exit status 2 (no usage dump)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the "
+                  "flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         prog="jaxserve", description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version",
                         version=f"jaxserve {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=_OneLineErrorParser)
 
     _add_serve_command(commands)
     _add_chat_command(commands)
@@ -182,9 +218,12 @@ def _add_serve_command(commands: Any) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics ...).")
     _add_common(serve)
-    add_config_flags(serve, ServeConfig())
+    add_config_flags(serve, ServeConfig(), vllm_groups=True)
     serve.add_argument("--print-config", action="store_true",
                        help="print the resolved configuration as YAML and exit")
+    serve.epilog = ("vLLM command lines run unchanged: each `vllm serve` flag is implemented, "
+                    "accepted with a warning, or refused with what to use instead; "
+                    "`jaxserve serve --help=vllm` prints the table.")
 
 
 def _add_chat_command(commands: Any) -> None:
@@ -320,13 +359,24 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_serve_args(argv: Sequence[str]) -> ServeConfig:
-    """`jaxserve serve ...` arguments (without the 'serve') → a ServeConfig."""
-    args = build_parser().parse_args(["serve", *argv])
+    """`jaxserve serve ...` arguments (without the 'serve') → a ServeConfig. vLLM's flags
+    are settled first (vllm_compat.py); a refused or unknown one raises FlagError."""
+    from jaxserve.entrypoints.vllm_compat import translate_serve_argv
+
+    translated = translate_serve_argv(argv, serve_option_strings())
+    args = build_parser().parse_args(["serve", *translated.argv])
     return _serve_config(args)
 
 
+def serve_option_strings() -> frozenset[str]:
+    """Every option string `jaxserve serve` takes (--no-X forms included)."""
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return frozenset(o for action in serve._actions for o in action.option_strings)
+
+
 def _serve_config(args: argparse.Namespace) -> ServeConfig:
-    config = config_from_args(ServeConfig(), args)
+    config = config_from_args(ServeConfig(), args, vllm_keys=True)
     if args.model_positional is not None:
         config.engine.model_config.model = args.model_positional
     return config
@@ -354,9 +404,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.stdout.write(config_to_yaml(config))
         return 0
     setup_logging(args.log_level)
+    check_server_options(config)
+    for warning in getattr(args, "vllm_warnings", ()):
+        logger.warning("%s", warning)
+    if config.engine.model_config.trust_remote_code:
+        logger.info("--trust-remote-code: jaxserve runs its own implementation of the model's "
+                    "architecture; no code from the model repository runs")
+    if config.server.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated (removed in vLLM 0.32): requests "
+                       "are not logged unless --enable-log-requests")
     from jaxserve.entrypoints.openai.api_server import run_server
 
     return run_server(config)
+
+
+def check_server_options(config: ServeConfig) -> None:
+    """The HTTP front end's files and backends, checked before the model loads (minutes),
+    so a typo in them is one error line at once: the keys file, TLS files, rate limiter,
+    trace exporter."""
+    from jaxserve.entrypoints.openai.api_server import uvicorn_options
+    from jaxserve.entrypoints.openai.middleware import key_table_from
+    from jaxserve.entrypoints.openai.rate_limit import backend_kind
+
+    key_table_from(config)
+    uvicorn_options(config.server)
+    backend_kind(config.server.rate_limit_backend)
+    if config.server.otlp_traces_endpoint:
+        from jaxserve.entrypoints.openai.tracing import check_available
+        check_available()
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -430,8 +505,23 @@ _COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_expor
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_warnings: list[str] = []
+    if argv[:1] == ["serve"]:
+        from jaxserve.entrypoints.vllm_compat import FlagError, summary, translate_serve_argv
+
+        if "--help=vllm" in argv:
+            print(summary(serve_option_strings()))
+            return 0
+        try:
+            translated = translate_serve_argv(argv[1:], serve_option_strings())
+        except FlagError as exc:
+            print(f"jaxserve serve: error: {exc}", file=sys.stderr)
+            return 2
+        argv, vllm_warnings = ["serve", *translated.argv], translated.warnings
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.vllm_warnings = vllm_warnings
     if args.command is None:
         parser.print_help()
         return 2

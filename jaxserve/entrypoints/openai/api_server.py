@@ -32,7 +32,8 @@ import jaxserve
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.error_handlers import add_error_handlers
-from jaxserve.entrypoints.openai.middleware import add_middleware, api_key_from
+from jaxserve.entrypoints.openai.middleware import add_middleware, api_key_from, key_table_from
+from jaxserve.entrypoints.openai.rate_limit import make_rate_limiter
 from jaxserve.entrypoints.openai.routes import (
     add_generation_routes,
     add_lora_routes,
@@ -82,15 +83,23 @@ def _apply_server_limits(engine: AsyncLLMEngine, config: ServeConfig) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """A FastAPI app serving `engine`. The caller starts and shuts down the engine."""
+              api_key: str | list[str] | None = None) -> FastAPI:
+    """A FastAPI app serving `engine`. The caller starts and shuts down the engine.
+    `api_key` (one or several) overrides the config's keys."""
     config = config or ServeConfig(engine=engine.config)
     server = config.server
     names = served_model_names(config, engine)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names, server)
+    tracer = None
+    if server.otlp_traces_endpoint:
+        from jaxserve.entrypoints.openai.tracing import RequestTracer
+        tracer = RequestTracer(server.otlp_traces_endpoint)
     for serving in (completions, chat):
-        serving.log_requests = not server.disable_log_requests
+        serving.tracer = tracer
+        serving.log_requests = server.enable_log_requests
+        serving.return_tokens_as_token_ids = server.return_tokens_as_token_ids
+        serving.enable_prompt_tokens_details = server.enable_prompt_tokens_details
     lora = OpenAIServingLoRA(engine.lora_registry, names[0])
     lora.load_startup_modules(server.lora_modules)
     _apply_server_limits(engine, config)
@@ -101,7 +110,19 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
                   description="OpenAI-compatible LLM server on JAX/XLA")
     app.state.engine = engine
     app.state.metrics = metrics
-    add_middleware(app, server, api_key if api_key is not None else api_key_from(config))
+    keys = key_table_from(config, api_key)
+    app.state.keys = keys
+    app.state.rate_limiter = None
+    if keys is not None:
+        app.state.rate_limiter = make_rate_limiter(server.rate_limit_backend,
+                                                   server.rate_limit_fail_mode)
+        app.router.on_shutdown.append(app.state.rate_limiter.close)
+    add_middleware(app, server, keys, app.state.rate_limiter)
+    app.state.tracer = tracer
+    if tracer is not None:
+        from jaxserve.entrypoints.openai.tracing import TraceHeadersMiddleware
+        app.add_middleware(TraceHeadersMiddleware)
+        app.router.on_shutdown.append(tracer.shutdown)
     add_generation_routes(app, completions, chat, OpenAIServingResponses(chat))
     add_model_routes(app, engine, names, config.engine.model_config.model or names[0], lora)
     if server.allow_runtime_lora_updating:
@@ -114,6 +135,26 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
 
 
 # -- running it -----------------------------------------------------------------------------------
+def uvicorn_options(server: Any) -> dict[str, Any]:
+    """uvicorn's --root-path and TLS settings (vLLM's flags: --ssl-keyfile, --ssl-certfile,
+    --ssl-ca-certs, --ssl-cert-reqs; none for plain HTTP)."""
+    options: dict[str, Any] = {"root_path": server.root_path or ""}
+    if not server.ssl_certfile and not server.ssl_keyfile:
+        return options
+    if not server.ssl_certfile or not server.ssl_keyfile:
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    for flag, path in (("--ssl-certfile", server.ssl_certfile),
+                       ("--ssl-keyfile", server.ssl_keyfile),
+                       ("--ssl-ca-certs", server.ssl_ca_certs)):
+        if path and not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+    options.update(ssl_keyfile=server.ssl_keyfile, ssl_certfile=server.ssl_certfile,
+                   ssl_cert_reqs=server.ssl_cert_reqs)
+    if server.ssl_ca_certs:
+        options["ssl_ca_certs"] = server.ssl_ca_certs
+    return options
+
+
 def run_server(config: ServeConfig) -> int:
     """Listen at once, load the engine meanwhile, serve until SIGINT/SIGTERM, shut down
     cleanly; returns the exit status: 0 after a signal, 1 when loading failed or the engine
@@ -149,7 +190,8 @@ def run_server(config: ServeConfig) -> int:
         log_level=server_config.uvicorn_log_level,
         # After the drain every request has ended: connections close at once.
         timeout_graceful_shutdown=10.0,
-        access_log=not server_config.disable_uvicorn_access_log)
+        access_log=not server_config.disable_uvicorn_access_log,
+        **uvicorn_options(server_config))
     server = _Server(uv_config, shell=shell, shutdown_timeout=server_config.shutdown_timeout)
 
     def make_engine() -> AsyncLLMEngine:
@@ -194,6 +236,14 @@ def run_server(config: ServeConfig) -> int:
     return server.exit_code
 
 
+def reload_keys_on(keys: Any) -> Any:
+    """A signal handler that re-reads the keys file (SIGHUP) of `keys` (a KeyTable)."""
+    def handler(sig: int, frame: Any) -> None:
+        logger.info("signal %d: re-reading the API keys file %s", sig, keys.keys_file)
+        keys.reload()
+    return handler
+
+
 class _Server(uvicorn.Server):
     """uvicorn's Server, plus loading in the background once it listens, our 'serving on'
     line, a draining shutdown, and the exit status.
@@ -220,6 +270,23 @@ class _Server(uvicorn.Server):
     @property
     def engine(self) -> AsyncLLMEngine | None:
         return self.shell.engine
+
+    def _reload_keys(self, sig: int, frame: Any) -> None:
+        keys = self.keys
+        if keys is None:        # still loading: the app reads the file when it is built
+            logger.info("signal %d: the API keys file is read once the model is loaded", sig)
+            return
+        reload_keys_on(keys)(sig, frame)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.config.ssl_certfile else "http"
+
+    @property
+    def keys(self) -> Any:
+        """The KeyTable SIGHUP re-reads (None until loaded: the app reads the file then)."""
+        app = self.shell.app
+        return app.state.keys if app is not None else None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         engine = self.engine
@@ -266,8 +333,9 @@ class _Server(uvicorn.Server):
         host, port = self.address
         shown = "localhost" if host in ("0.0.0.0", "::") else host
         names = served_model_names(self.shell.config, engine)
-        logger.info("serving %s on http://%s:%d (OpenAI API at http://%s:%d/v1; "
-                    "Ctrl-C to stop)", ", ".join(names), host, port, shown, port)
+        logger.info("serving %s on %s://%s:%d (OpenAI API at %s://%s:%d/v1; "
+                    "Ctrl-C to stop)", ", ".join(names), self.scheme, host, port, self.scheme,
+                    shown, port)
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
@@ -278,8 +346,8 @@ class _Server(uvicorn.Server):
                     host, port = sock.getsockname()[:2]
                     break
             self.address = (host, port)
-            logger.info("listening on http://%s:%d while the model loads (GET /readyz "
-                        "shows the phase and progress)", host, port)
+            logger.info("listening on %s://%s:%d while the model loads (GET /readyz "
+                        "shows the phase and progress)", self.scheme, host, port)
             if self.start_loading is not None:
                 self.start_loading()
 
@@ -290,6 +358,8 @@ class _Server(uvicorn.Server):
             return
         handled = (signal.SIGINT, signal.SIGTERM)
         original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        if self.shell.config.server.api_keys_file:
+            original[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._reload_keys)
         try:
             yield
         finally:

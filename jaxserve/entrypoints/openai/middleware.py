@@ -1,8 +1,7 @@
-"""The server's ASGI middleware: the API key check, `x-request-id`, CORS."""
+"""The server's ASGI middleware: the key check (key_auth.py), `x-request-id`, CORS."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import uuid
@@ -11,41 +10,34 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from starlette.responses import JSONResponse
 
 from jaxserve.config import ServeConfig, ServerConfig
-from jaxserve.entrypoints.openai.protocol import error_body
-
-OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/metrics"})
-
-
-def api_key_from(config: ServeConfig) -> str | None:
-    return config.server.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+from jaxserve.entrypoints.openai.api_keys import KeyTable
+from jaxserve.entrypoints.openai.key_auth import KeyAuthMiddleware
+from jaxserve.entrypoints.openai.rate_limit import RateLimiter
 
 
-class APIKeyMiddleware:
-    """Pure ASGI middleware: `Authorization: Bearer KEY` on every path but OPEN_PATHS.
+def api_key_from(config: ServeConfig) -> list[str] | None:
+    """--api-key's keys, else $JAXSERVE_API_KEY, else $VLLM_API_KEY (vLLM's), else None."""
+    keys = config.server.api_key
+    if isinstance(keys, str):
+        keys = [keys]
+    if keys:
+        return list(keys)
+    env = os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return [env] if env else None
 
-    It runs before the body is read, so a request without the key gets 401 whatever
-    else is wrong with it.
-    """
 
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS \
-                or scope.get("method") == "OPTIONS":
-            return await self.app(scope, receive, send)
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if not hmac.compare_digest(given, self.expected):
-            response = JSONResponse(
-                error_body("Incorrect API key provided." if given else
-                           "Missing API key: send 'Authorization: Bearer YOUR_KEY'.",
-                           "authentication_error", code="invalid_api_key"), status_code=401)
-            return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+def key_table_from(config: ServeConfig, api_key: str | list[str] | None = None
+                   ) -> KeyTable | None:
+    """The keys the server accepts (`api_key` overrides the config's), None: no auth."""
+    plain = [api_key] if isinstance(api_key, str) else api_key
+    if plain is None:
+        plain = api_key_from(config)
+    keys_file = config.server.api_keys_file
+    if not plain and not keys_file:
+        return None
+    return KeyTable(plain or (), keys_file)
 
 
 class RequestIdMiddleware:
@@ -80,11 +72,12 @@ def cors_list(values: list[str]) -> list[str]:
     return list(values)
 
 
-def add_middleware(app: FastAPI, server: ServerConfig, api_key: str | None) -> None:
-    """The API key check (when a key is set), CORS, then `x-request-id`. Added last =
-    outermost: preflight and error responses get CORS headers and an id too."""
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+def add_middleware(app: FastAPI, server: ServerConfig, keys: KeyTable | None,
+                   limiter: RateLimiter | None) -> None:
+    """The key check and rate limits (when keys are set), CORS, then `x-request-id`. Added
+    last = outermost: preflight and error responses get CORS headers and an id too."""
+    if keys is not None:
+        app.add_middleware(KeyAuthMiddleware, keys=keys, limiter=limiter)
     app.add_middleware(CORSMiddleware, allow_origins=cors_list(server.allowed_origins),
                        allow_methods=cors_list(server.allowed_methods),
                        allow_headers=cors_list(server.allowed_headers),

@@ -27,6 +27,7 @@ from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.error_handlers import handle
 from jaxserve.entrypoints.openai.errors import APIError, validation_error
 from jaxserve.entrypoints.openai.health import health_problem, liveness, readiness
+from jaxserve.entrypoints.openai.key_auth import allowed_models, current_grant
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,14 +97,19 @@ def add_model_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], roo
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in names]
-                + lora.model_cards(engine.max_model_len)}
+        """The served names, then the adapters: those the request's key may use."""
+        cards = [model_card(name) for name in names] + lora.model_cards(engine.max_model_len)
+        allowed = set(allowed_models([card["id"] for card in cards]))
+        return {"object": "list", "data": [card for card in cards if card["id"] in allowed]}
 
     @app.get("/v1/models/{model_id:path}")
     @handle
     async def retrieve_model(raw_request: Request) -> Response:
         """One model card (OpenAI's `client.models.retrieve`); 404 for a model not served."""
         model_id = raw_request.path_params["model_id"]
+        if not allowed_models([model_id]):
+            raise APIError(f"The model `{model_id}` does not exist.", 404, param="model",
+                           code="model_not_found")
         for card in lora.model_cards(engine.max_model_len):
             if card["id"] == model_id:
                 return JSONResponse(card)
@@ -116,10 +122,19 @@ def add_model_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], roo
 def add_lora_routes(app: FastAPI, lora: OpenAIServingLoRA) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating)."""
 
+    def check_may_manage() -> None:
+        """Adapters serve every key: only a key with every model may change them."""
+        grant = current_grant.get()
+        if grant is not None and grant.key.models is not None:
+            raise APIError("this API key may not load or unload adapters (it needs access to "
+                           "all models: models: [\"*\"] in --api-keys-file)", 403,
+                           "permission_error", code="insufficient_permissions")
+
     @app.post("/v1/load_lora_adapter")
     @handle
     async def load_lora_adapter(raw_request: Request) -> Response:
         """Load a PEFT adapter and serve it under lora_name (vLLM's endpoint)."""
+        check_may_manage()
         request = await parse_body(raw_request, LoadLoRAAdapterRequest)
         return Response(await lora.load(request), media_type="text/plain")
 
@@ -127,6 +142,7 @@ def add_lora_routes(app: FastAPI, lora: OpenAIServingLoRA) -> None:
     @handle
     async def unload_lora_adapter(raw_request: Request) -> Response:
         """Stop serving an adapter; its running requests finish first."""
+        check_may_manage()
         request = await parse_body(raw_request, UnloadLoRAAdapterRequest)
         return Response(await lora.unload(request), media_type="text/plain")
 

@@ -25,7 +25,7 @@ from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect
 from jaxserve.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response, usage_dict
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_response
 from jaxserve.entrypoints.openai.serving_engine import (
     INLINE_TEXT_CHARS,
     OpenAIServing,
@@ -225,7 +225,8 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": chat_logprobs(c.token_ids, c.logprobs or [],
-                                                     request.top_logprobs or 0, self.tokenizer)}
+                                                     request.top_logprobs or 0, self.tokenizer,
+                                                     self.return_tokens_as_token_ids)}
             reasoning, content, calls = new_output().split(c.text, final=True)
             message: dict[str, Any] = {"role": "assistant",
                                        "content": content or None if calls else content}
@@ -243,7 +244,7 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason = "tool_calls"
             choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-        usage = usage_dict(len(final.prompt_token_ids),
+        usage = self.usage(len(final.prompt_token_ids),
                            sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens)
         body = chat_response(request_id, model, choices, usage, created)
         body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)   # vLLM's field
@@ -260,7 +261,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choice_dicts: list[dict], usage: dict | None = None) -> str:
             if usage is None and request.continuous_usage_in_stream:
-                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                usage = self.usage(num_prompt_tokens, sum(c.num_tokens for c in choices),
                                    num_cached)
             return sse(chat_response(request_id, model, choice_dicts, usage, created,
                                      chunk=True))
@@ -274,7 +275,7 @@ class OpenAIServingChat(OpenAIServing):
                     for body in choices[c.index].chunks(c):
                         yield chunk([body])
             if request.include_usage_in_stream:
-                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                usage = self.usage(num_prompt_tokens, sum(c.num_tokens for c in choices),
                                    num_cached)
                 yield chunk([], usage)
         except BaseException as exc:
@@ -291,6 +292,7 @@ class _ChatChoiceStream:
     def __init__(self, serving: OpenAIServing, request: ChatCompletionRequest, index: int,
                  plan: ToolPlan, output: ChoiceOutput) -> None:
         self.tokenizer = serving.tokenizer
+        self.tokens_as_ids = serving.return_tokens_as_token_ids
         self.request = request
         self.index = index
         self.plan = plan
@@ -338,7 +340,8 @@ class _ChatChoiceStream:
         if not self.pending_ids:
             return None
         content = chat_logprobs(self.pending_ids, self.pending_logprobs,
-                                self.request.top_logprobs or 0, self.tokenizer)
+                                self.request.top_logprobs or 0, self.tokenizer,
+                                self.tokens_as_ids)
         self.pending_ids, self.pending_logprobs = [], []
         return {"content": content}
 

@@ -25,7 +25,7 @@ from jaxserve.entrypoints.openai.logprobs_format import (
     legacy_logprobs,
     prompt_logprobs_json,
 )
-from jaxserve.entrypoints.openai.protocol import CompletionRequest, completion_response, usage_dict
+from jaxserve.entrypoints.openai.protocol import CompletionRequest, completion_response
 from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     collect_finals,
@@ -113,18 +113,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 text, logprobs = c.text, None
                 echo = prompt_texts[i] if request.echo else ""
                 if request.logprobs is not None:
+                    as_ids = self.return_tokens_as_token_ids
                     logprobs = legacy_logprobs(c.token_ids, c.logprobs or [], len(echo),
-                                               self.tokenizer)
+                                               self.tokenizer, as_ids)
                     if request.echo:
                         logprobs = _join_logprobs(
-                            echo_logprobs(prompt_ids[i], out.prompt_logprobs, self.tokenizer),
-                            logprobs)
+                            echo_logprobs(prompt_ids[i], out.prompt_logprobs, self.tokenizer,
+                                          as_ids), logprobs)
                 choices.append({"index": i * request.n + c.index, "text": echo + text,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason,
                                 "prompt_logprobs": prompt_logprobs_json(
                                     out.prompt_logprobs if asked_prompt_logprobs else None)})
-        usage = usage_dict(sum(map(len, prompt_ids)), completion_tokens, cached)
+        usage = self.usage(sum(map(len, prompt_ids)), completion_tokens, cached)
         return completion_response(request_id, model, choices, usage, created)
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str,
@@ -139,7 +140,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def chunk(choice_dicts: list[dict], usage: dict | None = None) -> str:
             if usage is None and request.continuous_usage_in_stream:
-                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                usage = self.usage(num_prompt_tokens, sum(c.num_tokens for c in choices),
                                    sum(cached))
             return sse(completion_response(request_id, model, choice_dicts, usage, created,
                                            chunk=True))
@@ -155,7 +156,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                               prompt_texts[i], out):
                         yield chunk([body])
             if request.include_usage_in_stream:
-                usage = usage_dict(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                usage = self.usage(num_prompt_tokens, sum(c.num_tokens for c in choices),
                                    sum(cached))
                 yield chunk([], usage)
         except BaseException as exc:
@@ -171,6 +172,7 @@ class _ChoiceStream:
 
     def __init__(self, echo: bool) -> None:
         self.echo_pending = echo
+        self.tokens_as_ids = False         # --return-tokens-as-token-ids (set by chunks)
         self.finished = False
         self.num_tokens = 0
         self.text_offset = 0               # logprobs text_offset of the next token
@@ -182,6 +184,7 @@ class _ChoiceStream:
                ) -> list[dict[str, Any]]:
         """The chunk bodies of one delta of this choice."""
         tokenizer, want_logprobs = serving.tokenizer, request.logprobs is not None
+        self.tokens_as_ids = serving.return_tokens_as_token_ids
         self.num_tokens += len(c.token_ids)
         if want_logprobs:
             self.pending_ids += c.token_ids
@@ -191,7 +194,8 @@ class _ChoiceStream:
             self.echo_pending = False
             text = prompt_text + text
             if want_logprobs:
-                logprobs = echo_logprobs(prompt_ids, out.prompt_logprobs, tokenizer)
+                logprobs = echo_logprobs(prompt_ids, out.prompt_logprobs, tokenizer,
+                                         self.tokens_as_ids)
                 self.text_offset = len(prompt_text)
         if text:
             if want_logprobs:
@@ -209,7 +213,7 @@ class _ChoiceStream:
 
     def _take_logprobs(self, tokenizer: Any) -> dict[str, Any]:
         new = legacy_logprobs(self.pending_ids, self.pending_logprobs, self.text_offset,
-                              tokenizer)
+                              tokenizer, self.tokens_as_ids)
         self.text_offset += sum(len(t) for t in new["tokens"])
         self.pending_ids, self.pending_logprobs = [], []
         return new

@@ -18,7 +18,8 @@ from starlette.requests import Request
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.errors import EngineUnavailableError
 from jaxserve.entrypoints.openai.errors import APIError, ClientGone, engine_error
-from jaxserve.entrypoints.openai.protocol import SamplingFields
+from jaxserve.entrypoints.openai.key_auth import KeyGrant, current_grant
+from jaxserve.entrypoints.openai.protocol import SamplingFields, usage_dict
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.structured_outputs.compiler import parse_grammar_cached
@@ -51,7 +52,10 @@ async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
 class OpenAIServing:
     """Model names, limits and helpers every OpenAI endpoint uses."""
 
-    log_requests = True     # one INFO line per admitted request (--disable-log-requests)
+    log_requests = False    # one INFO line per admitted request (--enable-log-requests)
+    return_tokens_as_token_ids = False       # logprob tokens as "token_id:N"
+    enable_prompt_tokens_details = True      # usage.prompt_tokens_details.cached_tokens
+    tracer: Any = None                       # tracing.RequestTracer (--otlp-traces-endpoint)
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -69,14 +73,25 @@ class OpenAIServing:
         self.max_logprobs = model_config.max_logprobs
         self.chat_template = model_config.chat_template
 
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+              ) -> dict[str, Any]:
+        """OpenAI's usage object; prompt_tokens_details unless turned off."""
+        usage = usage_dict(prompt_tokens, completion_tokens, cached_tokens)
+        if not self.enable_prompt_tokens_details:
+            del usage["prompt_tokens_details"]
+        return usage
+
     # -- checks ----------------------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
-        """The name to report; raises 404 for a model this server does not serve."""
-        if requested is None or requested in self.served_model_names:
-            return requested or self.served_model_names[0]
-        if self.lora_for(requested) is not None:
-            return requested
-        raise APIError(f"The model `{requested}` does not exist.", 404, param="model",
+        """The name to report; raises 404 for a model this server does not serve, or that
+        the request's API key may not use (the same answer: a key learns nothing of models
+        beyond its own)."""
+        name = requested or self.served_model_names[0]
+        grant = current_grant.get()
+        if grant is None or grant.may_use(name):
+            if name in self.served_model_names or self.lora_for(name) is not None:
+                return name
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model",
                        code="model_not_found")
 
     def lora_for(self, model: str) -> Any:
@@ -250,7 +265,25 @@ class OpenAIServing:
             if isinstance(exc, (ValueError, EngineUnavailableError)):
                 raise engine_error(exc) from None
             raise
-        return [self.engine.stream_outputs(stream) for stream in streams]
+        outputs = [self.engine.stream_outputs(stream) for stream in streams]
+        if self.tracer is not None:     # --otlp-traces-endpoint: a span per request
+            model = lora_request.lora_name if lora_request is not None else \
+                self.served_model_names[0]
+            outputs = [self.tracer.traced(out, sp, model) for out, sp in zip(outputs, params)]
+        grant = current_grant.get()
+        if grant is not None:           # the key's tokens, charged when the response ends
+            grant.prompt_tokens += sum(len(p) * sp.n for p, sp in zip(prompts, params))
+            outputs = [_metered(out, grant) for out in outputs]
+        return outputs
+
+
+async def _metered(outputs: AsyncIterator[RequestOutput], grant: KeyGrant
+                   ) -> AsyncIterator[RequestOutput]:
+    """`outputs`, adding each output's new tokens to the key's completion tokens (a DELTA
+    output carries only new tokens; a FINAL_ONLY stream yields once)."""
+    async for output in outputs:
+        grant.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        yield output
 
 
 def summarize_params(params: SamplingParams) -> str:

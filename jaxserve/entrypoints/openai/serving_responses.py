@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.entrypoints.openai.errors import APIError, reraise_disconnect, validation_error
+from jaxserve.entrypoints.openai.key_auth import current_grant
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxserve.entrypoints.openai.responses_protocol import (
     InputError,
@@ -50,18 +51,26 @@ class ResponseStore:
     def __init__(self, max_entries: int = STORE_MAX_ENTRIES,
                  max_age_s: float = STORE_MAX_AGE_S) -> None:
         self.max_entries, self.max_age_s = max_entries, max_age_s
-        self._entries: OrderedDict[str, tuple[float, dict, list[dict]]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[float, dict, list[dict], bytes | None]] = \
+            OrderedDict()
 
-    def put(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    def put(self, body: dict[str, Any], messages: list[dict[str, Any]],
+            owner: bytes | None = None) -> None:
+        """Store a response; `owner` (an API key's digest) alone may read it back."""
         self._evict()
-        self._entries[body["id"]] = (time.monotonic(), body, messages)
+        self._entries[body["id"]] = (time.monotonic(), body, messages, owner)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+    def get(self, response_id: str, owner: bytes | None = None
+            ) -> tuple[dict, list[dict]] | None:
+        """(body, conversation) of a stored response; None when missing, expired, or stored
+        under another key (the same answer, so ids of other keys' responses leak nothing)."""
         self._evict()
         entry = self._entries.get(response_id)
-        return None if entry is None else (entry[1], entry[2])
+        if entry is None or entry[3] != owner:
+            return None
+        return entry[1], entry[2]
 
     def _evict(self) -> None:
         cutoff = time.monotonic() - self.max_age_s
@@ -70,6 +79,13 @@ class ResponseStore:
             if oldest[0] >= cutoff:
                 break
             self._entries.popitem(last=False)
+
+
+def _key_owner() -> bytes | None:
+    """The digest of the request's API key (None without keys): stored responses are
+    per key."""
+    grant = current_grant.get()
+    return None if grant is None else grant.key.digest
 
 
 def _id(prefix: str) -> str:
@@ -89,7 +105,7 @@ class OpenAIServingResponses:
         model = chat.model_name(request.model)
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            stored = self.store.get(request.previous_response_id)
+            stored = self.store.get(request.previous_response_id, _key_owner())
             if stored is None:
                 raise APIError(f"Response with id '{request.previous_response_id}' not found "
                                "(expired, never stored, or store was false).", 404,
@@ -118,7 +134,7 @@ class OpenAIServingResponses:
         return JSONResponse(body, headers=headers)
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
-        stored = self.store.get(response_id)
+        stored = self.store.get(response_id, _key_owner())
         if stored is None:
             raise APIError(f"Response with id '{response_id}' not found.", 404,
                            param="response_id")
@@ -203,7 +219,7 @@ class OpenAIServingResponses:
         else:
             body["status"] = "completed"
         if store:
-            self.store.put(body, conversation + output_messages(items))
+            self.store.put(body, conversation + output_messages(items), _key_owner())
         return body
 
     async def _stream(self, request: ResponsesRequest, base: dict[str, Any],
