@@ -114,7 +114,7 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
 
 REFUSED: dict[str, str] = {
     # What the flag asks for -> what to use instead.
-    "--pipeline-parallel-size": "pipeline parallelism is not implemented yet (issue 43); "
+    "--pipeline-parallel-size": "pipeline parallelism is not implemented yet; "
                                 "use --tensor-parallel-size",
     "--prefill-context-parallel-size": "context parallelism is not implemented; use "
                                        "--tensor-parallel-size",
