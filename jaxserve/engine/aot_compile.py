@@ -8,7 +8,8 @@ config.json (the family's weight shapes, int8 applied as shapes), placed by the 
 `ModelPlacement` rules as at startup, on a mesh of compile-only devices of the target
 (runner/gpu_targets.py). The KV cache is planned by the startup rule (runner/memory.py:
 device memory x --gpu-memory-utilization - weights per device - the largest bucket's
-activation peak), with the peak taken from the compiled program's `memory_analysis()`
+activation peak, or less where XLA's own limit for the step, 80 % of the device, leaves
+less), with the peak taken from the compiled program's `memory_analysis()`
 rather than an estimate: the largest bucket is compiled once with the smallest cache
 (its temporaries do not depend on the cache, which is donated and updated in place),
 the cache is planned, and every bucket is compiled against the planned cache.

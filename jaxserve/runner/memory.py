@@ -179,7 +179,7 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
     included), so the compiler never finds the step over its limit. The source names the
     bound that decided.
 
-    On a GPU, from a utilization fraction, the plan also keeps `compile_headroom_bytes` free
+    The utilization share keeps `compile_headroom_bytes` free
     (compute_dtype: the weights' dtype; default `dtype`): the cache is allocated after
     warm-up compiled its buckets, and a bucket compiled later must still find room to
     autotune. An explicit kv_cache_memory_bytes / num_gpu_blocks_override is taken as
