@@ -145,3 +145,21 @@ def test_a_gpu_plan_stays_inside_the_limit_xla_compiles_the_step_for():
     assert low.budget_bytes == int(0.7 * device_bytes) - weights - peak - \
         low.compile_headroom_bytes
     assert low.source.startswith("bound by 70% of 140.0 GiB device memory")
+
+
+def test_an_explicit_kv_budget_over_xlas_limit_is_kept_and_warned_about(caplog):
+    """--kv-cache-memory-bytes is taken as given, as in vLLM; past the compiler's limit the
+    plan says so once, before XLA says it at every bucket."""
+    device_bytes = 150 << 30
+    limit = memory.xla_kv_budget_bytes(device_bytes, 16 << 30, 0)
+    with caplog.at_level("WARNING", logger=memory.__name__):
+        within = memory.plan_kv_cache(CacheConfig(kv_cache_memory_bytes=limit), LLAMA_8B,
+                                      "bfloat16", 16 << 30, 0, 8192,
+                                      device_memory_bytes=device_bytes)
+        assert caplog.records == []
+        over = memory.plan_kv_cache(CacheConfig(kv_cache_memory_bytes=limit + (1 << 30)),
+                                    LLAMA_8B, "bfloat16", 16 << 30, 0, 8192,
+                                    device_memory_bytes=device_bytes)
+    assert within.budget_bytes == limit and over.budget_bytes == limit + (1 << 30)
+    (record,) = caplog.records
+    assert "1.00 GiB over what XLA's memory limit" in record.getMessage()

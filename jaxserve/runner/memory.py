@@ -150,6 +150,19 @@ def available_host_memory() -> int:
     return 8 << 30
 
 
+def _gpu_memory(device: jax.Device, device_memory_bytes: int | None,
+                weight_bytes: int) -> tuple[int, int, int]:
+    """(the whole GPU's memory, JAX's pool, bytes in use) for a plan: a target's memory with
+    only the weights in use, or the device's own figures."""
+    if device_memory_bytes:
+        return int(device_memory_bytes), int(device_memory_bytes), int(weight_bytes)
+    stats = device.memory_stats() or {}
+    pool_bytes = int(stats.get("bytes_limit", 0))
+    fraction = gpu_pool_fraction()
+    total = int(pool_bytes / fraction) if fraction else pool_bytes
+    return total, pool_bytes, int(stats.get("bytes_in_use", 0))
+
+
 class KVCacheDoesNotFit(ValueError):
     """Not even one sequence of max_model_len fits the memory left for the KV cache."""
 
@@ -202,15 +215,7 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
         source = (f"{cache.gpu_memory_utilization:.0%} of available RAM "
                   f"({avail / 2**30:.1f} GiB), capped at {CPU_DEFAULT_KV_CAP >> 30} GiB" + split)
     else:
-        if device_memory_bytes:
-            total = pool_bytes = int(device_memory_bytes)
-            in_use = int(weight_bytes)
-        else:
-            stats = device.memory_stats() or {}
-            pool_bytes = int(stats.get("bytes_limit", 0))
-            fraction = gpu_pool_fraction()
-            total = int(pool_bytes / fraction) if fraction else pool_bytes   # the whole GPU
-            in_use = int(stats.get("bytes_in_use", 0))
+        total, pool_bytes, in_use = _gpu_memory(device, device_memory_bytes, weight_bytes)
         # A share of the whole device (vLLM's meaning), never more than JAX's pool holds.
         usable = min(int(cache.gpu_memory_utilization * total), pool_bytes)
         itemsize = jnp.dtype(compute_dtype if compute_dtype is not None else dtype).itemsize
@@ -230,6 +235,16 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
         source = (f"bound by {bound}; JAX pool {pool_bytes / 2**30:.1f} GiB, "
                   f"{in_use / 2**30:.2f} GiB in use, {headroom / 2**30:.2f} GiB kept for "
                   "compiles")
+    if source.startswith(("num_gpu_blocks_override", "kv_cache_memory_bytes")) and \
+            (device_memory_bytes or device.platform != "cpu"):
+        over = budget - xla_kv_budget_bytes(_gpu_memory(device, device_memory_bytes,
+                                                        weight_bytes)[0],
+                                            weight_bytes, activation_bytes)
+        if over > 0:     # taken as given, but the compiler will say so at every bucket
+            logger.warning("the KV cache of %s is %.2f GiB over what XLA's memory limit for "
+                           "a GPU step leaves (80%% of the device - weights - activations); "
+                           "XLA will log 'exceeds the base limit' compiling each bucket",
+                           source, over / 2**30)
     num_blocks = cache.num_gpu_blocks_override or budget // per_block
     min_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < min_blocks:
