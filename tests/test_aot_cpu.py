@@ -196,7 +196,7 @@ def test_a_directory_without_a_manifest_falls_back(tmp_path, compiled, caplog):
 def test_deviceless_plan_is_the_startup_rule_on_the_targets_memory():
     """Llama-3-8B's shapes on an H200, by hand: 32 layers x 8 KV heads x 128 x 2 (K, V)
     x 2 bytes = 128 KiB per token; 90 % of 140 GiB - 15 GiB weights - 0.75 GiB peak - a late
-    compile's headroom."""
+    compile's headroom, or XLA's limit for the step where that is less."""
     from jaxserve.config import CacheConfig
     from jaxserve.models.arch import ModelArch
     from jaxserve.runner.gpu_targets import load_target
@@ -213,11 +213,14 @@ def test_deviceless_plan_is_the_startup_rule_on_the_targets_memory():
     assert plan.bytes_per_block == 16 * per_token
     headroom = 128256 * 4096 * 2 + peak + (256 << 20)    # a late compile's (memory.py)
     assert plan.compile_headroom_bytes == headroom
-    by_hand = (int(0.9 * memory) - weights - peak - headroom) // per_token
+    # the smaller of the utilization share and XLA's limit for the step (80 % of the device
+    # less the step's arguments and its temporaries over the 95 % slop factor)
+    xla = memory * 80 // 100 - weights - (64 << 20) - -(-peak * 100 // 95)
+    by_hand = min(int(0.9 * memory) - weights - peak - headroom, xla) // per_token
     assert by_hand - 16 < plan.capacity_tokens <= by_hand
     with pytest.raises(KVCacheDoesNotFit, match="GiB short per device") as refused:
-        plan_kv_cache(CacheConfig(), arch, "bfloat16", int(0.9 * memory) - peak - headroom
-                      + 1000, peak, 8192, device_memory_bytes=memory)
+        plan_kv_cache(CacheConfig(), arch, "bfloat16", weights + xla + 1000, peak, 8192,
+                      device_memory_bytes=memory)
     assert refused.value.shortfall_bytes == 8192 * per_token + 1000
 
 

@@ -71,9 +71,12 @@ def test_gpu_memory_utilization_is_a_share_of_the_device_not_of_jax_pool(monkeyp
     stats["bytes_limit"] = int(0.75 * device_bytes)
     headroom = plan().compile_headroom_bytes
     assert plan().budget_bytes == int(0.75 * device_bytes) - headroom
+    assert plan().source.startswith("bound by JAX's pool")
+    # a pool larger than XLA's limit: the compiler's bound decides (80 % of the device)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     stats["bytes_limit"] = int(0.95 * device_bytes)
-    assert abs(plan().budget_bytes - (0.9 * device_bytes - headroom)) < 2
+    assert plan().budget_bytes == memory.xla_kv_budget_bytes(device_bytes, 0, 0)
+    assert plan().source.startswith("bound by XLA's limit")
 
 
 LLAMA_8B = ModelArch("LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
@@ -93,8 +96,8 @@ def test_a_gpu_plan_keeps_room_for_the_autotuner_of_a_late_compile():
                                 device_memory_bytes=device_bytes)
     lm_head = 128256 * 4096 * 2
     assert plan.compile_headroom_bytes == lm_head + peak + memory.GPU_COMPILE_SLACK
-    assert plan.budget_bytes == int(0.9 * device_bytes) - weights - peak - \
-        plan.compile_headroom_bytes
+    share = int(0.9 * device_bytes) - weights - peak - plan.compile_headroom_bytes
+    assert plan.budget_bytes == min(share, memory.xla_kv_budget_bytes(device_bytes, weights, peak))
     assert plan.total_bytes <= plan.budget_bytes
     assert "compile headroom" in plan.describe()
     # the weights' dtype sizes the copy, not an fp8 cache's
@@ -114,3 +117,49 @@ def test_cpu_plans_and_explicit_budgets_keep_no_compile_headroom(monkeypatch):
                                     "bfloat16", 0, 0, 8192, device_memory_bytes=150 << 30)
     assert cpu.compile_headroom_bytes == 0 == explicit.compile_headroom_bytes
     assert explicit.budget_bytes == 1 << 30
+
+
+def test_a_gpu_plan_stays_inside_the_limit_xla_compiles_the_step_for():
+    """XLA plans a GPU step within 80 % of the device (its base limit; JAX sets no
+    device_memory_size): the step's arguments (weights, the aliased KV cache, its inputs) plus
+    its temporaries over the 95 % slop factor. On an H200 at 90 % utilization that bound is
+    the tighter one and decides; at 70 % the utilization share does. The source says which."""
+    from jaxserve.runner.gpu_targets import load_target
+
+    device_bytes = load_target("h200").device_memory_bytes
+    weights, peak = 16 << 30, 805 << 20
+    base = device_bytes * 80 // 100
+    assert base == 120259084288          # what XLA logs as the H200's base limit
+
+    plan = memory.plan_kv_cache(CacheConfig(), LLAMA_8B, "bfloat16", weights, peak, 8192,
+                                device_memory_bytes=device_bytes)
+    arguments = weights + plan.total_bytes + memory.XLA_STEP_IO_SLACK
+    assert arguments + -(-peak * 100 // 95) <= base
+    assert base - (arguments + peak * 100 // 95) < plan.bytes_per_block    # and fills it
+    assert plan.source.startswith("bound by XLA's limit (80% of 140.0 GiB")
+    assert plan.budget_bytes < int(0.9 * device_bytes) - weights - peak - \
+        plan.compile_headroom_bytes
+
+    low = memory.plan_kv_cache(CacheConfig(gpu_memory_utilization=0.7), LLAMA_8B, "bfloat16",
+                               weights, peak, 8192, device_memory_bytes=device_bytes)
+    assert low.budget_bytes == int(0.7 * device_bytes) - weights - peak - \
+        low.compile_headroom_bytes
+    assert low.source.startswith("bound by 70% of 140.0 GiB device memory")
+
+
+def test_an_explicit_kv_budget_over_xlas_limit_is_kept_and_warned_about(caplog):
+    """--kv-cache-memory-bytes is taken as given, as in vLLM; past the compiler's limit the
+    plan says so once, before XLA says it at every bucket."""
+    device_bytes = 150 << 30
+    limit = memory.xla_kv_budget_bytes(device_bytes, 16 << 30, 0)
+    with caplog.at_level("WARNING", logger=memory.__name__):
+        within = memory.plan_kv_cache(CacheConfig(kv_cache_memory_bytes=limit), LLAMA_8B,
+                                      "bfloat16", 16 << 30, 0, 8192,
+                                      device_memory_bytes=device_bytes)
+        assert caplog.records == []
+        over = memory.plan_kv_cache(CacheConfig(kv_cache_memory_bytes=limit + (1 << 30)),
+                                    LLAMA_8B, "bfloat16", 16 << 30, 0, 8192,
+                                    device_memory_bytes=device_bytes)
+    assert within.budget_bytes == limit and over.budget_bytes == limit + (1 << 30)
+    (record,) = caplog.records
+    assert "1.00 GiB over what XLA's memory limit" in record.getMessage()

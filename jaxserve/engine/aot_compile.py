@@ -8,7 +8,8 @@ config.json (the family's weight shapes, int8 applied as shapes), placed by the 
 `ModelPlacement` rules as at startup, on a mesh of compile-only devices of the target
 (runner/gpu_targets.py). The KV cache is planned by the startup rule (runner/memory.py:
 device memory x --gpu-memory-utilization - weights per device - the largest bucket's
-activation peak), with the peak taken from the compiled program's `memory_analysis()`
+activation peak, or less where XLA's own limit for the step, 80 % of the device, leaves
+less), with the peak taken from the compiled program's `memory_analysis()`
 rather than an estimate: the largest bucket is compiled once with the smallest cache
 (its temporaries do not depend on the cache, which is donated and updated in place),
 the cache is planned, and every bucket is compiled against the planned cache.
@@ -48,7 +49,12 @@ from jaxserve.quantization.int8 import quantize_params_int8
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner import aot_executables as aot
 from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS, load_target, topology_mesh
-from jaxserve.runner.memory import KVCacheDoesNotFit, KVCachePlan, plan_kv_cache
+from jaxserve.runner.memory import (
+    KVCacheDoesNotFit,
+    KVCachePlan,
+    plan_kv_cache,
+    xla_base_limit_bytes,
+)
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.penalty_state import PenaltyState
 
@@ -181,12 +187,13 @@ class CompiledBucket:
     executable: Any
     compile_seconds: float
     temp_bytes: int
+    io_bytes: int = 0     # arguments + outputs - aliased outputs: what XLA's limit counts
 
     def describe(self, serialized_bytes: int) -> dict[str, Any]:
         return {"num_tokens": self.shape[0], "num_seqs": self.shape[1],
                 "compile_seconds": round(self.compile_seconds, 2),
                 "serialized_bytes": serialized_bytes, "temp_bytes": self.temp_bytes,
-                "file": aot.bucket_file(self.shape)}
+                "io_bytes": self.io_bytes, "file": aot.bucket_file(self.shape)}
 
 
 def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | None
@@ -197,9 +204,12 @@ def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | No
     seconds = time.perf_counter() - start
     stats = executable.memory_analysis()
     temp = int(stats.temp_size_in_bytes) if stats is not None else 0
-    logger.info("compiled step %dx%d for %s in %.1f s (temporaries %.1f MiB)", *shape,
-                target or "cpu", seconds, temp / 2**20)
-    return CompiledBucket(shape, executable, seconds, temp)
+    io = int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+             - stats.alias_size_in_bytes) if stats is not None else 0
+    logger.info("compiled step %dx%d for %s in %.1f s (temporaries %.1f MiB, arguments + "
+                "unaliased outputs %.1f MiB)", *shape, target or "cpu", seconds, temp / 2**20,
+                io / 2**20)
+    return CompiledBucket(shape, executable, seconds, temp, io)
 
 
 def plan_from_compiled(engine: AbstractEngine, config: EngineConfig, target: str | None,
@@ -214,18 +224,21 @@ def plan_from_compiled(engine: AbstractEngine, config: EngineConfig, target: str
 
 def check_weights_fit(engine: AbstractEngine, config: EngineConfig, target: str) -> None:
     """Refuse before compiling anything when the weights alone exceed the memory share."""
-    usable = int(config.cache_config.gpu_memory_utilization
-                 * load_target(target).device_memory_bytes)
+    memory = load_target(target).device_memory_bytes
+    share = int(config.cache_config.gpu_memory_utilization * memory)
+    usable = min(share, xla_base_limit_bytes(memory))
     excess = engine.weight_bytes_per_device - usable
     if excess > 0:
+        limit = (f"{config.cache_config.gpu_memory_utilization:.0%} of {target}'s "
+                 f"{memory / 2**30:.1f} GiB the engine may use (--gpu-memory-utilization)"
+                 if share <= usable else
+                 f"{usable / 2**30:.1f} GiB XLA plans a step of {target} in (80% of its "
+                 f"{memory / 2**30:.1f} GiB)")
         raise KVCacheDoesNotFit(
             f"does not fit: the weights alone take {engine.weight_bytes_per_device / 2**30:.2f}"
-            f" GiB per device, {excess / 2**30:.2f} GiB more than the "
-            f"{config.cache_config.gpu_memory_utilization:.0%} of {target}'s "
-            f"{load_target(target).device_memory_bytes / 2**30:.1f} GiB the engine may use "
-            f"(--gpu-memory-utilization), before any KV cache or activations; use more "
-            f"--tensor-parallel-size (now {engine.devices}) or int8 weights "
-            "(--quantization int8)", excess)
+            f" GiB per device, {excess / 2**30:.2f} GiB more than the {limit}, before any KV "
+            f"cache or activations; use more --tensor-parallel-size (now {engine.devices}) or "
+            "int8 weights (--quantization int8)", excess)
 
 
 def compile_for_target(config: EngineConfig, target: str | None, output: str | Path, *,

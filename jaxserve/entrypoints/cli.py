@@ -271,7 +271,8 @@ def _add_compile_command(commands: Any) -> None:
         description="Build the engine's step for --target without a device and without "
         "reading weights (a directory holding only config.json is enough), compile every "
         "bucket the engine would use, plan the KV cache from the compiled programs (device "
-        "memory x --gpu-memory-utilization - weights - the largest activation peak), and "
+        "memory x --gpu-memory-utilization - weights - the largest activation peak, or "
+        "less where XLA's limit for a step, 80% of the device, leaves less), and "
         "write the serialized executables and a manifest to DIR for `jaxserve serve "
         "--aot-dir DIR`. GPU targets need `pip install 'jaxserve[gpu-compile]'`; 'cpu' "
         "compiles for this machine.")

@@ -35,7 +35,16 @@ TARGETS_DIR = Path(__file__).resolve().parents[1] / "targets"
 # What every GPU compile of the step passes to XLA. Dot merging off: XLA merges dots that
 # share an input (q/k/v of a layer) into one by concatenating their weights -- a copy of
 # those weights every step (48 MiB per layer of a Llama-3-8B; tests/test_gpu_compile.py).
-GPU_STEP_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+#
+# Rematerialization off: its memory tracker counts the KV cache twice. The cache is donated
+# and aliased to the step's output (written in place), but each layer's write into the one
+# K and one V array is a new buffer to the tracker, so it sees the cache among the step's
+# temporaries as well as among its arguments. Against that phantom peak it fails ("Can't
+# reduce memory use below ...") and meanwhile recomputes instructions, GEMMs included, into
+# every step (4 recomputed GEMM fusions in a 2-layer Llama-3-8B decode step). The step's
+# real temporaries (memory_analysis) are a few hundred MiB, planned for by runner/memory.py.
+GPU_STEP_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0,
+                             "xla_disable_hlo_passes": "rematerialization"}
 # What ahead-of-time GPU compiles pass: the same (Triton GEMMs, untuned; module docstring).
 GPU_COMPILER_OPTIONS = dict(GPU_STEP_COMPILER_OPTIONS)
 # cuBLAS GEMMs instead: each copies its weight slice (a benchmark's control, not a default).

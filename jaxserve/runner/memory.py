@@ -20,6 +20,17 @@ JAX_DEFAULT_POOL_FRACTION = 0.75   # XLA_PYTHON_CLIENT_MEM_FRACTION when unset
 # Workspaces beyond the GEMM operands a GPU compile or step takes: cuBLAS(Lt) and Triton
 # scratch, the autotuner's redzones around every buffer it times, XLA's own bookkeeping.
 GPU_COMPILE_SLACK = 256 << 20
+# What XLA's GPU compiler assumes it may use (gpu_hlo_schedule.cc GetSchedulerMemoryLimit):
+# the module's device_memory_size, which JAX never sets, else 80 % of the device's memory
+# ("base limit"). From it XLA takes the step's arguments + outputs - aliased outputs; what is
+# left, times xla_gpu_memory_limit_slop_factor (95 %), is the scheduler's memory limit for
+# the step's temporaries. Arguments beyond the base make the limit 0 and XLA logs "exceeds
+# the base limit": the latency-hiding scheduler then schedules for a 0-byte budget.
+XLA_GPU_BASE_FRACTION_PERCENT = 80
+XLA_GPU_SLOP_PERCENT = 95
+# The step's arguments and outputs beside the weights and the (aliased) KV cache: packed
+# inputs, sampling tensors, sampled ids and logprobs (KBs to a few MiB); generous.
+XLA_STEP_IO_SLACK = 64 << 20
 
 
 def compile_headroom_bytes(arch: ModelArch, compute_itemsize: int, activation_bytes: int,
@@ -34,6 +45,22 @@ def compile_headroom_bytes(arch: ModelArch, compute_itemsize: int, activation_by
                          arch.hidden_size * arch.intermediate_size)
     return -(-largest_matrix // tp_size) * compute_itemsize + activation_bytes + \
         GPU_COMPILE_SLACK
+
+
+def xla_base_limit_bytes(device_memory_bytes: int) -> int:
+    """XLA's base memory limit for a GPU of this much memory (no device_memory_size set)."""
+    return int(device_memory_bytes) * XLA_GPU_BASE_FRACTION_PERCENT // 100
+
+
+def xla_kv_budget_bytes(device_memory_bytes: int, weight_bytes: int,
+                        activation_bytes: int) -> int:
+    """The largest KV cache (bytes per device) with which the step's arguments (weights, KV
+    cache, inputs) plus its temporaries over XLA's slop factor stay inside XLA's base limit:
+    base - weights - step I/O - activations / 0.95. The KV cache is donated and aliased to
+    the step's output, so XLA counts it once among the arguments."""
+    temporaries = -(-int(activation_bytes) * 100 // XLA_GPU_SLOP_PERCENT)
+    return xla_base_limit_bytes(device_memory_bytes) - int(weight_bytes) - \
+        XLA_STEP_IO_SLACK - temporaries
 
 
 def size_gpu_pool(gpu_memory_utilization: float) -> bool:
@@ -123,6 +150,19 @@ def available_host_memory() -> int:
     return 8 << 30
 
 
+def _gpu_memory(device: jax.Device, device_memory_bytes: int | None,
+                weight_bytes: int) -> tuple[int, int, int]:
+    """(the whole GPU's memory, JAX's pool, bytes in use) for a plan: a target's memory with
+    only the weights in use, or the device's own figures."""
+    if device_memory_bytes:
+        return int(device_memory_bytes), int(device_memory_bytes), int(weight_bytes)
+    stats = device.memory_stats() or {}
+    pool_bytes = int(stats.get("bytes_limit", 0))
+    fraction = gpu_pool_fraction()
+    total = int(pool_bytes / fraction) if fraction else pool_bytes
+    return total, pool_bytes, int(stats.get("bytes_in_use", 0))
+
+
 class KVCacheDoesNotFit(ValueError):
     """Not even one sequence of max_model_len fits the memory left for the KV cache."""
 
@@ -146,7 +186,13 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
     device_memory_bytes: plan for a GPU that is not here (`jaxserve compile --target`): the
     device rule below with that much memory, of which only the weights are in use.
 
-    On a GPU, from a utilization fraction, the plan also keeps `compile_headroom_bytes` free
+    On a GPU, from a utilization fraction, the cache is the smaller of two bounds: the
+    utilization share (less weights, activations and compile headroom) and the compiler's
+    (`xla_kv_budget_bytes`: XLA plans every GPU step within 80 % of the device, arguments
+    included), so the compiler never finds the step over its limit. The source names the
+    bound that decided.
+
+    The utilization share keeps `compile_headroom_bytes` free
     (compute_dtype: the weights' dtype; default `dtype`): the cache is allocated after
     warm-up compiled its buckets, and a bucket compiled later must still find room to
     autotune. An explicit kv_cache_memory_bytes / num_gpu_blocks_override is taken as
@@ -169,23 +215,36 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
         source = (f"{cache.gpu_memory_utilization:.0%} of available RAM "
                   f"({avail / 2**30:.1f} GiB), capped at {CPU_DEFAULT_KV_CAP >> 30} GiB" + split)
     else:
-        if device_memory_bytes:
-            total = pool_bytes = int(device_memory_bytes)
-            in_use = int(weight_bytes)
-        else:
-            stats = device.memory_stats() or {}
-            pool_bytes = int(stats.get("bytes_limit", 0))
-            fraction = gpu_pool_fraction()
-            total = int(pool_bytes / fraction) if fraction else pool_bytes   # the whole GPU
-            in_use = int(stats.get("bytes_in_use", 0))
+        total, pool_bytes, in_use = _gpu_memory(device, device_memory_bytes, weight_bytes)
         # A share of the whole device (vLLM's meaning), never more than JAX's pool holds.
         usable = min(int(cache.gpu_memory_utilization * total), pool_bytes)
         itemsize = jnp.dtype(compute_dtype if compute_dtype is not None else dtype).itemsize
         headroom = compile_headroom_bytes(arch, itemsize, activation_bytes, tp_size)
-        budget = usable - in_use - activation_bytes - headroom
-        source = (f"{cache.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB device memory"
-                  f" (JAX pool {pool_bytes / 2**30:.1f} GiB), {in_use / 2**30:.2f} GiB in use,"
-                  f" {headroom / 2**30:.2f} GiB kept for compiles")
+        share = usable - in_use - activation_bytes - headroom
+        # The compiler's own bound (xla_kv_budget_bytes): a cache past it leaves XLA's
+        # scheduler no memory for the step and it says so at every compile.
+        compiler = xla_kv_budget_bytes(total, weight_bytes, activation_bytes)
+        budget = min(share, compiler)
+        bound = (f"XLA's limit ({XLA_GPU_BASE_FRACTION_PERCENT}% of {total / 2**30:.1f} GiB "
+                 f"- weights - step I/O - activations / 0.{XLA_GPU_SLOP_PERCENT}; "
+                 f"{share / 2**30:.2f} GiB by --gpu-memory-utilization)")
+        if share <= compiler:
+            bound = (f"{cache.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB device "
+                     "memory" if usable < pool_bytes else "JAX's pool") + \
+                f"; XLA's limit allows {compiler / 2**30:.2f} GiB"
+        source = (f"bound by {bound}; JAX pool {pool_bytes / 2**30:.1f} GiB, "
+                  f"{in_use / 2**30:.2f} GiB in use, {headroom / 2**30:.2f} GiB kept for "
+                  "compiles")
+    if source.startswith(("num_gpu_blocks_override", "kv_cache_memory_bytes")) and \
+            (device_memory_bytes or device.platform != "cpu"):
+        over = budget - xla_kv_budget_bytes(_gpu_memory(device, device_memory_bytes,
+                                                        weight_bytes)[0],
+                                            weight_bytes, activation_bytes)
+        if over > 0:     # taken as given, but the compiler will say so at every bucket
+            logger.warning("the KV cache of %s is %.2f GiB over what XLA's memory limit for "
+                           "a GPU step leaves (80%% of the device - weights - activations); "
+                           "XLA will log 'exceeds the base limit' compiling each bucket",
+                           source, over / 2**30)
     num_blocks = cache.num_gpu_blocks_override or budget // per_block
     min_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < min_blocks:
