@@ -31,7 +31,6 @@ from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.load_progress import PHASES
 from jaxserve.metrics import ServerMetrics
 from jaxserve.outputs import RequestMetrics
-from tests import precision
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "jaxserve-rules.yml"
@@ -167,7 +166,7 @@ def start_server(model_dir: Path, log_path: Path, port: int, metrics_port: int
                  ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(model_dir),
            "--config", str(ROOT / "configs" / "tiny-test.yaml"), "--port", str(port),
-           "--metrics-port", str(metrics_port), *precision.server_flags()]
+           "--metrics-port", str(metrics_port)]
     log = open(log_path, "w")  # noqa: SIM115 - the child holds it
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

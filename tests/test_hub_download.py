@@ -413,8 +413,7 @@ def test_llm_by_name_gives_the_tokens_of_the_same_folder_from_disk(hub, hub_repo
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for source in ("tiny-org/tiny-llama", str(hub_repos / "tiny-org" / "tiny-llama" / "main")):
-        llm = LLM(source, compilation_cache_dir=str(tmp_path / "xla"), **ENGINE_KWARGS,
-                  **precision.forced_kwargs())
+        llm = LLM(source, compilation_cache_dir=str(tmp_path / "xla"), **ENGINE_KWARGS)
         tokens[source] = [list(o.outputs[0].token_ids)
                           for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         del llm
@@ -434,7 +433,7 @@ def test_draft_model_by_name_is_fetched_and_drafts(hub, hub_repos, tmp_path):
               max_num_batched_tokens=4, kv_cache_memory_bytes=2 << 20,
               speculative_config={"method": "draft_model", "model": "tiny-org/tiny-sharded",
                                   "num_speculative_tokens": 1},
-              **precision.EXACT, **precision.forced_kwargs())
+              **precision.EXACT)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=6,
                                                     ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
@@ -457,8 +456,7 @@ def test_serve_by_name_answers_a_chat_completion(hub, tmp_path):
             [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "tiny-org/tiny-llama",
              "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning",
              "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "2",
-             "--kv-cache-memory-bytes", str(2 << 20), "--dtype", "float32",
-             *precision.server_flags()],
+             "--kv-cache-memory-bytes", str(2 << 20), "--dtype", "float32"],
             stdout=log, stderr=subprocess.STDOUT, env=_env(hub), cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
