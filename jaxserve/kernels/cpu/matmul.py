@@ -65,7 +65,8 @@ def library() -> KernelLibrary:
         raise CpuMatmulBuildError(f"oneDNN not found under {sys.prefix}: {hint}")
     lib_dir = prefix / "lib"
     return KernelLibrary(
-        name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv.h", HERE / "parallel_for.h"),
+        name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv_gguf_entry.cc", HERE / "gemv.h",
+                 HERE / "gemv_gguf.h", HERE / "parallel_for.h"),
         include_dirs=(HERE, prefix / "include"),
         link_flags=(f"-L{lib_dir}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib_dir}"),
         fallback_hint=hint, error=CpuMatmulBuildError)
