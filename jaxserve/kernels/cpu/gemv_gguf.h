@@ -12,7 +12,11 @@
 //   q8_0  34 B: f16 d, 32 x int8 q        w = d * q         dot = d dx (q . xq)
 //   q4_0  18 B: f16 d, 16 B of nibbles    w = d (n - 8)     dot = d dx (n . xq) - 8 d sx
 //   q4_1  20 B: f16 d, f16 m, nibbles     w = d n + m       dot = d dx (n . xq) + m sx
-// Nibbles: byte j holds weight j (low 4 bits) and weight j + 16 (high).
+//   q4_K  144 B per 256 weights: f16 d, f16 dmin, 12 B of 6-bit scales sc_j and mins m_j of
+//         8 sub-blocks of 32, 128 B of nibbles; w = d sc_j n - dmin m_j, so each sub-block
+//         meets one x block as q4_1's blocks do: d sc_j dx (n . xq) - dmin m_j sx
+// Nibbles: byte j holds weight j (low 4 bits) and weight j + 16 (high); in q4_K each 32
+// bytes hold sub-block 2i (low nibbles, in order) and 2i + 1 (high nibbles).
 //
 // More than kMaxGemvRows rows (a prefill chunk) run as tiles of 8 rows over a part's weight
 // rows, which stay in the core's caches between tiles. Header-only, like gemv.h.
@@ -31,11 +35,17 @@ namespace jaxserve_cpu {
 namespace {
 
 constexpr int kGgufBlock = 32;
-enum GgufFormat : int { kGgufQ8_0 = 0, kGgufQ4_0 = 1, kGgufQ4_1 = 2 };
-constexpr int kGgufFormats = 3;
+enum GgufFormat : int { kGgufQ8_0 = 0, kGgufQ4_0 = 1, kGgufQ4_1 = 2, kGgufQ4_K = 3 };
+constexpr int kGgufFormats = 4;
 
 inline int64_t gguf_block_bytes(int fmt) {
-  return fmt == kGgufQ8_0 ? 34 : fmt == kGgufQ4_0 ? 18 : 20;
+  return fmt == kGgufQ8_0 ? 34 : fmt == kGgufQ4_0 ? 18 : fmt == kGgufQ4_1 ? 20 : 144;
+}
+// Weights per block: 32, or a K-quant's 256-weight super-block.
+inline int64_t gguf_block_weights(int fmt) { return fmt == kGgufQ4_K ? 256 : kGgufBlock; }
+// Bytes of one weight row of `in` weights (in a whole number of blocks).
+inline int64_t gguf_row_bytes(int fmt, int64_t in) {
+  return in / gguf_block_weights(fmt) * gguf_block_bytes(fmt);
 }
 
 // The instruction set this copy of the kernel was compiled for (the library is built for the
@@ -201,6 +211,80 @@ void gguf_dot_rows(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t0, f
   }
 }
 
+// Q4_K's sub-block j (0..7) scale and min, 6 bits each, from its 12 packed bytes (ggml's
+// get_scale_min_k4).
+inline void q4k_scale_min(const uint8_t* q, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <int T>
+void gguf_dot_rows_q4k(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t0, float* Y,
+                       int64_t ldy, int64_t r0, int64_t r1) {
+  const int64_t nb = xq.blocks, nsb = nb / 8;
+  const int8_t* XQ = xq.q.data() + t0 * nb * kGgufBlock;
+  const float* XD = xq.d.data() + t0 * nb;
+  const float* XS = xq.s.data() + t0 * nb;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = W + r * bpr;
+    float corr[T];
+    JAXSERVE_UNROLL for (int t = 0; t < T; ++t) corr[t] = 0.f;
+#if defined(__AVX2__)
+    __m256 acc[T];
+    JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+#else
+    float acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = 0.f;
+#endif
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = row + sb * 144;
+      const float d = f16_at(blk), dmin = f16_at(blk + 2);
+      const uint8_t* qs = blk + 16;
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        q4k_scale_min(blk + 4, j, &sc, &mn);
+        const float ds = d * float(sc), dm = dmin * float(mn);
+        const int64_t b = sb * 8 + j;
+        const uint8_t* raw = qs + 32 * (j / 2);
+#if defined(__AVX2__)
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw));
+        const __m256i w = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(bytes, 4) : bytes,
+                                           _mm256_set1_epi8(0x0f));
+        JAXSERVE_UNROLL for (int t = 0; t < T; ++t) {
+          const int64_t at = t * nb + b;
+          const __m256i xv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + at * kGgufBlock));
+          const __m256 p = _mm256_cvtepi32_ps(gguf_dot_us(w, xv));
+          acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(ds * XD[at]), acc[t]);
+          corr[t] -= dm * XS[at];
+        }
+#else
+        int w[kGgufBlock];
+        for (int l = 0; l < kGgufBlock; ++l) w[l] = j & 1 ? raw[l] >> 4 : raw[l] & 0x0f;
+        for (int t = 0; t < T; ++t) {
+          const int64_t at = t * nb + b;
+          const int8_t* xb = XQ + at * kGgufBlock;
+          int sum = 0;
+          for (int l = 0; l < kGgufBlock; ++l) sum += w[l] * xb[l];
+          acc[t] += float(sum) * (ds * XD[at]);
+          corr[t] -= dm * XS[at];
+        }
+#endif
+      }
+    }
+#if defined(__AVX2__)
+    JAXSERVE_UNROLL for (int t = 0; t < T; ++t) Y[t * ldy + r] = gguf_hsum(acc[t]) + corr[t];
+#else
+    for (int t = 0; t < T; ++t) Y[t * ldy + r] = acc[t] + corr[t];
+#endif
+  }
+}
+
 // One weight's share of a pass: this layer's [out, bpr] blocks and its result [T, out].
 struct GgufSegment {
   const uint8_t* w;
@@ -208,19 +292,28 @@ struct GgufSegment {
   int64_t out;
 };
 
+template <int T, int FMT>
+void gguf_rows(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t0, float* Y,
+               int64_t ldy, int64_t r0, int64_t r1) {
+  if (FMT == kGgufQ4_K)
+    gguf_dot_rows_q4k<T>(W, bpr, xq, t0, Y, ldy, r0, r1);
+  else
+    gguf_dot_rows<T, FMT == kGgufQ4_K ? kGgufQ4_1 : FMT>(W, bpr, xq, t0, Y, ldy, r0, r1);
+}
+
 template <int FMT>
 void gguf_tile(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t0, int64_t rows,
                float* Y, int64_t ldy, int64_t r0, int64_t r1) {
   float* y = Y + t0 * ldy;
   switch (rows) {
-    case 1: gguf_dot_rows<1, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
-    case 2: gguf_dot_rows<2, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
-    case 3: gguf_dot_rows<3, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
-    case 4: gguf_dot_rows<4, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
-    case 5: gguf_dot_rows<5, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
-    case 6: gguf_dot_rows<6, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
-    case 7: gguf_dot_rows<7, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
-    default: gguf_dot_rows<8, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    case 1: gguf_rows<1, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    case 2: gguf_rows<2, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    case 3: gguf_rows<3, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    case 4: gguf_rows<4, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    case 5: gguf_rows<5, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    case 6: gguf_rows<6, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    case 7: gguf_rows<7, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
+    default: gguf_rows<8, FMT>(W, bpr, xq, t0, y, ldy, r0, r1); break;
   }
 }
 
@@ -247,8 +340,10 @@ inline void gguf_run_part(int fmt, const std::vector<GgufSegment>& segs, int64_t
     gguf_part<kGgufQ8_0>(segs, bpr, xq, T, total_rows, part, parts);
   else if (fmt == kGgufQ4_0)
     gguf_part<kGgufQ4_0>(segs, bpr, xq, T, total_rows, part, parts);
-  else
+  else if (fmt == kGgufQ4_1)
     gguf_part<kGgufQ4_1>(segs, bpr, xq, T, total_rows, part, parts);
+  else
+    gguf_part<kGgufQ4_K>(segs, bpr, xq, T, total_rows, part, parts);
 }
 
 // How many parts a pass over `rows` weight rows of `bytes` in all is cut into: about

@@ -9,12 +9,14 @@
 
 // The GGUF kernel without XLA, for tests of each compiled instruction set: y [T, out] =
 // x [T, in] @ dequantized(w [out, bytes])^T in `parts` parts run one after another (the
-// split the pool would run). Returns 0, or -1 for a bad format / in.
+// split the pool would run). Returns 0, or -1 for a bad format, or an `in` of
+// partial blocks.
 extern "C" int jaxserve_gguf_matmul(int fmt, const float* x, int64_t T, int64_t in,
                                     const uint8_t* w, int64_t out, float* y, int64_t parts) {
-  if (fmt < 0 || fmt >= jaxserve_cpu::kGgufFormats || in % jaxserve_cpu::kGgufBlock || parts < 1)
+  if (fmt < 0 || fmt >= jaxserve_cpu::kGgufFormats || parts < 1 ||
+      in % jaxserve_cpu::gguf_block_weights(fmt))
     return -1;
-  const int64_t bpr = in / jaxserve_cpu::kGgufBlock * jaxserve_cpu::gguf_block_bytes(fmt);
+  const int64_t bpr = jaxserve_cpu::gguf_row_bytes(fmt, in);
   jaxserve_cpu::GgufX xq;
   jaxserve_cpu::gguf_quantize_x(x, T, in, &xq);
   const std::vector<jaxserve_cpu::GgufSegment> segs{{w, y, out}};

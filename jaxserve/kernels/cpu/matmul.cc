@@ -386,15 +386,17 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (xd.size() != 2 || layer_buf.element_count() != 1 || n == 0 || args.size() != n ||
       fmt < 0 || fmt >= jaxserve_cpu::kGgufFormats)
     return ffi::Error::InvalidArgument("gguf matmul: want x [T, in], layer [], n >= 1 packed "
-                                       "weights [L, out_i, bytes] of format 0..2 and n results "
+                                       "weights [L, out_i, bytes] of format 0..3 and n results "
                                        "[T, out_i]; got x " + dims_str(xd));
   if (x.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("gguf matmul: x float32");
   const int64_t T = xd[0], in = xd[1];
-  if (in % jaxserve_cpu::kGgufBlock != 0)
+  const int64_t per_block = jaxserve_cpu::gguf_block_weights(int(fmt));
+  if (in % per_block != 0)
     return ffi::Error::InvalidArgument("gguf matmul: in (" + std::to_string(in) +
-                                       ") is not a whole number of 32-weight blocks");
-  const int64_t bpr = in / jaxserve_cpu::kGgufBlock * jaxserve_cpu::gguf_block_bytes(int(fmt));
+                                       ") is not a whole number of " +
+                                       std::to_string(per_block) + "-weight blocks");
+  const int64_t bpr = jaxserve_cpu::gguf_row_bytes(int(fmt), in);
   std::vector<jaxserve_cpu::GgufSegment> segs;
   int64_t rows = 0;
   bool no_layers = false;
@@ -473,5 +475,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgufMatmul, GgufMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .RemainingArgs()               // packed weights [L, out_i, bytes]
                                   .RemainingRets()               // results [T, out_i] float32
-                                  .Attr<int64_t>("fmt"));        // 0 q8_0, 1 q4_0, 2 q4_1
+                                  .Attr<int64_t>("fmt"));        // 0 q8_0, 1 q4_0, 2 q4_1, 3 q4_K
 

@@ -34,7 +34,8 @@ TARGET = "jaxserve_matmul"
 SYMBOL = "JaxserveMatmul"
 GROUP_TARGET = "jaxserve_matmul_group"
 GGUF_TARGET = "jaxserve_gguf_matmul"
-GGUF_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}   # gemv_gguf.h's GgufFormat
+GGUF_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3}   # gemv_gguf.h's GgufFormat
+GGUF_BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}
 MAX_GEMV_ROWS = 8
 GEMV_K_BLOCK = 8      # gemv.h's kGemvKBlock: weight rows per block, never two int8 groups
 
@@ -276,8 +277,9 @@ def gguf_matmul(x: jax.Array, packed: tuple[jax.Array, ...], layer, fmt: str
                 ) -> tuple[jax.Array, ...]:
     """(x @ W[layer]^T for W in packed): GGUF blocks read in place (gemv_gguf.h).
 
-    packed: uint8 [L, out_i, in / 32 * bytes_per_block] weights of one format (``fmt``:
-    q8_0, q4_0, q4_1; quantization/gguf_packed.py's layout), x [T, in] float32 (any T; in a
+    packed: uint8 [L, out_i, in / block * bytes_per_block] weights of one format (``fmt``:
+    q8_0, q4_0, q4_1 of 32-weight blocks, quantization/gguf_packed.py's layout; q4_k of
+    256-weight super-blocks), x [T, in] float32 (any T; in a
     multiple of 32), results float32 [T, out_i]. x is quantized to 8 bits per 32-block
     inside the call (llama.cpp's vec_dot does the same): the products differ from the
     dequantized weights' float ones by that rounding (tests/test_gguf_kernels.py bounds it)."""
@@ -285,9 +287,10 @@ def gguf_matmul(x: jax.Array, packed: tuple[jax.Array, ...], layer, fmt: str
     packed = tuple(packed)
     if fmt not in GGUF_FORMAT_CODES:
         raise ValueError(f"gguf_matmul: format {fmt!r} is not one of {sorted(GGUF_FORMAT_CODES)}")
-    if x.ndim != 2 or x.shape[1] % 32 or not packed or any(
+    if x.ndim != 2 or x.shape[1] % GGUF_BLOCK_WEIGHTS[fmt] or not packed or any(
             w.ndim != 3 or w.dtype != jnp.uint8 for w in packed):
-        raise ValueError(f"gguf_matmul wants x [T, in] (in a multiple of 32) and uint8 weights "
+        raise ValueError(f"gguf_matmul wants x [T, in] (in a multiple of "
+                         f"{GGUF_BLOCK_WEIGHTS[fmt]}) and uint8 weights "
                          f"[L, out_i, bytes]; got {x.shape} and "
                          f"{[(w.shape, str(w.dtype)) for w in packed]}")
     call = jax.ffi.ffi_call(GGUF_TARGET, tuple(
