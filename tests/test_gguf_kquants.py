@@ -1,7 +1,7 @@
 """GGUF files in llama.cpp's K-quant formats (Q4_K / Q5_K / Q6_K: what Q4_K_M / Q5_K_M /
 Q6_K downloads hold) load dequantized, by gguf-py's numpy reference, equal to what their
-blocks dequantize to; with quantization="gguf" the K-quant tensors are dequantized the same
-way (only Q8_0 / Q4_0 / Q4_1 stay packed) and the model serves.
+blocks dequantize to; with quantization="gguf" Q4_K stays packed (with Q8_0 / Q4_0 / Q4_1),
+Q5_K / Q6_K are dequantized at load, and the model serves.
 
 gguf-py (0.19) reads the K-quants but cannot write them (its quantize raises
 NotImplementedError for them), so the blocks are made here: random quants and sub-block
@@ -88,8 +88,9 @@ def test_k_quant_gguf_loads_what_its_blocks_dequantize_to(k_quant_gguf):
 
 
 def test_k_quant_gguf_serves_with_and_without_packed_blocks(k_quant_gguf):
-    """quantization="gguf" keeps the Q8_0 tensor packed (v_proj: read by the block kernel)
-    and dequantizes the K-quants; greedy tokens agree with the fully dequantized model."""
+    """quantization="gguf" keeps the Q8_0 and Q4_K tensors packed (read by the block
+    kernel) and dequantizes the Q5_K / Q6_K ones; greedy tokens agree with the fully
+    dequantized model."""
     import jax.numpy as jnp
 
     from jaxserve import LLM, SamplingParams
@@ -106,7 +107,8 @@ def test_k_quant_gguf_serves_with_and_without_packed_blocks(k_quant_gguf):
         layers = llm.llm_engine.setup.runner.params["params"]["layers"]
         if quantization == "gguf":
             assert layers["v_proj"]["q8_0"].dtype == jnp.uint8
-            assert layers["o_proj"]["kernel"].dtype == jnp.float32   # Q4_K: dequantized
+            assert layers["o_proj"]["q4_k"].dtype == jnp.uint8
+            assert layers["gate_proj"]["kernel"].dtype == jnp.float32   # Q5_K: dequantized
         tokens[quantization] = [o.outputs[0].token_ids
                                 for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.llm_engine.runner

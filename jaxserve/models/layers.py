@@ -128,7 +128,7 @@ def sibling_projections(x: jax.Array, layers: tuple[Linear, ...],
 
 
 class Embedding(nn.Module):
-    """nn.Embed's table [V, H] (`embedding`), or a GGUF-packed one (q8_0 / q4_0 / q4_1
+    """nn.Embed's table [V, H] (`embedding`), or a GGUF-packed one (q8_0 / q4_0 / q4_1 / q4_k
     uint8 [V, packed]): lookups dequantize only the gathered rows; `attend` (the tied LM
     head) dequantizes the table inside the jit."""
     num_embeddings: int
