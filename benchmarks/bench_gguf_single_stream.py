@@ -6,8 +6,9 @@ and llama.cpp's server, engines interleaved within each round.
     python benchmarks/bench_gguf_single_stream.py --rounds 2 --tag epyc-avx512
 
 Each (round, engine) starts a fresh server on loopback, runs benchmarks/bench_serving.py
-(random 128-token prompts as token ids, 128 tokens out, EOS ignored, greedy) at concurrency 1
-and 8, and stops it. Results: benchmarks/results/gguf-single-stream-<tag>.json, with the CPU's
+(random 128-token prompts as token ids, 128 tokens out, EOS ignored, greedy, a connection per
+request: llama.cpp's server drops idle keep-alive connections) at concurrency 1 and 8, and
+stops it. Results: benchmarks/results/gguf-single-stream-<tag>.json, with the CPU's
 flags (`lscpu`), the load average around each run, and each jaxserve engine's figures as a
 ratio to llama.cpp's in the same round (a shared machine's load moves absolute figures; the
 ratios of neighbouring runs move less).
@@ -89,6 +90,7 @@ def run_engine(engine: str, args, port: int, out_dir: Path) -> dict:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"),
                    "--base-url", url, "--num-prompts", str(prompts),
                    "--random-input-len", "128", "--random-output-len", "128", "--ignore-eos",
+                   "--no-keep-alive",
                    "--max-concurrency", str(streams), "--label", engine, "--save-result",
                    "--result-dir", str(out_dir), "--result-filename", name]
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
