@@ -108,6 +108,8 @@ def kernel(request):
         want = "scalar"
     handle.jaxserve_gguf_isa.restype = ctypes.c_char_p
     assert handle.jaxserve_gguf_isa().decode() == want
+    if request.param == "native":
+        assert matmul.gguf_isa() == want
     return handle
 
 
