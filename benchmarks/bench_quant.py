@@ -47,7 +47,8 @@ def mode_name(quantization: str | None, kv: str) -> str:
     return f"weights={quantization or 'float32'} kv={'float32' if kv == 'auto' else kv}"
 
 
-def measure(model: str | None, quantization: str | None, kv: str, windows, prompts):
+def measure(model: str | None, quantization: str | None, kv: str, windows, prompts,
+            dtype: str = "auto"):
     from jaxserve.quantization import int8
 
     groups = int8.GROUP_SIZES
@@ -55,7 +56,7 @@ def measure(model: str | None, quantization: str | None, kv: str, windows, promp
         int8.GROUP_SIZES = ()            # no group size: one scale per output column
     try:
         llm = LLM(model, quantization=quantization and quantization.split("-")[0],
-                  kv_cache_dtype=kv, max_model_len=512, max_num_seqs=64,
+                  kv_cache_dtype=kv, dtype=dtype, max_model_len=512, max_num_seqs=64,
                   max_num_batched_tokens=128, kv_cache_memory_bytes=256 << 20,
                   compile_in_background=False)
     finally:
@@ -107,6 +108,10 @@ def main() -> None:
                         help="a subset, e.g. 'float32:auto,int8:fp8' (weights:kv; the first "
                              "must be float32:auto, the baseline); a subset run does not "
                              "rewrite jaxserve/quantization/measured_cost.json")
+    parser.add_argument("--dtype", default="auto",
+                        help="every mode's compute dtype (auto: each engine's own choice, "
+                             "bfloat16 where the CPU has bf16 units; float32 pins the "
+                             "baseline to the float32 model)")
     args = parser.parse_args()
     modes = MODES
     if args.modes:
@@ -127,7 +132,7 @@ def main() -> None:
             tokenizer = load_model(args.model, load_format="dummy").tokenizer
             ids = tokenizer.encode(TEXT.read_text())
             windows = [ids[i:i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)]
-        result, lp, cont = measure(args.model, quantization, kv, windows, PROMPTS)
+        result, lp, cont = measure(args.model, quantization, kv, windows, PROMPTS, args.dtype)
         if base is None:
             base = (lp, cont)
         result |= compare(windows, base[0], lp, base[1], cont)

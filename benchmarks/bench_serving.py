@@ -129,7 +129,9 @@ async def run(args: argparse.Namespace) -> dict:
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # --no-keep-alive: a connection per request (llama.cpp's server closes idle keep-alive
+    # connections, and a request sent on one it just closed fails to write its body).
+    connector = aiohttp.TCPConnector(limit=0, force_close=not args.keep_alive)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = args.model
         if model is None:
@@ -252,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--keep-alive", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse connections between requests (--no-keep-alive: one per request)")
     p.add_argument("--num-warmups", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=6 * 3600)

@@ -281,8 +281,11 @@ def test_unpermute_rows_inverts_llama_cpp_permute():
     assert not np.array_equal(llama_cpp_permute(w, 3), w)
 
 
-def write_gguf(model_dir: Path, path: Path, arch: str, extra_tensors: dict | None = None) -> None:
-    """A float32 GGUF of a tiny HF model, written as llama.cpp's converter would."""
+def write_gguf(model_dir: Path, path: Path, arch: str, extra_tensors: dict | None = None,
+               encode=None) -> None:
+    """A float32 GGUF of a tiny HF model, written as llama.cpp's converter would. encode:
+    (GGUF tensor name, float32 value) -> (what to write, add_tensor's keyword arguments): a
+    tensor stored in one of llama.cpp's block formats (``raw_dtype``)."""
     import gguf
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -312,8 +315,9 @@ def write_gguf(model_dir: Path, path: Path, arch: str, extra_tensors: dict | Non
             writer.add_tensor("output.weight", value)
             continue
         if name in ("model.embed_tokens.weight", "model.norm.weight"):
-            writer.add_tensor("token_embd.weight" if "embed" in name else "output_norm.weight",
-                              value)
+            gguf_name = "token_embd.weight" if "embed" in name else "output_norm.weight"
+            value, kwargs = encode(gguf_name, value) if encode else (value, {})
+            writer.add_tensor(gguf_name, value, **kwargs)
             continue
         layer, suffix = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
         if arch == "llama" and suffix == "self_attn.q_proj.weight":
@@ -321,7 +325,9 @@ def write_gguf(model_dir: Path, path: Path, arch: str, extra_tensors: dict | Non
         if arch == "llama" and suffix == "self_attn.k_proj.weight":
             value = llama_cpp_permute(value, c.num_key_value_heads)
         kind = "bias" if suffix.endswith("bias") else "weight"
-        writer.add_tensor(f"blk.{layer}.{names[suffix]}.{kind}", value)
+        gguf_name = f"blk.{layer}.{names[suffix]}.{kind}"
+        value, kwargs = encode(gguf_name, value) if encode else (value, {})
+        writer.add_tensor(gguf_name, value, **kwargs)
     for name, value in (extra_tensors or {}).items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()

@@ -78,13 +78,20 @@ def test_packed_dequantize_in_jit_equals_gguf_py_bit_for_bit(fmt):
     from gguf.quants import dequantize as gguf_dequantize
 
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((2, 24, 96)).astype(np.float32)
-    packed = _gguf_pack(w, fmt)
-    assert packed.dtype == np.uint8 and packed.shape == (2, 24, 3 * BYTES_PER_BLOCK[fmt])
+    if fmt == "q4_k":    # gguf-py reads Q4_K but cannot write it: random super-blocks
+        from tests.test_gguf_kernels import random_blocks
+
+        packed = random_blocks(rng, fmt, 24, 512, layers=2)
+        assert packed.shape == (2, 24, 2 * BYTES_PER_BLOCK[fmt])
+    else:
+        w = rng.standard_normal((2, 24, 96)).astype(np.float32)
+        packed = _gguf_pack(w, fmt)
+        assert packed.dtype == np.uint8 and packed.shape == (2, 24, 3 * BYTES_PER_BLOCK[fmt])
     ours = np.asarray(jax.jit(lambda p: dequantize(p, fmt))(packed))
     ref = gguf_dequantize(packed, GGMLQuantizationType[fmt.upper()])
     np.testing.assert_array_equal(ours, ref)
-    assert np.abs(ours - w).max() < (0.02 if fmt == "q8_0" else 0.5)
+    if fmt != "q4_k":
+        assert np.abs(ours - w).max() < (0.02 if fmt == "q8_0" else 0.5)
 
 
 def test_linear_reads_float_int8_and_packed_params_as_the_dequantized_matmul():
@@ -162,9 +169,13 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
     assert np.mean(logits.argmax(-1) == ref_logits.argmax(-1)) >= 0.8
 
 
-def test_default_gguf_served_packed_matches_hf_on_dequantized_weights(default_gguf_path):
+def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(default_gguf_path):
+    """quantization="gguf": the blocks stay packed, and on CPU the library's block kernel
+    reads them with x quantized to 8 bits per 32-block, as llama.cpp does
+    (kernels/cpu/gemv_gguf.h) -- close to, not equal to, the dequantized float model (HF on
+    gguf-py's dequantization): its teacher-forced next tokens and greedy first tokens."""
     from jaxserve.loader import load_model
-    from tests.hf_reference import hf_greedy, torch_model_from_weights
+    from tests.hf_reference import hf_greedy, hf_logits, torch_model_from_weights
 
     llm = LLM(None, quantization="gguf", max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)
@@ -183,5 +194,13 @@ def test_default_gguf_served_packed_matches_hf_on_dequantized_weights(default_gg
     new = 16
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new,
                                                 ignore_eos=True), use_tqdm=False)
-    same = sum(o.outputs[0].token_ids == hf_greedy(hf, p, new) for p, o in zip(prompts, outs))
-    assert same >= 7, f"{same} of 8 prompts equal HF's greedy tokens"
+    hf_tokens = [hf_greedy(hf, p, new) for p in prompts]
+    first = sum(o.outputs[0].token_ids[0] == h[0] for o, h in zip(outs, hf_tokens))
+    assert first >= 7, f"{first} of 8 first tokens equal HF's"
+    agree, total = 0, 0
+    for p, h in zip(prompts, hf_tokens):      # teacher-forced on HF's own continuations
+        ids = p + h
+        ours, theirs = llm.llm_engine.prompt_logits(ids), hf_logits(hf, ids)
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += len(ids)
+    assert agree >= 0.9 * total, f"teacher-forced top-1 agreement {agree}/{total}"

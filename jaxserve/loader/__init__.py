@@ -121,7 +121,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     "float16"). tokenizer: another tokenizer directory, .gguf or repo id; default: the model's.
     load_format: "auto" reads the weights; "dummy" makes random ones (loader/dummy.py) and
     needs only the config (a directory with config.json alone is enough).
-    quantization: "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors packed (their weights
+    quantization: "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K tensors packed (their weights
     entries are ``NAME.q4_1`` uint8 arrays, quantization/gguf_packed.py); "int8" and None
     load float weights (int8 is applied to the params tree by the engine). An AWQ / GPTQ
     checkpoint (config.json's quantization_config.quant_method) picks "awq" / "gptq" when

@@ -165,7 +165,7 @@ def _packed_groups(reader: Any, family: Any) -> dict[str, str]:
 def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
                       path: str, keep_packed: bool = False) -> dict[str, np.ndarray]:
     """All weights of a GGUF file in our stacked layout: dequantized into `dtype`, or with
-    keep_packed, Q8_0/Q4_0/Q4_1 projections and embeddings as their raw blocks
+    keep_packed, Q8_0/Q4_0/Q4_1/Q4_K projections and embeddings as their raw blocks
     (``layers.q_proj.q4_1`` uint8 [L, out, packed bytes]; quantization/gguf_packed.py)."""
     from gguf.quants import dequantize
 

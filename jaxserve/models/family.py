@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.mesh import MODEL_AXIS
 from jaxserve.models.arch import DecoderOptions, ModelArch
 from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
-from jaxserve.quantization.gguf_packed import BLOCK_WEIGHTS, BYTES_PER_BLOCK, PACKED_FORMATS
+from jaxserve.quantization.gguf_packed import BYTES_PER_BLOCK, PACKED_FORMATS, WEIGHTS_PER_BLOCK
 
 # Partition rule kinds (Megatron-style on the `model` axis):
 COLUMN = "column"         # [L, in, out] kernels split by output columns, biases with them
@@ -197,7 +197,7 @@ def _packed_spec(kind: str | None, fmt: str, shape: tuple[int, ...], tp: int, na
     if kind == ROW:
         blocks = shape[-1] // BYTES_PER_BLOCK[fmt]
         if blocks % tp:
-            raise ValueError(f"{name}: {blocks} blocks of {BLOCK_WEIGHTS} input features do "
+            raise ValueError(f"{name}: {blocks} blocks of {WEIGHTS_PER_BLOCK[fmt]} input features do "
                              f"not split over tensor_parallel_size={tp}")
         return P(*rows, None, MODEL_AXIS)
     raise ValueError(f"no partition spec for packed parameter {name} {shape}")

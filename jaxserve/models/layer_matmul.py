@@ -112,6 +112,7 @@ class GemvOperand:
     scale: jax.Array | None = None
     out_dtype: Any = jnp.float32
     group_scale: jax.Array | None = None
+    gguf_format: str | None = None  # weights: GGUF blocks uint8 [L, out, bytes] (gemv_gguf.h)
 
 
 def gemv_rows_limit() -> int:
@@ -128,14 +129,18 @@ def grouped_gemv(x: jax.Array, operands: list[GemvOperand], *,
     same numbers its own call gives; None when they do not share a weight format and a layer
     (the caller then projects one at a time). ``min_operands=1``: one projection alone (an
     int8 group-wise layer's own GEMV)."""
-    from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS, layer_matmul_group
+    from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS, gguf_matmul, layer_matmul_group
 
-    kinds = {(op.weights.dtype, op.group_scale is None,
+    kinds = {(op.weights.dtype, op.group_scale is None, op.gguf_format,
               None if op.group_scale is None else op.group_scale.shape[1]) for op in operands}
+    gguf = operands[0].gguf_format if operands else None
     if len(operands) < min_operands or len(kinds) != 1 or x.ndim != 2 \
-            or x.shape[0] > MAX_GEMV_ROWS \
+            or x.shape[0] > (MAX_ROWS if gguf else MAX_GEMV_ROWS) \
             or any(op.layer is not operands[0].layer for op in operands):
         return None
+    if gguf is not None:   # GGUF blocks: any row count the layer scan reads in place
+        ys = gguf_matmul(x, tuple(op.weights for op in operands), operands[0].layer, gguf)
+        return [y.astype(op.out_dtype) for op, y in zip(operands, ys)]
     int8 = operands[0].weights.dtype == jnp.dtype(jnp.int8)
     grouped = operands[0].group_scale is not None
     ys = layer_matmul_group(x.astype(jnp.float32 if int8 else operands[0].weights.dtype),

@@ -128,7 +128,7 @@ def sibling_projections(x: jax.Array, layers: tuple[Linear, ...],
 
 
 class Embedding(nn.Module):
-    """nn.Embed's table [V, H] (`embedding`), or a GGUF-packed one (q8_0 / q4_0 / q4_1
+    """nn.Embed's table [V, H] (`embedding`), or a GGUF-packed one (q8_0 / q4_0 / q4_1 / q4_k
     uint8 [V, packed]): lookups dequantize only the gathered rows; `attend` (the tied LM
     head) dequantizes the table inside the jit."""
     num_embeddings: int
@@ -159,8 +159,9 @@ class Embedding(nn.Module):
         """Whether `attend` of this many rows takes the library's transposed GEMV (a float32 /
         bfloat16 table read once, at the memory's speed, the rows taken in float32): with
         ``small_rows_kernel`` and at most ``gemv_rows`` rows (the engine's measured limit)."""
-        return self.packed_format is None and 0 < rows <= gemv_rows \
-            and self.embedding.dtype in IN_PLACE_DTYPES
+        if self.packed_format is not None:   # GGUF blocks: the block kernel, rows in f32
+            return 0 < rows <= SMALL_LOGITS_MAX_ROWS
+        return 0 < rows <= gemv_rows and self.embedding.dtype in IN_PLACE_DTYPES
 
     def attend(self, query: jax.Array, small_rows_kernel: bool = False,
                gemv_rows: int = 0) -> jax.Array:
@@ -180,6 +181,13 @@ class Embedding(nn.Module):
                 return small_logits(query, self.embedding)
             return jnp.dot(query.astype(self.dtype), self.embedding.T,
                            preferred_element_type=jnp.float32)
+        if small_rows_kernel and query.ndim == 2 \
+                and self.streams_logits(query.shape[0], gemv_rows):
+            # GGUF blocks read in place by the library's block kernel (gemv_gguf.h), a dot
+            # product per table row; XLA would dequantize the whole table every step.
+            from jaxserve.kernels.cpu.matmul import gguf_matmul
+
+            return gguf_matmul(query, (self._packed()[None],), 0, self.packed_format)[0]
         return packed_matmul(query, self._packed(), self.packed_format, self.dtype)
 
 

@@ -30,7 +30,7 @@ from jaxserve.models.layer_matmul import (
 )
 from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
 from jaxserve.quantization.awq_gptq import packed_int_matmul
-from jaxserve.quantization.gguf_packed import packed_format_of, packed_matmul
+from jaxserve.quantization.gguf_packed import WEIGHTS_PER_BLOCK, packed_format_of, packed_matmul
 
 
 class LinearMethod(Protocol):
@@ -173,15 +173,31 @@ class Int8GroupedMethod:
 
 
 class GGUFPackedMethod:
-    """q8_0 / q4_0 / q4_1 uint8 [out, packed] GGUF blocks, dequantized in the jit."""
+    """q8_0 / q4_0 / q4_1 / q4_k uint8 [out, packed] GGUF blocks. On CPU under the stacked
+    layer scan (steps of at most MAX_ROWS rows) the library's block kernel reads them in place,
+    x quantized to 8 bits per block as llama.cpp does (kernels/cpu/gemv_gguf.h), products in
+    float32; elsewhere XLA dequantizes the tensor inside the jit."""
     name = "gguf"
 
     def matches(self, params: Mapping[str, Any]) -> bool:
         return packed_format_of(params) is not None
 
     def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        operand = self.gemv_operand(layer, x)
+        if operand is not None:
+            return grouped_gemv(x, [operand], min_operands=1)[0]
         fmt = packed_format_of(layer.variables.get("params", {}))
         return packed_matmul(x, layer.get_variable("params", fmt), fmt, layer.dtype)
+
+    def gemv_operand(self, layer: nn.Module, x: jax.Array) -> GemvOperand | None:
+        """This layer's stacked blocks for the library's GGUF kernel (grouped with its
+        siblings: q/k/v, gate/up), under the CPU's stacked layer scan; else None."""
+        fmt = packed_format_of(layer.variables.get("params", {}))
+        found = stacked_params(layer.scope.path) if x.ndim == 2 \
+            and x.shape[0] <= MAX_ROWS and x.shape[-1] % WEIGHTS_PER_BLOCK[fmt] == 0 else None
+        if found is None or found[0].get(fmt) is None or found[0][fmt].ndim != 3:
+            return None
+        return GemvOperand(found[0][fmt], found[1], out_dtype=jnp.float32, gguf_format=fmt)
 
 
 class AwqGptqMethod:

@@ -4,7 +4,7 @@
     int8    w8a16: every projection kernel int8 [in, out] + a float32 `scale` [in / 32, out],
             one per 32 input rows of each output column, quantized at load from any float
             checkpoint (int8.py)
-    gguf    a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors stay packed in device memory (the raw
+    gguf    a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K tensors stay packed in device memory (the raw
             llama.cpp blocks) and are dequantized inside the jitted matmul (gguf_packed.py)
     awq     an AWQ checkpoint's int4 projections (config.json's quantization_config picks it)
     gptq    a GPTQ checkpoint's int4 / int8 projections, act-order too: both stay packed

@@ -12,7 +12,13 @@ Block layouts (32 weights per block; d, m little-endian float16):
     q8_0  34 bytes: d, 32 x int8 q                      w = d * q
     q4_0  18 bytes: d, 16 bytes of nibbles              w = d * (nibble - 8)
     q4_1  20 bytes: d, m, 16 bytes of nibbles           w = d * nibble + m
-Nibbles: byte j holds weight j (low 4 bits) and weight j + 16 (high 4 bits).
+    q4_k  144 bytes per 256 weights: d, dmin, 12 bytes of 6-bit scales sc_j and mins m_j of
+          8 sub-blocks of 32, 128 bytes of nibbles      w = (d * sc_j) * nibble - dmin * m_j
+Nibbles: byte j holds weight j (low 4 bits) and weight j + 16 (high 4 bits); in q4_k each
+32 bytes hold sub-block 2i (low nibbles) and 2i + 1 (high nibbles).
+
+On the CPU the kernel library reads these blocks in place (kernels/cpu/gemv_gguf.h, called
+by models/linear_method.GGUFPackedMethod); this module's `dequantize` is the path elsewhere.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-BLOCK_WEIGHTS = 32
-BYTES_PER_BLOCK = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+BYTES_PER_BLOCK = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144}
+WEIGHTS_PER_BLOCK = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}
 PACKED_FORMATS = tuple(BYTES_PER_BLOCK)
 
 
@@ -35,7 +41,7 @@ def packed_format_of(names: Any) -> str | None:
 
 def packed_columns(packed_shape: tuple[int, ...], fmt: str) -> int:
     """The unpacked row length (input features) of a packed [.., rows, bytes] tensor."""
-    return packed_shape[-1] // BYTES_PER_BLOCK[fmt] * BLOCK_WEIGHTS
+    return packed_shape[-1] // BYTES_PER_BLOCK[fmt] * WEIGHTS_PER_BLOCK[fmt]
 
 
 def _f16(two_bytes: jax.Array) -> jax.Array:
@@ -56,9 +62,25 @@ def dequantize(packed: jax.Array, fmt: str, dtype: Any = jnp.float32) -> jax.Arr
         w = d * jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.float32)
     elif fmt == "q4_0":
         w = d * (_nibbles(blocks[..., 2:]) - 8.0)
-    else:  # q4_1
+    elif fmt == "q4_1":
         w = d * _nibbles(blocks[..., 4:]) + _f16(blocks[..., 2:4])[..., None]
+    else:  # q4_k, as gguf-py's Q4_K.dequantize_blocks
+        sc, m = _q4k_scales_mins(blocks[..., 4:16])                  # [.., nb, 8] each
+        dsc = d * sc.astype(jnp.float32)                             # [.., nb, 8]
+        dm = _f16(blocks[..., 2:4])[..., None] * m.astype(jnp.float32)
+        qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+        nib = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2)         # [.., nb, 4, 2, 32]
+        nib = nib.reshape(*blocks.shape[:-1], 8, 32).astype(jnp.float32)
+        w = dsc[..., None] * nib - dm[..., None]
     return w.reshape(*packed.shape[:-1], -1).astype(dtype)
+
+
+def _q4k_scales_mins(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[.., 12] uint8 -> the 8 sub-blocks' 6-bit scales and mins (ggml's get_scale_min_k4)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, fmt: str, dtype: Any) -> jax.Array:

@@ -37,6 +37,7 @@
 
 #include "dnnl.hpp"
 #include "gemv.h"
+#include "gemv_gguf.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -373,6 +374,70 @@ ffi::Error MatmulGroupImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   return run_gemv(pool, x, wt, ws, outs, ys, T, in, false, scales, group_size);
 }
 
+// GGUF's packed blocks (gemv_gguf.h): n weights of one format, each [L, out_i, bpr] uint8
+// (bpr = in / 32 blocks of the format's bytes), read in place at `layer`; x quantized to 8
+// bits per block once for all of them; results [T, out_i] float32. Any T: more than 8 rows
+// run as 8-row tiles over each part's weight rows.
+ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                          ffi::Buffer<ffi::S32> layer_buf, ffi::RemainingArgs args,
+                          ffi::RemainingRets results, int64_t fmt) {
+  const auto xd = x.dimensions();
+  const size_t n = results.size();
+  if (xd.size() != 2 || layer_buf.element_count() != 1 || n == 0 || args.size() != n ||
+      fmt < 0 || fmt >= jaxserve_cpu::kGgufFormats)
+    return ffi::Error::InvalidArgument("gguf matmul: want x [T, in], layer [], n >= 1 packed "
+                                       "weights [L, out_i, bytes] of format 0..3 and n results "
+                                       "[T, out_i]; got x " + dims_str(xd));
+  if (x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("gguf matmul: x float32");
+  const int64_t T = xd[0], in = xd[1];
+  const int64_t per_block = jaxserve_cpu::gguf_block_weights(int(fmt));
+  if (in % per_block != 0)
+    return ffi::Error::InvalidArgument("gguf matmul: in (" + std::to_string(in) +
+                                       ") is not a whole number of " +
+                                       std::to_string(per_block) + "-weight blocks");
+  const int64_t bpr = jaxserve_cpu::gguf_row_bytes(int(fmt), in);
+  std::vector<jaxserve_cpu::GgufSegment> segs;
+  int64_t rows = 0;
+  bool no_layers = false;
+  for (size_t i = 0; i < n; ++i) {
+    auto w = args.get<ffi::AnyBuffer>(i);
+    auto y = results.get<ffi::AnyBuffer>(i);
+    if (w.has_error()) return w.error();
+    if (y.has_error()) return y.error();
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (w->element_type() != ffi::DataType::U8 || wd.size() != 3 || wd[2] != bpr ||
+        (*y)->element_type() != ffi::DataType::F32 || yd.size() != 2 || yd[0] != T ||
+        yd[1] != wd[1])
+      return ffi::Error::InvalidArgument("gguf matmul: weight " + std::to_string(i) + " " +
+                                         dims_str(wd) + " / result " + dims_str(yd) +
+                                         " do not fit x " + dims_str(xd) + " (uint8 [L, out, " +
+                                         std::to_string(bpr) + "], float32 [T, out])");
+    const int64_t L = wd[0], out = wd[1];
+    no_layers = no_layers || L == 0;
+    const int64_t layer = std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0),
+                                            std::max<int64_t>(L - 1, 0));
+    segs.push_back({static_cast<const uint8_t*>(w->untyped_data()) + layer * out * bpr,
+                    static_cast<float*>((*y)->untyped_data()), out});
+    rows += out;
+  }
+  if (T == 0 || rows == 0) return ffi::Error::Success();
+  if (no_layers || in == 0) {
+    for (const auto& g : segs) std::memset(g.y, 0, size_t(T * g.out) * 4);
+    return ffi::Error::Success();
+  }
+  thread_local jaxserve_cpu::GgufX xq;
+  jaxserve_cpu::gguf_quantize_x(static_cast<const float*>(x.untyped_data()), T, in, &xq);
+  const int64_t workers = streaming_workers(pool, rows * bpr * std::max<int64_t>(1, T / 8) / 4,
+                                            rows);
+  const int64_t parts = jaxserve_cpu::gguf_parts(workers, rows, T);
+  const jaxserve_cpu::GgufX& xr = xq;
+  parallel_for(pool, parts, workers, [&](int64_t part, int64_t) {
+    jaxserve_cpu::gguf_run_part(int(fmt), segs, bpr, xr, T, rows, part, parts);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl,
@@ -402,3 +467,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulGroup, MatmulGroupImpl,
                                   .RemainingArgs()               // weights (, scales)
                                   .RemainingRets()               // results [T, out_i]
                                   .Attr<int64_t>("group_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGgufMatmul, GgufMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x [T, in] float32
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .RemainingArgs()               // packed weights [L, out_i, bytes]
+                                  .RemainingRets()               // results [T, out_i] float32
+                                  .Attr<int64_t>("fmt"));        // 0 q8_0, 1 q4_0, 2 q4_1, 3 q4_K
+

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 TARGET = "jaxserve_matmul"
 SYMBOL = "JaxserveMatmul"
 GROUP_TARGET = "jaxserve_matmul_group"
+GGUF_TARGET = "jaxserve_gguf_matmul"
+GGUF_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3}   # gemv_gguf.h's GgufFormat
+GGUF_BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}
 MAX_GEMV_ROWS = 8
 GEMV_K_BLOCK = 8      # gemv.h's kGemvKBlock: weight rows per block, never two int8 groups
 
@@ -65,14 +68,16 @@ def library() -> KernelLibrary:
         raise CpuMatmulBuildError(f"oneDNN not found under {sys.prefix}: {hint}")
     lib_dir = prefix / "lib"
     return KernelLibrary(
-        name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv.h", HERE / "parallel_for.h"),
+        name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv_gguf_entry.cc", HERE / "gemv.h",
+                 HERE / "gemv_gguf.h", HERE / "parallel_for.h"),
         include_dirs=(HERE, prefix / "include"),
         link_flags=(f"-L{lib_dir}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib_dir}"),
         fallback_hint=hint, error=CpuMatmulBuildError)
 
 
 _FFI_TARGET = FfiTarget(TARGET, SYMBOL, library, "the oneDNN matmul library",
-                        more=((GROUP_TARGET, "JaxserveMatmulGroup"),))
+                        more=((GROUP_TARGET, "JaxserveMatmulGroup"),
+                              (GGUF_TARGET, "JaxserveGgufMatmul")))
 
 
 def register() -> Path:
@@ -268,10 +273,44 @@ def layer_matmul_group(x: jax.Array, stacked: tuple[jax.Array, ...], layer,
                       *(scales or ()), group_size=np.int64(group_size)))
 
 
+def gguf_matmul(x: jax.Array, packed: tuple[jax.Array, ...], layer, fmt: str
+                ) -> tuple[jax.Array, ...]:
+    """(x @ W[layer]^T for W in packed): GGUF blocks read in place (gemv_gguf.h).
+
+    packed: uint8 [L, out_i, in / block * bytes_per_block] weights of one format (``fmt``:
+    q8_0, q4_0, q4_1 of 32-weight blocks, quantization/gguf_packed.py's layout; q4_k of
+    256-weight super-blocks), x [T, in] float32 (any T; in a
+    multiple of 32), results float32 [T, out_i]. x is quantized to 8 bits per 32-block
+    inside the call (llama.cpp's vec_dot does the same): the products differ from the
+    dequantized weights' float ones by that rounding (tests/test_gguf_kernels.py bounds it)."""
+    register()
+    packed = tuple(packed)
+    if fmt not in GGUF_FORMAT_CODES:
+        raise ValueError(f"gguf_matmul: format {fmt!r} is not one of {sorted(GGUF_FORMAT_CODES)}")
+    if x.ndim != 2 or x.shape[1] % GGUF_BLOCK_WEIGHTS[fmt] or not packed or any(
+            w.ndim != 3 or w.dtype != jnp.uint8 for w in packed):
+        raise ValueError(f"gguf_matmul wants x [T, in] (in a multiple of "
+                         f"{GGUF_BLOCK_WEIGHTS[fmt]}) and uint8 weights "
+                         f"[L, out_i, bytes]; got {x.shape} and "
+                         f"{[(w.shape, str(w.dtype)) for w in packed]}")
+    call = jax.ffi.ffi_call(GGUF_TARGET, tuple(
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in packed))
+    return tuple(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *packed,
+                      fmt=np.int64(GGUF_FORMAT_CODES[fmt])))
+
+
 def onednn_isa() -> int:
     """oneDNN's effective ISA enum for this CPU (for the startup log)."""
     handle = ctypes.CDLL(str(register()))
     return int(handle.jaxserve_onednn_isa())
+
+
+def gguf_isa() -> str:
+    """The instruction set the GGUF block kernels were compiled for here (avx512vnni, avx2,
+    scalar)."""
+    handle = ctypes.CDLL(str(register()))
+    handle.jaxserve_gguf_isa.restype = ctypes.c_char_p
+    return handle.jaxserve_gguf_isa().decode()
 
 
 def onednn_native_bf16() -> bool:

@@ -1,0 +1,118 @@
+"""GGUF files in llama.cpp's K-quant formats (Q4_K / Q5_K / Q6_K: what Q4_K_M / Q5_K_M /
+Q6_K downloads hold) load dequantized, by gguf-py's numpy reference, equal to what their
+blocks dequantize to; with quantization="gguf" Q4_K stays packed (with Q8_0 / Q4_0 / Q4_1),
+Q5_K / Q6_K are dequantized at load, and the model serves.
+
+gguf-py (0.19) reads the K-quants but cannot write them (its quantize raises
+NotImplementedError for them), so the blocks are made here: random quants and sub-block
+scales under float16 super-block scales sized to the float weights' spread."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_loader import write_gguf
+
+# bytes per 256-weight super-block, and where its float16 scales sit (d, dmin)
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208, None))}
+# a Q4_K_M-like mix (llama.cpp's Q4_K_M keeps some tensors Q6_K and small ones Q8_0)
+TYPES = {"attn_output": "Q4_K", "ffn_gate": "Q5_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K",
+         "attn_v": "Q8_0", "token_embd": "Q6_K"}
+
+
+def k_quant_blocks(w: np.ndarray, fmt: str, rng: np.random.Generator) -> np.ndarray:
+    """Random `fmt` blocks uint8 [rows, n / 256 * bytes] for a float [rows, n] weight."""
+    nbytes, (d_at, dmin_at) = K_QUANTS[fmt]
+    lead = (w.shape[0], w.shape[1] // 256)
+    blocks = rng.integers(0, 256, (*lead, nbytes), dtype=np.uint8)
+    spread = float(np.abs(w).mean())
+    # Q4_K / Q5_K: d * 6-bit scale * q - dmin * 6-bit min; Q6_K: d * int8 scale * (q - 32)
+    step = spread / (15 * 32) if fmt != "Q6_K" else spread / (64 * 32)
+    blocks[..., d_at:d_at + 2] = (step * rng.uniform(0.5, 1.5, lead)).astype(
+        np.float16)[..., None].view(np.uint8)
+    if dmin_at is not None:
+        blocks[..., dmin_at:dmin_at + 2] = (spread / 32 * rng.uniform(0.5, 1.5, lead)).astype(
+            np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(w.shape[0], -1)
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(make_tiny_model, tmp_path_factory):
+    """(model dir, GGUF path, GGUF name -> what its blocks dequantize to) for a tiny Llama
+    whose rows hold whole 256-weight super-blocks."""
+    import gguf
+
+    model_dir = make_tiny_model("llama", hidden_size=256, intermediate_size=256,
+                                tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
+    rng = np.random.default_rng(0)
+    dequantized: dict[str, np.ndarray] = {}
+
+    def encode(name: str, value: np.ndarray):
+        fmt = TYPES.get(name.split(".")[-2])
+        if fmt is None or value.ndim != 2:
+            return value, {}
+        qtype = gguf.GGMLQuantizationType[fmt]
+        blocks = gguf.quants.quantize(value, qtype) if fmt == "Q8_0" else \
+            k_quant_blocks(value, fmt, rng)
+        dequantized[name] = gguf.quants.dequantize(blocks, qtype)
+        return blocks, {"raw_dtype": qtype}
+
+    write_gguf(model_dir, path, "llama", encode=encode)
+    assert {n.split(".")[-2] for n in dequantized} == set(TYPES)
+    return model_dir, path, dequantized
+
+
+def _ours(name: str) -> tuple[str, int | None]:
+    """Our stacked weight name and layer of a GGUF projection / embedding name."""
+    if name == "token_embd.weight":
+        return "embed_tokens", None
+    _, layer, kind, _ = name.split(".")
+    module = {"attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
+              "ffn_down": "down_proj", "attn_v": "v_proj"}[kind]
+    return f"layers.{module}.kernel", int(layer)
+
+
+def test_k_quant_gguf_loads_what_its_blocks_dequantize_to(k_quant_gguf):
+    from jaxserve.loader import load_model
+
+    model_dir, path, dequantized = k_quant_gguf
+    loaded = load_model(str(path), tokenizer=str(model_dir))
+    assert loaded.architecture == "LlamaForCausalLM"
+    for name, want in dequantized.items():
+        ours, layer = _ours(name)
+        got = loaded.weights[ours] if layer is None else loaded.weights[ours][layer].T
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+
+
+def test_k_quant_gguf_serves_with_and_without_packed_blocks(k_quant_gguf):
+    """quantization="gguf" keeps the Q8_0 and Q4_K tensors packed (read by the block
+    kernel) and dequantizes the Q5_K / Q6_K ones; greedy tokens agree with the fully
+    dequantized model."""
+    import jax.numpy as jnp
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.kernels.cpu.matmul import GGUF_TARGET
+
+    model_dir, path, _ = k_quant_gguf
+    kwargs = dict(tokenizer=str(model_dir), max_model_len=64, max_num_seqs=2,
+                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
+    prompts = [[11, 23, 98, 421, 77], [300, 301, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(str(path), quantization=quantization, dtype="float32", **kwargs)
+        layers = llm.llm_engine.setup.runner.params["params"]["layers"]
+        if quantization == "gguf":
+            assert layers["v_proj"]["q8_0"].dtype == jnp.uint8
+            assert layers["o_proj"]["q4_k"].dtype == jnp.uint8
+            assert layers["gate_proj"]["kernel"].dtype == jnp.float32   # Q5_K: dequantized
+        tokens[quantization] = [o.outputs[0].token_ids
+                                for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner = llm.llm_engine.runner
+        runner.wait_until_compiled()
+        decode = runner._steps[min(runner._steps)].as_text()
+        assert (GGUF_TARGET in decode) == (quantization == "gguf")   # the block kernel
+    assert [t[0] for t in tokens["gguf"]] == [t[0] for t in tokens[None]]
