@@ -172,11 +172,15 @@ def test_generation_config_and_tokenizer_come_with_the_model(make_tiny_model):
 
 # --- errors -------------------------------------------------------------------------------
 
-def test_missing_model_names_what_was_tried(tmp_path):
+def test_missing_model_names_what_was_tried(tmp_path, monkeypatch):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         load_model(str(missing))
-    with pytest.raises(FileNotFoundError, match=r"(?s)nobody-org/nothing-here.*local cache"):
+    # A name not in the cache, offline (no network call: tests/test_hub_download.py covers
+    # the Hub on loopback): the error names it and the way out.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(ValueError, match=r"(?s)nobody-org/nothing-here.*HF_HUB_OFFLINE"):
         load_model("nobody-org/nothing-here")
 
 
