@@ -205,8 +205,14 @@ def start_prometheus(tmp_path: Path, target: str, port: int) -> subprocess.Popen
         stdout=log, stderr=subprocess.STDOUT)
 
 
+class PrometheusStarting(Exception):
+    """Prometheus listens but answers 503 'Service Unavailable' until its storage is up."""
+
+
 def query(prometheus: str, expr: str) -> list[dict]:
     response = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10)
+    if response.status_code == 503:
+        raise PrometheusStarting(response.text)
     body = response.json()
     assert body["status"] == "success", f"{expr}: {body}"
     return body["data"]["result"]
@@ -251,7 +257,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_tiny_mod
             for title, expr in list(pending):
                 try:
                     result = query(prometheus_url, expr)
-                except httpx.TransportError:       # Prometheus still starting
+                except (httpx.TransportError, PrometheusStarting):   # still starting
                     break
                 pending[(title, expr)] = result
                 if has_number(result):

@@ -98,7 +98,7 @@ def test_sampling_params_accept_or_raise_value_error_and_accepted_values_fit_the
 # -- hypothesis: the HTTP request models, through a server on the fake engine ------------------
 @pytest.fixture(scope="module")
 def fake_server():
-    srv = ServerThread(FakeEngine(max_model_len=64))
+    srv = ServerThread(FakeEngine(max_model_len=64), enable_log_requests=True)
     yield srv
     srv.stop()
 

@@ -247,7 +247,11 @@ def test_download_interrupted_by_ctrl_c_resumes_in_the_next_process(hub, hub_rep
     code = ("from huggingface_hub import constants; constants.DOWNLOAD_CHUNK_SIZE = 1 << 14; "
             "from jaxserve.loader.hub_download import fetch_from_hub; "
             "fetch_from_hub('tiny-org/tiny-llama')")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(hub), cwd=ROOT,
+    # A read timeout longer than the test: huggingface_hub retries a stalled read after
+    # HF_HUB_DOWNLOAD_TIMEOUT (10 s) with a Range request the Hub then answers in full, and
+    # the process would finish before the Ctrl-C on a slow box.
+    proc = subprocess.Popen([sys.executable, "-c", code],
+                            env={**_env(hub), "HF_HUB_DOWNLOAD_TIMEOUT": "300"}, cwd=ROOT,
                             stderr=subprocess.PIPE, text=True)
     source = hub_repos / "tiny-org" / "tiny-llama" / "main" / "model.safetensors"
     size = source.stat().st_size
@@ -259,7 +263,7 @@ def test_download_interrupted_by_ctrl_c_resumes_in_the_next_process(hub, hub_rep
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)             # Ctrl-C
-    assert proc.wait(60) != 0
+    assert proc.wait(60) != 0, proc.stderr.read()[-3000:]
     hub.release.set()
     kept = partial.stat().st_size
     assert 0 < kept < size and not (blobs / _sha256(source)).exists()

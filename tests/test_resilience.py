@@ -394,8 +394,12 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
         # The overload also runs the engine beside the refusals, which the yardstick does not:
         # 3x + 1 s covers that (seen: 3.6 s against a 1.35 s yardstick on a loaded box), while
         # a refusal that waited on the engine would wait for whole 240-token requests.
+        # Every refusal but the slowest 5 %: one client connection in a burst of 200 can
+        # meet a scheduling hiccup of the box (seen once in five quiet runs: 2.3 s for one
+        # refusal while the other 180 took 0.13-0.15 s); a path that waited on the engine
+        # would hold up nearly all of them.
         waits = sorted(seconds for _, seconds in rejected)
-        assert waits[-1] < 3.0 * baseline + 1.0, (baseline, waits[::10])
+        assert waits[int(0.95 * len(waits)) - 1] < 3.0 * baseline + 1.0, (baseline, waits[::10])
         assert len(health_times) >= 3 and set(health_codes) == {200}, health_codes
         # /health is never held up by the overload beyond what any trivial route costs
         # under it (the same yardstick and margin).
