@@ -46,7 +46,9 @@ def _wait_until_healthy(server: subprocess.Popen, deadline: float) -> None:
 
 
 def _one_completion() -> str:
-    body = json.dumps({"model": "", "max_tokens": 4, "temperature": 0,
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=30) as reply:
+        model = json.load(reply)["data"][0]["id"]
+    body = json.dumps({"model": model, "max_tokens": 4, "temperature": 0,
                        "messages": [{"role": "user", "content": "Hello"}]}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})

@@ -5,6 +5,7 @@
 # registry), a local Debian bookworm base with python3 is made with mmdebstrap and used.
 #
 #   TARGET=cpu|cpu-baked|cuda  TAG=jaxserve:cpu  BASE=...  MODEL=org/name  BAKE_ARGS="..."
+#   STORAGE_DRIVER=vfs (buildah/podman)  LAYERS=true|false (cache layers; default off on vfs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,7 +70,9 @@ if [[ "$BUILDER" == docker ]]; then
 else
   # The machine's CA bundle reaches pip through a read-only mount, never a layer; the
   # docker format keeps HEALTHCHECK (OCI image configs have no field for it).
-  BUILD=("${TOOL[@]}" build --layers --format docker --isolation chroot "${ARGS[@]}")
+  # vfs copies every layer whole: one commit per stage (no layer cache) unless LAYERS=true.
+  [[ "$STORAGE_DRIVER" == vfs ]] && LAYERS=${LAYERS:-false}
+  BUILD=("${TOOL[@]}" build "--layers=${LAYERS:-true}" --format docker --isolation chroot "${ARGS[@]}")
   [[ -f "$CA_BUNDLE" ]] && BUILD+=(--volume "$CA_BUNDLE:$CA_BUNDLE:ro")
 fi
 echo "building $TAG ($TARGET) with $BUILDER on $BASE" >&2

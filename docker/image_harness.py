@@ -102,8 +102,9 @@ class Container:
         return result.stdout
 
     def entrypoint(self) -> list[str]:
-        config = json.loads(_buildah("inspect", "--type", "container", self.name))
-        return list(config["Docker"]["config"]["Entrypoint"])
+        info = json.loads(_buildah("inspect", "--type", "container", self.name))
+        docker = (info.get("Docker") or {}).get("config") or {}
+        return list(docker.get("Entrypoint") or info["OCIv1"]["config"]["Entrypoint"])
 
 
 class Server:
@@ -181,10 +182,15 @@ class Server:
         return self.process.returncode
 
 
+def served_model(base_url: str) -> str:
+    """The name the server serves its model under (GET /v1/models)."""
+    return httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def stream_chat(base_url: str, content: str, max_tokens: int, on_first_token=None) -> dict:
     """A streamed chat completion read to its end: the text, the finish reason, whether
     [DONE] came, and the seconds to the first content token."""
-    body = {"model": "", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": served_model(base_url), "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "messages": [{"role": "user", "content": content}]}
     start, first, text, finish, done = time.monotonic(), None, [], None, False
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,

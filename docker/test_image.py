@@ -27,6 +27,7 @@ from image_harness import (  # noqa: E402
     Server,
     changed_paths,
     image_exists,
+    served_model,
     snapshot,
     stream_chat,
 )
@@ -71,7 +72,7 @@ def test_serves_as_uid_1000_with_the_prebuilt_cpu_kernels(server):
 
 def test_chat_completion(server):
     reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
-        "model": "", "max_tokens": 8, "temperature": 0,
+        "model": served_model(server.base_url), "max_tokens": 8, "temperature": 0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert reply.status_code == 200, reply.text
     body = reply.json()
