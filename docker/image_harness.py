@@ -140,8 +140,8 @@ class Server:
         raise TimeoutError(f"not healthy within {timeout} s:\n{self.log()[-4000:]}")
 
     def serving_pid(self) -> int:
-        """The jaxserve process itself (the container's PID 1 under Docker): a descendant of
-        buildah whose command line is the entrypoint's."""
+        """The jaxserve process itself (the container's PID 1 under Docker): the descendant
+        of buildah whose command line is the entrypoint's."""
         children: dict[int, list[int]] = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
@@ -157,8 +157,9 @@ class Server:
                 argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
+            # buildah-chroot-exec (the helper that execs it) carries the same arguments.
             if b"serve" in argv and any(a.endswith(b"jaxserve") for a in argv[:2]) \
-                    and str(self.port).encode() in argv:
+                    and str(self.port).encode() in argv and b"buildah" not in argv[0]:
                 return pid
             stack.extend(children.get(pid, []))
         raise RuntimeError("the jaxserve process was not found under buildah")
