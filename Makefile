@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup serve chat generate test test-fast test-gpu-compile bench clean
+.PHONY: setup serve chat generate test test-fast test-gpu-compile bench image test-image clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,23 @@ test-gpu-compile: setup $(GPU_STAMP)
 
 bench: setup
 	$(PY) benchmarks/bench_offline.py $(ARGS)
+
+# Container images (docker/Dockerfile; README "Deploy: container images"). `make image` builds
+# the CPU image with a Docker daemon, buildah or podman, whichever works (BUILDER= forces one);
+# MODEL=org/name (or BAKE=1 for the embedded default) builds the baked image instead, its
+# compilation cache and CPU timings made at build time; TARGET=cuda the CUDA image.
+MODEL ?=
+BAKE ?=
+TARGET ?= $(if $(MODEL)$(BAKE),cpu-baked,cpu)
+image:
+	TARGET=$(TARGET) MODEL=$(MODEL) docker/build_image.sh
+
+# Builds the CPU image with buildah (what runs it here: no Docker daemon) and runs it:
+# readiness, a chat completion, SIGTERM mid-stream (drained, exit 0), nothing written but
+# the volume and /tmp (docker/test_image.py).
+test-image: setup
+	BUILDER=buildah TARGET=cpu docker/build_image.sh
+	$(PY) -m pytest -q -s -p no:cacheprovider docker/test_image.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) .pytest_cache

@@ -382,3 +382,38 @@ def test_cpu_write_kv_equals_the_xla_scatter_and_writes_bf16_caches_in_place(dty
         with pytest.raises(Exception, match="write_kv"):
             cpu_write_kv(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                          jnp.zeros((2, 3, d)), jnp.zeros((2, 3, d)), jnp.zeros((2,), jnp.int32))
+
+
+def _without_a_compiler(monkeypatch, tmp_path):
+    """PATH with no C++ compiler and no $CXX: what a container image's runtime has (and a
+    HOME and temp dir of its own, so no library built by another test is found)."""
+    import tempfile
+
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+@pytest.mark.fast
+def test_a_library_built_for_this_cpu_loads_without_a_compiler(monkeypatch, tmp_path):
+    """An image's build stage compiles the kernels and its runtime has no g++: the library
+    with this machine's build key is found in $JAXSERVE_FFI_CACHE whichever compiler made it;
+    one whose key differs (another CPU, other sources) is not, and the error names both."""
+    from jaxserve.kernels.cpu import build as kernel_build
+
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(prebuilt))
+    key = kernel_build.build_key(loader.LIBRARY)
+    (prebuilt / f"paged_attention-{'0' * 20}-deadbeef.so").write_bytes(b"another CPU's")
+    _without_a_compiler(monkeypatch, tmp_path)
+    with pytest.raises(loader.CpuAttentionBuildError) as info:
+        loader.build()
+    assert "no C++ compiler" in str(info.value) and str(prebuilt) in str(info.value)
+    ours = prebuilt / f"paged_attention-{key}-0123abcd.so"
+    ours.write_bytes(b"built in the image's build stage")
+    (prebuilt / f"paged_attention-{key}-0123abcd.77.tmp.so").write_bytes(b"half-built")
+    assert loader.build() == ours

@@ -216,20 +216,55 @@ def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
     return stacked.finish() | packed
 
 
+# The string arrays transformers' GGUF tokenizer reader returns whole; it gives any other
+# string array as its length (gguf_tokenizer_fields reads them the same way).
+_WHOLE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+
+
+def gguf_tokenizer_fields(reader: Any) -> tuple[str, dict, dict]:
+    """`(architecture, tokenizer_dict, tokenizer_config)` as transformers'
+    `get_gguf_tokenizer` returns them, read with the gguf package: transformers' GGUF metadata
+    reader imports torch (for tensor dtypes), and the server runs without torch."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    def value(key: str) -> Any:
+        found = metadata_value(reader, key)
+        if isinstance(found, list) and found and isinstance(found[0], str) \
+                and key not in _WHOLE_ARRAYS:
+            return len(found)
+        return found
+
+    grouped = {group: {name: found for key, name in renames.items()
+                       if (found := value(f"tokenizer.{key}")) is not None}
+               for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    # transformers' rules for BOS by tokenizer type, as get_gguf_tokenizer applies them.
+    if tokenizer.get("tokenizer_type") == "llama":
+        tokenizer_config.setdefault("add_bos_token", True)
+    elif tokenizer.get("tokenizer_type") == "gemma4":
+        tokenizer_config["add_bos_token"] = False
+    for name, key in mapping._SPECIAL_TOKENS.items():
+        token_id = metadata_value(reader, f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    return metadata_value(reader, "general.architecture"), tokenizer, tokenizer_config
+
+
 def gguf_tokenizer(path: str | os.PathLike, reader: Any = None) -> Any:
     """The Hugging Face fast tokenizer a GGUF file describes, with its chat template."""
     import transformers
 
     path = str(path)
     try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-    except ImportError:  # older transformers: the public (slower) route
+        from transformers.integrations.gguf import convert_gguf_tokenizer, gguf_tokenizer_mapping
+        gguf_tokenizer_mapping._SPECIAL_TOKENS  # noqa: B018  (the names the fields need)
+    except (ImportError, AttributeError):  # older transformers: the public (slower) route
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     else:
         # What AutoTokenizer.from_pretrained(dir, gguf_file=...) does, minus its second
         # full parse of the file to build a model config it does not need.
-        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+        reader = reader or open_gguf(path)
+        architecture, tokenizer_dict, tokenizer_config = gguf_tokenizer_fields(reader)
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
         tokenizer = transformers.PreTrainedTokenizerFast(
             tokenizer_object=backend, name_or_path=path, **tokenizer_config, **extra)

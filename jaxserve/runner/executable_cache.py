@@ -7,6 +7,8 @@ against 0.3 s to load a serialized executable (benchmarks/results/startup-cpu.js
 key is computed without tracing, from:
 
 * the jax / jaxlib versions, the platform, the devices (ids and kinds) and XLA_FLAGS;
+* on CPU, the host CPU's model and features: XLA:CPU compiles for the CPU it runs on, so an
+  executable stored on one machine (a container image's build host) is a miss on another;
 * the content of every source file of the jaxserve package (any code change is a miss);
 * the runner's settings (architecture, dtypes, cache shape, buckets, logprobs, speculative
   rows, shardings) and the params tree's shapes, dtypes and shardings;
@@ -80,9 +82,12 @@ def _aval_description(tree: Any) -> list[str]:
 def executable_key(settings: dict[str, Any], params: Any) -> str:
     import jaxlib
 
+    from jaxserve.kernels.cpu.build import cpu_identity
+
     devices = [f"{d.platform}:{d.id}:{d.device_kind}" for d in jax.devices()]
     parts = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
              "backend": jax.default_backend(), "devices": devices,
+             "cpu": cpu_identity() if jax.default_backend() == "cpu" else "",
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_fingerprint(),
              "settings": {k: repr(v) for k, v in sorted(settings.items())},
              "params": _aval_description(params)}

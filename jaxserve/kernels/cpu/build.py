@@ -2,12 +2,16 @@
 jaxserve (the paged attention, the oneDNN matmul) shares.
 
 A library is cached under ``$JAXSERVE_FFI_CACHE`` (default ``~/.cache/jaxserve/ffi/``; a
-temp directory if that is not writable) as ``<name>-<hash>.so``, the hash keyed by its
-sources (every .cc compiled and .h included), the compiler and its version, the flags, the
-jax version and the host CPU (the build is ``-march=native``, hence the CPU in the key; if
-that does not compile, a portable build is tried). A file lock keeps two processes from
-building the same key at once. The cache location is a build-environment setting, like
-``CXX``: it changes where the file lives, never what the engine does.
+temp directory if that is not writable) as ``<name>-<build key>-<compiler key>.so``: the build
+key hashes its sources (every .cc compiled and .h included), the flags, the jax version and
+the host CPU (the build is ``-march=native``, hence the CPU in the key; if that does not
+compile, a portable build is tried); the compiler key hashes the compiler and its version.
+A library found in any of those directories (a read-only one too) is used as is. Where no
+compiler is installed (a container image, whose build stage compiled the libraries), a
+library with this build key made by any compiler is used: one built for this CPU loads, one
+built elsewhere does not match. A file lock keeps two processes from building the same key
+at once. The cache location is a build-environment setting, like ``CXX``: it changes where
+the file lives, never what the engine does.
 
 The code builds with g++ and clang++ alike (tests/test_kernel_build.py compiles every
 library with both where both are installed).
@@ -65,13 +69,20 @@ def find_compiler() -> str | None:
     return None
 
 
-def cache_dir(lib: KernelLibrary) -> Path:
-    """Where built libraries live: $JAXSERVE_FFI_CACHE, ~/.cache/jaxserve/ffi, or a temp dir."""
+def candidate_dirs() -> list[Path]:
+    """Where built libraries are looked for, in order: $JAXSERVE_FFI_CACHE,
+    ~/.cache/jaxserve/ffi, a per-user temp dir."""
     candidates = []
     if os.environ.get("JAXSERVE_FFI_CACHE"):
         candidates.append(Path(os.environ["JAXSERVE_FFI_CACHE"]).expanduser())
     candidates.append(Path.home() / ".cache" / "jaxserve" / "ffi")
     candidates.append(Path(tempfile.gettempdir()) / f"jaxserve-ffi-{os.getuid()}")
+    return candidates
+
+
+def cache_dir(lib: KernelLibrary) -> Path:
+    """Where a library is built: the first writable of `candidate_dirs`."""
+    candidates = candidate_dirs()
     for directory in candidates:
         with contextlib.suppress(OSError):
             directory.mkdir(parents=True, exist_ok=True)
@@ -110,17 +121,44 @@ def flag_sets() -> list[tuple[str, ...]]:
     return [BASE_FLAGS + NATIVE_FLAGS, BASE_FLAGS]
 
 
-def library_path(lib: KernelLibrary, compiler: str) -> Path:
-    import jax
-
+def _digest(parts: tuple[bytes, ...], length: int) -> str:
     digest = hashlib.sha256()
-    for part in (*(path.read_bytes() for path in lib.sources), compiler.encode(),
-                 compiler_version(compiler, lib).encode(), " ".join(flag_sets()[0]).encode(),
-                 " ".join(lib.link_flags).encode(), *(k.encode() for k in lib.extra_key),
-                 jax.__version__.encode(), cpu_identity().encode()):
+    for part in parts:
         digest.update(part)
         digest.update(b"\0")
-    return cache_dir(lib) / f"{lib.name}-{digest.hexdigest()[:20]}.so"
+    return digest.hexdigest()[:length]
+
+
+def build_key(lib: KernelLibrary) -> str:
+    """What the library's code depends on, the compiler aside: sources, flags, jax, the CPU."""
+    import jax
+
+    return _digest((*(path.read_bytes() for path in lib.sources),
+                    " ".join(flag_sets()[0]).encode(), " ".join(lib.link_flags).encode(),
+                    *(k.encode() for k in lib.extra_key), jax.__version__.encode(),
+                    cpu_identity().encode()), 20)
+
+
+def library_name(lib: KernelLibrary, compiler: str) -> str:
+    """The file name of `lib` built by `compiler` on this machine."""
+    compiler_key = _digest((compiler.encode(), compiler_version(compiler, lib).encode()), 8)
+    return f"{lib.name}-{build_key(lib)}-{compiler_key}.so"
+
+
+def library_path(lib: KernelLibrary, compiler: str) -> Path:
+    """Where `compiler` builds `lib`: in the writable cache directory."""
+    return cache_dir(lib) / library_name(lib, compiler)
+
+
+def find_built(lib: KernelLibrary, compiler: str | None) -> Path | None:
+    """A library already built for this machine in any candidate directory: by `compiler`,
+    or (compiler None: none is installed) by whichever compiler built one."""
+    pattern = library_name(lib, compiler) if compiler else f"{lib.name}-{build_key(lib)}-*.so"
+    for directory in candidate_dirs():
+        for path in sorted(directory.glob(pattern)) if directory.is_dir() else ():
+            if ".tmp." not in path.name:
+                return path
+    return None
 
 
 @contextlib.contextmanager
@@ -152,11 +190,17 @@ def build(lib: KernelLibrary, force: bool = False, compiler: str | None = None) 
                         f"{lib.fallback_hint}")
     compiler = compiler or find_compiler()
     if compiler is None:
-        raise lib.error("no C++ compiler found (looked for $CXX, g++, c++, clang++): the CPU "
-                        f"kernels are compiled on first use. Install g++; {lib.fallback_hint}")
+        built = None if force else find_built(lib, None)
+        if built is not None:
+            return built
+        raise lib.error("no C++ compiler found (looked for $CXX, g++, c++, clang++) and no "
+                        f"{lib.name} library built for this CPU in "
+                        f"{', '.join(map(str, candidate_dirs()))}: the CPU kernels are compiled "
+                        f"on first use. Install g++; {lib.fallback_hint}")
+    built = None if force else find_built(lib, compiler)
+    if built is not None:
+        return built
     path = library_path(lib, compiler)
-    if path.exists() and not force:
-        return path
     with _file_lock(path.with_suffix(".lock")):
         if path.exists() and not force:
             return path  # another process built it while we waited
