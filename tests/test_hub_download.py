@@ -244,7 +244,10 @@ def test_download_interrupted_by_ctrl_c_resumes_in_the_next_process(hub, hub_rep
     import signal
 
     hub.stall_once.add("tiny-org/tiny-llama/model.safetensors")
-    code = ("from huggingface_hub import constants; constants.DOWNLOAD_CHUNK_SIZE = 1 << 14; "
+    # Ctrl-C's default meaning in the child: a test run started in the background (nohup,
+    # `cmd &` in a script) hands its children SIGINT ignored, and the signal would do nothing.
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from huggingface_hub import constants; constants.DOWNLOAD_CHUNK_SIZE = 1 << 14; "
             "from jaxserve.loader.hub_download import fetch_from_hub; "
             "fetch_from_hub('tiny-org/tiny-llama')")
     # A read timeout longer than the test: huggingface_hub retries a stalled read after
