@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import os
 import signal
-import socket
 import ssl
 import threading
 import time
@@ -18,18 +17,14 @@ import pytest
 
 try:                                    # tests/ as a package or as a plain directory
     from tests.fake_engine import FakeEngine
+    from tests.test_server_fake_engine import free_port
 except ImportError:
     from fake_engine import FakeEngine
+    from test_server_fake_engine import free_port
 
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai.api_keys import KeyTable, parse_keys_file
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

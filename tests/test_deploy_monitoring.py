@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.load_progress import PHASES
 from jaxserve.metrics import ServerMetrics
 from jaxserve.outputs import RequestMetrics
+from tests.test_server_fake_engine import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "jaxserve-rules.yml"
@@ -54,10 +54,6 @@ def need_binary(name: str) -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
