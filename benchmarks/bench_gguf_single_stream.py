@@ -24,10 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
+from bench_vs_vllm import wait_ready  # noqa: E402 - a sibling script (benchmarks/ on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -45,19 +45,6 @@ KEEP = ("output_throughput", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", 
         "median_itl_ms", "completed")
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server did not become ready")
 
 
 def server_command(engine: str, args, port: int) -> list[str]:
@@ -83,7 +70,7 @@ def run_engine(engine: str, args, port: int, out_dir: Path) -> dict:
     result = {}
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url, server)
+        wait_ready(url, server, timeout=900)
         for streams, prompts in ((1, args.single_prompts), (8, 16)):
             name = f"{engine}-c{streams}-{time.time():.0f}.json"
             load_before = os.getloadavg()[0]
