@@ -331,12 +331,17 @@ class HealthPoller:
         return result["codes"], result["times"]
 
 
-async def _stream_finish(client: httpx.AsyncClient, body: dict, started: asyncio.Event
-                         ) -> tuple[str | None, bool]:
-    """A streamed completion: (its last finish_reason, whether it ended with [DONE])."""
+async def _stream_finish(client: httpx.AsyncClient, body: dict, started: asyncio.Event,
+                         admitted: asyncio.Event | None = None) -> tuple[str | None, bool]:
+    """A streamed completion: (its last finish_reason, whether it ended with [DONE]).
+
+    `admitted` is set once the server answered 200 (the request is in the engine),
+    `started` once the first token streamed."""
     finish, done = None, False
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
+        if admitted is not None:
+            admitted.set()
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -424,13 +429,17 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
         async def drain():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
                 started = [asyncio.Event() for _ in range(25)]
+                admitted = [asyncio.Event() for _ in range(24)]
                 medium = asyncio.ensure_future(_stream_finish(
                     c, {"prompt": "dog", "max_tokens": 200, "ignore_eos": True}, started[0]))
                 await asyncio.wait_for(started[0].wait(), 60)
                 long = [asyncio.ensure_future(_stream_finish(
                     c, {"prompt": f"cat {i}", "max_tokens": 480, "ignore_eos": True},
-                    started[1 + i])) for i in range(24)]
-                # SIGTERM once one of them streams (the other row is then busy).
+                    started[1 + i], admitted[i])) for i in range(24)]
+                # SIGTERM once all of them are in the engine (a slow client may still be
+                # sending some: those would meet the drain's 503, seen in CI) and one of
+                # them streams (the other row is then busy).
+                await asyncio.wait_for(asyncio.gather(*[e.wait() for e in admitted]), 60)
                 await asyncio.wait([asyncio.ensure_future(e.wait()) for e in started[1:]],
                                    timeout=60, return_when=asyncio.FIRST_COMPLETED)
                 assert any(e.is_set() for e in started[1:])
