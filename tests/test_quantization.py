@@ -147,10 +147,10 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
                   kv_cache_memory_bytes=2 << 20)
     ref = LLM(str(model_dir), **kwargs)
     llm = LLM(str(model_dir), quantization="int8", **kwargs)
-    layers = llm.llm_engine.setup.runner.params["params"]["layers"]
+    layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["kernel"].dtype == jnp.int8
     assert layers["down_proj"]["scale"].shape == (2, 128 // 32, 64)   # [L, in / 32, out]
-    assert llm.llm_engine.setup.runner.params["params"]["lm_head"]["kernel"].dtype == jnp.int8
+    assert llm.llm_engine.engine_core.setup.runner.params["params"]["lm_head"]["kernel"].dtype == jnp.int8
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in ("Hello, world!", "The quick brown fox",
                                        "def add(a, b):", "Paged attention stores")]
@@ -179,7 +179,7 @@ def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(defaul
 
     llm = LLM(None, quantization="gguf", max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)
-    setup = llm.llm_engine.setup
+    setup = llm.llm_engine.engine_core.setup
     layers = setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["q4_1"].dtype == jnp.uint8
     assert "q8_0" in setup.runner.params["params"]["embed_tokens"]

@@ -1,22 +1,23 @@
-"""The server side of the engine: one background thread owns `LLMEngine` and steps it.
+"""The server's front end: one background thread owns the engine core and steps it.
 
-`LLMEngine` is synchronous and not thread-safe, so exactly one thread (the
-engine thread) ever calls it. The asyncio side talks to it through a
+The engine core (`EngineCore`) is synchronous and not thread-safe, so exactly one thread
+(the engine thread) ever calls it. The asyncio side talks to it through a
 thread-safe inbox of commands (add, abort, stop) guarded by a condition
 variable; the engine thread sleeps on that condition while there is no work
 and steps back to back while there is. Outputs travel the other way through
 `loop.call_soon_threadsafe`, one call per step, into a per-request
 `asyncio.Queue`: token deltas only (`EngineCoreOutput`). The text -- detokenization, stop
 strings, logprob token text -- is built on the asyncio side as the consumer reads
-(`RequestText`), so the engine thread's cost per step does not grow with what requests
-have produced; a stop string found there finishes its sequence in the engine (a
-"finish" command), which frees its KV blocks.
+(`OutputProcessor.apply`, the output processing `LLMEngine` runs too), so the engine
+thread's cost per step does not grow with what requests have produced; a stop string
+found there finishes its sequence in the core (a "finish" command), which frees its KV
+blocks.
 
 This module is the asyncio-facing half (submit, streams, admission, lifecycle); the
 engine thread's loop, recovery and output dispatch are `engine_thread.py`, and a
 request's stream `request_stream.py`.
 
-    engine = AsyncLLMEngine(LLMEngine(config))    # starts the engine thread
+    engine = AsyncLLMEngine(EngineCore(config))   # starts the engine thread
     async for out in engine.generate(request_id, None, params, prompt_token_ids=ids):
         ...                       # RequestOutputs, as params.output_kind says
     engine.shutdown()
@@ -29,7 +30,7 @@ Leaving the `async for` early (client disconnect, cancellation, an exception)
 aborts the request, so its KV blocks return to the pool.
 
 Faults. A request's own data failing in output processing ends that request alone
-(finish_reason "error", LLMEngine). A failing `step()` (a device error, a bug) fails
+(finish_reason "error", EngineCore). A failing `step()` (a device error, a bug) fails
 the requests that had been scheduled with `StepFailedError`, then the engine
 recovers in-process: `EngineCore.recover()` rebuilds the scheduler, block manager
 and KV cache, and requests that were still queued are added again and run from
@@ -54,16 +55,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.engine_io import EngineCoreOutput, InputProcessor
+from jaxserve.engine.engine_io import EngineCoreOutput
 from jaxserve.engine.engine_thread import EngineThreadLoop
 from jaxserve.engine.errors import (
     EngineDeadError,
     QueueFullError,
     ShuttingDownError,
 )
-from jaxserve.engine.protocol import SteppedEngine
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.protocol import EngineCoreInterface
 from jaxserve.engine.request_stream import RequestStream
-from jaxserve.engine.request_text import RequestText, TokenTexts
 from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.engine.watchdog import StepWatchdog
 from jaxserve.outputs import RequestOutput
@@ -77,10 +79,10 @@ OutputObserver = Callable[[list[EngineCoreOutput], float], None]
 
 
 class AsyncLLMEngine(EngineThreadLoop):
-    """Runs an `LLMEngine` on its own thread and serves many asyncio callers."""
+    """Runs an engine core on its own thread and serves many asyncio callers."""
 
-    def __init__(self, engine: SteppedEngine, *, start: bool = True) -> None:
-        self.engine = engine
+    def __init__(self, engine_core: EngineCoreInterface, *, start: bool = True) -> None:
+        self.engine_core = engine_core
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()
         self._streams: dict[str, RequestStream] = {}     # touched by the engine thread only
@@ -89,13 +91,9 @@ class AsyncLLMEngine(EngineThreadLoop):
         self._dead: BaseException | None = None
         self._observers: list[OutputObserver] = []
         self._failure_observers: list[Callable[[list[str]], None]] = []
-        self.snapshot: EngineSnapshot = engine.snapshot()
-        self.inputs = InputProcessor(engine.tokenizer, engine.max_model_len,
-                                     engine.config.model_config.max_logprobs,
-                                     # the model's: bounds prompt ids when no tokenizer is loaded
-                                     None if engine.tokenizer is not None
-                                     else engine.setup.arch.vocab_size)
-        self._token_texts = TokenTexts(engine.tokenizer)
+        self.snapshot: EngineSnapshot = engine_core.snapshot()
+        self.input_processor = InputProcessor.for_core(engine_core)
+        self.output_processor = OutputProcessor(engine_core.tokenizer)
         self.last_step_time = time.monotonic()
         self.watchdog = StepWatchdog()       # how long the current iteration has run (/health)
         # Fault recovery (module docstring): restarts allowed in a row, and who to tell
@@ -219,24 +217,24 @@ class AsyncLLMEngine(EngineThreadLoop):
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine_core.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.engine_core.max_model_len
 
     @property
     def config(self) -> Any:
-        return self.engine.config
+        return self.engine_core.config
 
     @property
     def model_path(self) -> str:
-        return self.engine.model_path
+        return self.engine_core.model_path
 
     @property
     def lora_registry(self) -> Any:
-        """The engine's LoRARegistry; None when LoRA is off (always under data parallelism)."""
-        return self.engine.lora_registry
+        """The core's LoRARegistry; None when LoRA is off (always under data parallelism)."""
+        return self.engine_core.lora_registry
 
     def shutdown(self, drain_timeout: float = 0.0, join_timeout: float = 30.0) -> None:
         """Stop accepting; let in-flight requests run up to `drain_timeout` s; abort the rest.
@@ -266,12 +264,12 @@ class AsyncLLMEngine(EngineThreadLoop):
         reserved_seqs: sequences this request holds from `reserve`; from this call on the
         stream owns them: given back when it ends, is refused, or (here) fails to queue."""
         try:
-            request = self.inputs.process(request_id, prompt, sampling_params,
-                                          prompt_token_ids=prompt_token_ids,
-                                          arrival_time=arrival_time, lora_request=lora_request)
+            request = self.input_processor.process(
+                request_id, prompt, sampling_params, prompt_token_ids=prompt_token_ids,
+                arrival_time=arrival_time, lora_request=lora_request)
             stream = RequestStream(request_id, asyncio.get_running_loop(),
-                                    RequestText(request, self.tokenizer, self._token_texts),
-                                    request, reserved_seqs)
+                                   self.output_processor.new_request_text(request),
+                                   request, reserved_seqs)
             self._submit(("add", stream, request))
         except BaseException:
             self.release(reserved_seqs)
@@ -324,20 +322,18 @@ class AsyncLLMEngine(EngineThreadLoop):
                 self.abort(stream.request_id)
 
     def _apply(self, stream: RequestStream, items: list[Any]) -> RequestOutput | None:
-        """Feed engine outputs to the request's text state; tell the engine which sequences
-        a stop string finished. Raises an engine error that arrived instead."""
-        text = stream.text
-        to_stop: list[int] = []
+        """Feed core outputs to the request's text state (`OutputProcessor.apply`); tell the
+        core which sequences a stop string finished. Raises an engine error that arrived
+        instead."""
         for item in items:
             if isinstance(item, BaseException):
                 stream.finished = True
                 raise item
-            if not text.finished:
-                to_stop += text.apply(item)
+        output, to_stop = self.output_processor.apply(stream.text, items)
         if to_stop:
             self._submit(("finish", [(stream.request_id, i) for i in to_stop]), force=True)
-        stream.finished = text.finished
-        return text.make_output()
+        stream.finished = stream.text.finished
+        return output
 
     async def generate(self, request_id: str, prompt: str | None, sampling_params: Any, *,
                        prompt_token_ids: list[int] | None = None,

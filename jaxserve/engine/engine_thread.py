@@ -1,4 +1,4 @@
-"""The engine thread of `AsyncLLMEngine`: the only caller of the stepped engine.
+"""The engine thread of `AsyncLLMEngine`: the only caller of the engine core.
 
 It sleeps until the inbox has commands or the engine has work, applies the commands
 (add, finish, abort), steps, and hands each step's outputs to the requests' streams on
@@ -59,7 +59,7 @@ class EngineThreadLoop:
 
     def _iterate(self) -> bool:
         """Sleep until there is work; apply the inbox; step once. False: stop the thread."""
-        engine = self.engine
+        engine = self.engine_core
         with self._cond:
             while not self._inbox and not self._stopping \
                     and not engine.has_unfinished_requests():
@@ -78,7 +78,7 @@ class EngineThreadLoop:
         # request's final output comes out of the next step().
         if aborted or engine.has_unfinished_requests():
             try:
-                outputs = engine.step_core()
+                outputs = engine.step()
             except Exception as exc:
                 self._recover(exc)      # raises once the restarts are used up
                 self.watchdog.end()
@@ -105,7 +105,7 @@ class EngineThreadLoop:
         logger.error("engine step failed; restarting the engine in-process", exc_info=exc)
         start = time.monotonic()
         self._recovering = f"recovering from a failed engine step: {exc!r}"
-        engine = self.engine
+        engine = self.engine_core
         queued = engine.unscheduled_requests()
         kept = [s for rid, s in self._streams.items() if rid in queued]
         failed = [s for rid, s in self._streams.items() if rid not in queued]
@@ -117,7 +117,7 @@ class EngineThreadLoop:
         self.num_restarts += 1
         for stream in kept:
             try:
-                engine.add_core_request(stream.request)
+                engine.add_request(stream.request)
             except Exception as add_exc:
                 self._fail_streams([stream], StepFailedError(
                     f"could not re-queue the request after an engine restart: {add_exc!r}"))
@@ -137,11 +137,11 @@ class EngineThreadLoop:
             return False
         self._next_queue_check = now + _QUEUE_TIME_CHECK_INTERVAL
         cutoff = time.time() - self.max_queue_time
-        expired = [rid for rid, arrival in self.engine.unscheduled_requests().items()
+        expired = [rid for rid, arrival in self.engine_core.unscheduled_requests().items()
                    if arrival < cutoff and rid in self._streams]
         if not expired:
             return False
-        self.engine.abort_request(expired)
+        self.engine_core.abort_request(expired)
         self.num_rejected[QueueTimeoutError.code] += len(expired)
         self._fail_streams([self._streams.pop(rid) for rid in expired], QueueTimeoutError(
             f"the request waited more than {self.max_queue_time:g} s (--max-queue-time) "
@@ -159,7 +159,7 @@ class EngineThreadLoop:
 
     def _handle_commands(self, commands: list[tuple]) -> bool:
         """Apply queued adds and aborts; returns whether anything was aborted."""
-        engine = self.engine
+        engine = self.engine_core
         aborted = False
         for command in commands:
             if command[0] == "add":
@@ -169,7 +169,7 @@ class EngineThreadLoop:
                         f"request id {stream.request_id!r} is already in use"))
                     continue
                 try:
-                    engine.add_core_request(request)
+                    engine.add_request(request)
                 except (ValueError, TypeError) as exc:
                     self._refuse(stream, ValueError(str(exc)))
                     continue
@@ -221,12 +221,12 @@ class EngineThreadLoop:
 
     def _abort_all(self) -> None:
         """Abort every in-flight request and deliver its final output (shutdown)."""
-        engine = self.engine
+        engine = self.engine_core
         if self._streams:
             logger.info("aborting %d in-flight request(s)", len(self._streams))
             engine.abort_request(list(self._streams))
             for _ in range(1000):
-                self._dispatch(engine.step_core())
+                self._dispatch(engine.step())
                 if not self._streams or not engine.has_unfinished_requests():
                     break
         self._fail_all(EngineDeadError("the server is shutting down"))
@@ -249,7 +249,7 @@ class EngineThreadLoop:
                                             kv_cache_usage=0.0)
 
     def _publish_snapshot(self) -> None:
-        self.snapshot = self.engine.snapshot()
+        self.snapshot = self.engine_core.snapshot()
 
 
 def _notify(observers: list[Callable[..., None]], kind: str, *args: Any) -> None:

@@ -48,9 +48,9 @@ class ModelPlacement:
         partition.check_tp_size(arch, tp)
         if mesh is None:
             if parallel.data_parallel_size > 1:
-                raise ValueError("data_parallel_size > 1 runs one engine per replica behind "
-                                 "jaxserve.parallel.launch.create_engine (LLM and `jaxserve serve` "
-                                 "use it); LLMEngine alone holds one replica")
+                raise ValueError("data_parallel_size > 1 runs one engine core per replica "
+                                 "behind jaxserve.parallel.launch.create_engine_core (LLM and "
+                                 "`jaxserve serve` use it); EngineCore alone holds one replica")
             if tp > 1 or jax.process_count() > 1:
                 mesh = make_mesh(tp, 1)
         if mesh is not None:
