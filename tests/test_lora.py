@@ -335,7 +335,7 @@ def test_server_loads_serves_unloads_and_reuses_slots_without_compiles(served, t
                 for name, lora in [("base", None), *adapters.items()]}
     make_peft_adapter(model_dir, tmp_path / "r32", rank=32, alpha=32)
     with compile_events() as compiles:
-        server = ServerThread(llm.llm_engine, lora_modules=[f"sql={root / 'sql'}"],
+        server = ServerThread(llm.llm_engine.engine_core, lora_modules=[f"sql={root / 'sql'}"],
                               allow_runtime_lora_updating=True)
         try:
             _serve_and_swap(server, httpx, prompt, expected, root, tmp_path)

@@ -534,7 +534,7 @@ def test_shutdown_aborts_in_flight_requests_and_refuses_new_ones():
             await engine.add_request("r2", "a", params)
 
     asyncio.run(scenario())
-    assert not engine._thread.is_alive()
+    assert not engine.engine_thread.alive
 
 
 def test_engine_rejection_is_a_value_error_and_changes_nothing():
