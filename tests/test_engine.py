@@ -9,6 +9,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from tests import precision
 
+pytestmark = pytest.mark.engine      # the engine tier: every test here (make test-engine)
+
 PROMPT = [11, 23, 98, 421, 77, 310, 248, 9, 150, 42, 61, 331, 88, 12, 7, 91, 64, 5]
 
 

@@ -48,6 +48,7 @@ def gemma(request, make_tiny_model):
     return request.param, model_dir, hf, llm
 
 
+@pytest.mark.engine
 def test_gemma_logits_and_greedy_tokens_match_hf(gemma):
     name, _, hf, llm = gemma
     assert type(hf).__name__ in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")

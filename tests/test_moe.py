@@ -126,6 +126,7 @@ def moe_model(request, make_tiny_model):
     return request.param, hf, llm
 
 
+@pytest.mark.engine
 def test_moe_logits_and_greedy_tokens_match_hf(moe_model):
     name, hf, llm = moe_model
     arch = llm.llm_engine.engine_core.setup.arch

@@ -46,8 +46,11 @@ SLIDING = [("mistral", {"sliding_window": 8}),
            ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})]
 
 
-@pytest.mark.parametrize("arch, overrides", [*((a, {}) for a in TINY_ARCHS),
-                                             ("llama", {"attention_bias": True}), *SLIDING])
+# The llama family's engine-tier check is the plain tiny Llama (make test-engine).
+@pytest.mark.parametrize("arch, overrides", [
+    *(pytest.param(a, {}, marks=pytest.mark.engine) if a == "llama" else (a, {})
+      for a in TINY_ARCHS),
+    ("llama", {"attention_bias": True}), *SLIDING])
 def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch, overrides):
     model_dir = make_tiny_model(arch, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
