@@ -66,6 +66,7 @@ class OneShotFault:
             raise InjectedStepFault("injected once")
 
 
+@pytest.mark.engine      # in-process recovery: the engine tier
 def test_step_fault_fails_scheduled_requests_and_reruns_queued_ones(llm):
     """The long prompt is in the faulted step and fails; the one queued behind it (the step
     budget is full) is re-run after the in-process restart, with a fresh engine's tokens;
@@ -114,6 +115,7 @@ def test_step_fault_fails_scheduled_requests_and_reruns_queued_ones(llm):
         core.fault_hook = None
 
 
+@pytest.mark.engine      # in-process recovery: the engine tier
 def test_a_requests_own_output_fault_ends_it_alone(llm):
     """Output processing (here: the detokenizer) failing for one request ends that request
     with finish_reason "error"; its neighbour in the same steps is untouched."""
@@ -138,6 +140,7 @@ def test_a_requests_own_output_fault_ends_it_alone(llm):
     assert core.scheduler.num_running == 0 and core.block_manager.usage == 0.0
 
 
+@pytest.mark.engine      # in-process recovery: the engine tier
 def test_queue_time_limit_ends_a_request_still_waiting(llm):
     core = llm.llm_engine.engine_core
     engine = AsyncLLMEngine(core, start=False)
