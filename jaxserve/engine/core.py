@@ -133,7 +133,7 @@ class EngineCore:
         self.block_manager.prefix_cache_hits = blocks.prefix_cache_hits
         self.scheduler.num_preemptions = scheduler.num_preemptions
         self.runner.reset()
-        if hasattr(self._proposer, "reset"):      # a draft model has its own rows and cache
+        if self._proposer is not None:      # a draft model has its own rows and cache
             self._proposer.reset()
         self._drafting = True
         self._steps_until_proposal = 0
