@@ -537,6 +537,31 @@ def test_shutdown_aborts_in_flight_requests_and_refuses_new_ones():
     assert not engine.engine_thread.alive
 
 
+def test_an_llm_engine_is_served_through_its_core_with_the_same_text():
+    """AsyncLLMEngine(llm.llm_engine), as the quickstart notebook once wrote it, serves the
+    LLMEngine's core; its text equals the offline front end's for the same request."""
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    params = SamplingParams(max_tokens=7, temperature=0.0)
+    offline = LLMEngine(FakeEngineCore())
+    offline.add_request("r", "abc", params)
+    finals = []
+    while offline.has_unfinished_requests():
+        finals += [out for out in offline.step() if out.finished]
+    core = FakeEngineCore()
+    engine = AsyncLLMEngine(LLMEngine(core))
+    assert engine.engine_core is core
+
+    async def served():
+        return [out async for out in engine.generate("r", "abc", params)][-1]
+
+    try:
+        final = asyncio.run(served())
+    finally:
+        engine.shutdown()
+    assert final.outputs[0].text == finals[0].outputs[0].text and len(final.outputs[0].text) == 7
+
+
 def test_engine_rejection_is_a_value_error_and_changes_nothing():
     fake = FakeEngineCore()
     engine = AsyncLLMEngine(fake)

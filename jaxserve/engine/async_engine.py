@@ -57,6 +57,7 @@ from jaxserve.engine.admission import Admission
 from jaxserve.engine.engine_thread import EngineThread, OutputObserver
 from jaxserve.engine.errors import EngineDeadError, ShuttingDownError
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.protocol import EngineCoreInterface
 from jaxserve.engine.request_stream import RequestStream
@@ -72,7 +73,12 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "OutputObserver"]
 class AsyncLLMEngine:
     """Runs an engine core on its own thread and serves many asyncio callers."""
 
-    def __init__(self, engine_core: EngineCoreInterface, *, start: bool = True) -> None:
+    def __init__(self, engine_core: EngineCoreInterface | LLMEngine, *,
+                 start: bool = True) -> None:
+        """engine_core: the core to serve; an `LLMEngine` (`LLM(...).llm_engine`) is served
+        through its core, which then belongs to this engine (do not step it elsewhere)."""
+        if isinstance(engine_core, LLMEngine):
+            engine_core = engine_core.engine_core
         self.engine_core = engine_core
         self.input_processor = InputProcessor.for_core(engine_core)
         self.output_processor = OutputProcessor(engine_core.tokenizer)
