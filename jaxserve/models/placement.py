@@ -43,7 +43,12 @@ class ModelPlacement:
     def create(cls, parallel: ParallelConfig, arch: ModelArch,
                mesh: Mesh | None = None) -> ModelPlacement:
         """The placement for one engine. `mesh` is a data-parallel replica's sub-mesh; without
-        one, tp > 1 (or a multi-process run) builds a (1, tp) mesh over the first devices."""
+        one, tp > 1 (or a multi-process run) builds a (1, tp) mesh over the first devices.
+        pipeline_parallel_size > 1: a PipelinePlacement (a placement per stage)."""
+        if mesh is None and parallel.pipeline_parallel_size > 1:
+            from jaxserve.models.pipeline_placement import PipelinePlacement
+
+            return PipelinePlacement.create(parallel, arch)
         tp = mesh.shape[MODEL_AXIS] if mesh is not None else parallel.tensor_parallel_size
         partition.check_tp_size(arch, tp)
         if mesh is None:
