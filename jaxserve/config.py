@@ -184,6 +184,11 @@ class ParallelConfig:
         1, "Pipeline stages: the layer stack split into this many contiguous stages, each on "
         "its own tensor_parallel_size devices with its own layers' KV cache (vLLM's flag; "
         "jaxserve/parallel/pipeline.md).")
+    pipeline_micro_batches: int | None = opt(
+        None, "Micro-batches in flight with pipeline_parallel_size > 1 (vLLM's virtual "
+        "engines): the running sequences split into this many groups, each stepped in turn, "
+        "so stages work on different groups at once. Default: pipeline_parallel_size; 1: one "
+        "batch in flight (stages take turns). Needs async_scheduling.")
     pp_layer_partition: str | None = opt(
         lambda: os.environ.get("VLLM_PP_LAYER_PARTITION") or None,
         "Layers per pipeline stage, comma-separated (\"10,11,11\"), summing to the model's "
@@ -336,6 +341,9 @@ class EngineConfig(FlatOptions):
         _check_range("pipeline_parallel_size", p.pipeline_parallel_size, 1, 4096)
         if p.pipeline_parallel_size > 1:
             check_pipeline_combination(self)
+        if p.pipeline_micro_batches is None:
+            p.pipeline_micro_batches = p.pipeline_parallel_size
+        _check_range("pipeline_micro_batches", p.pipeline_micro_batches, 1, 64)
         if c.block_size <= 0 or c.block_size & (c.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {c.block_size}")
         self.spec_decode      # raises ValueError on a bad speculative_config

@@ -219,7 +219,9 @@ def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCa
     if getattr(placement, "stages", None):       # pipeline parallel (models/pipeline_placement)
         from jaxserve.runner.pipeline_runner import PipelineModelRunner
 
-        runner_class, stages = PipelineModelRunner, {"pipeline": placement}
+        runner_class, stages = PipelineModelRunner, {
+            "pipeline": placement,
+            "micro_batches": config.parallel_config.pipeline_micro_batches or 1}
     return runner_class(
         placed.arch, placed.params, backend, dtype=placed.dtype, num_blocks=kv_plan.num_blocks,
         block_size=kv_plan.block_size, max_model_len=max_model_len,

@@ -5,8 +5,9 @@ Stage ``s`` holds its weights and its own layers' KV cache, so a block costs it
 budget is what its devices have left after its weights. Every stage must hold the same
 number of blocks (a block id means the same position on every stage), so the stage with
 the fewest decides. On CPU all stages' simulated devices share the host's RAM: each stage
-plans with 1/pp of the pool (the budget and the utilization fraction), as tensor parallel
-already splits a pool among its devices.
+plans with its share of the layers of the pool (the budget and the utilization fraction),
+so every stage fits the same blocks and pp stages hold pp = 1's tokens in the same RAM, as
+tensor parallel already splits a pool among its devices.
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ def plan_pipeline_kv_cache(cc: CacheConfig, placement: Any, params: Any, kv_dtyp
     structs); last_stage_bytes: what only the last stage holds beside its weights (the
     sampler's penalty tables)."""
     pp = placement.pp
-    if placement.device is not None and placement.device.platform == "cpu":
-        cc = dataclasses.replace(
-            cc, gpu_memory_utilization=cc.gpu_memory_utilization / pp,
-            kv_cache_memory_bytes=cc.kv_cache_memory_bytes // pp
-            if cc.kv_cache_memory_bytes else cc.kv_cache_memory_bytes)
+    shared_pool = placement.device is not None and placement.device.platform == "cpu"
+    total_layers = sum(layers.num_layers for layers in placement.layers)
     plans = []
     for index, (stage, stage_params) in enumerate(zip(placement.stages, params)):
         weights = per_device_bytes(stage_params) + (last_stage_bytes if index == pp - 1 else 0)
-        plans.append(plan_kv_cache(cc, stage.arch, kv_dtype, weights, activation_bytes,
+        stage_cc = cc
+        if shared_pool:      # the stage's share of the one pool: its share of the layers
+            share = placement.layers[index].num_layers / total_layers
+            stage_cc = dataclasses.replace(
+                cc, gpu_memory_utilization=cc.gpu_memory_utilization * share,
+                kv_cache_memory_bytes=int(cc.kv_cache_memory_bytes * share)
+                if cc.kv_cache_memory_bytes else cc.kv_cache_memory_bytes)
+        plans.append(plan_kv_cache(stage_cc, stage.arch, kv_dtype, weights, activation_bytes,
                                    max_model_len, tp_size=stage.tp, device=stage.device,
                                    compute_dtype=compute_dtype))
     fewest = min(plans, key=lambda plan: plan.num_blocks)

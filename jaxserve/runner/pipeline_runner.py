@@ -36,6 +36,7 @@ from jaxserve.runner.gpu_targets import GPU_STEP_COMPILER_OPTIONS
 from jaxserve.runner.input_batch import StepInputs
 from jaxserve.runner.model_runner import ModelRunner, reads_layer_weights_in_place
 from jaxserve.runner.step_function import StepOutputs, stage_forward
+from jaxserve.step_contract import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +62,32 @@ class PipelineModelRunner(ModelRunner):
     and ``v_cache`` are lists, one entry per stage; ``model`` is the last stage's."""
 
     def __init__(self, arch: Any, params: Any, backend: Any, *, pipeline: Any,
-                 **kwargs: Any) -> None:
+                 micro_batches: int = 1, **kwargs: Any) -> None:
         """pipeline: the engine's PipelinePlacement; params: its `place` result (a params tree
-        per stage). Everything else as ModelRunner."""
+        per stage); micro_batches: steps of different micro-batches in flight at once
+        (engine/micro_batches.py): each keeps its own device-side last tokens, so a step
+        depends only on its own micro-batch's previous step. Everything else as
+        ModelRunner."""
         if kwargs.get("lora") is not None:
             raise ValueError("LoRA is not supported with pipeline_parallel_size > 1 yet")
         self.pipeline = pipeline
+        # A step trace (benchmarks/bench_pipeline.py): when a list, each stage is waited for
+        # and (stage, start, end) perf_counter seconds appended. Off while serving.
+        self.stage_trace: list[tuple[int, float, float]] | None = None
+        self.num_micro_batches = micro_batches
         super().__init__(arch, params, backend, **kwargs)
+        self._micro_batch = 0         # the step being dispatched (execute sets it)
+        self._fill_last_tokens()
+
+    def _fill_last_tokens(self) -> None:
+        """Zeroed device-side last tokens, one array per micro-batch (all on the last stage;
+        ``last_tokens`` is micro-batch 0's)."""
+        if self.abstract:
+            self._last_tokens = [self.last_tokens] * self.num_micro_batches
+            return
+        self._last_tokens = [self.last_tokens] + [
+            self._put(np.zeros(self.batch.max_num_seqs + 1, np.int32))
+            for _ in range(self.num_micro_batches - 1)]
 
     @property
     def num_stages(self) -> int:
@@ -136,6 +156,7 @@ class PipelineModelRunner(ModelRunner):
         self._k_cache = self._v_cache = None
         self._fill_caches()
         self.last_tokens = self._put(np.zeros(self.batch.max_num_seqs + 1, np.int32))
+        self._fill_last_tokens()
         self.penalty_state = None
         self.penalty_state = self._empty_penalty_state()
 
@@ -200,6 +221,10 @@ class PipelineModelRunner(ModelRunner):
                                   "pipeline_parallel_size > 1")
 
     # -- one step ------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> Any:
+        self._micro_batch = out.micro_batch
+        return super().execute(out)
+
     def run_step(self, inputs: StepInputs) -> StepOutputs:
         """Dispatch every stage of bucket (T, S); returns the last stage's outputs at once."""
         t, s = inputs.num_tokens, inputs.num_seqs
@@ -218,18 +243,42 @@ class PipelineModelRunner(ModelRunner):
         packed = inputs.packed.copy()     # each step owns its inputs (ModelRunner.run_step)
         params, k_caches, v_caches = self.params, self.k_cache, self.v_cache
         hidden = None
+        micro_batch = self._micro_batch
+        last_tokens = self._last_tokens[micro_batch]
         for i, placement in enumerate(self.pipeline.stages[:-1]):
             sharding = placement.input_sharding
-            last = jax.device_put(self.last_tokens, sharding) if i == 0 else None
+            last = jax.device_put(last_tokens, sharding) if i == 0 else None
             if hidden is not None:
                 hidden = jax.device_put(hidden, sharding)
+            start = time.perf_counter()
             k_caches[i], v_caches[i], hidden = fn.stages[i](
                 params[i], k_caches[i], v_caches[i], last, put_replicated(packed, sharding),
                 hidden)
+            self._trace(i, start, hidden)
         hidden = jax.device_put(hidden, self.input_sharding)
-        (k_caches[-1], v_caches[-1], self.last_tokens, self.penalty_state, out,
+        start = time.perf_counter()
+        (k_caches[-1], v_caches[-1], last_tokens, self.penalty_state, out,
          prompt_out) = fn.stages[-1](
-            params[-1], k_caches[-1], v_caches[-1], self.last_tokens, self.penalty_state,
+            params[-1], k_caches[-1], v_caches[-1], last_tokens, self.penalty_state,
             self._put(packed), bias_ids, bias_values, bitmask, None, hidden)
+        self._last_tokens[micro_batch] = last_tokens
+        if micro_batch == 0:
+            self.last_tokens = last_tokens
+        self._trace(self.num_stages - 1, start, out)
         out[0].next_tokens.copy_to_host_async()
         return out, prompt_out
+
+    def _trace(self, stage: int, start: float, outputs: Any) -> None:
+        if self.stage_trace is not None:
+            jax.block_until_ready(outputs)
+            self.stage_trace.append((stage, start, time.perf_counter()))
+
+
+def bubble_fraction(trace: list[tuple[int, float, float]], num_stages: int) -> float:
+    """The stages' idle share of a step trace: 1 - (busy seconds of all stages) / (stages x
+    the trace's span). With one batch in flight it tends to (P - 1) / P."""
+    if not trace:
+        return 0.0
+    span = max(end for _, _, end in trace) - min(start for _, start, _ in trace)
+    busy = sum(end - start for _, start, end in trace)
+    return 1.0 - busy / (num_stages * span) if span > 0 else 0.0
