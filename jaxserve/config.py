@@ -284,8 +284,6 @@ def check_pipeline_combination(config: "EngineConfig") -> None:
     unsupported = []
     if p.num_processes > 1:
         unsupported.append("num_processes > 1 (a stage per process)")
-    if p.data_parallel_size > 1:
-        unsupported.append("data_parallel_size > 1")
     if config.lora_config.enable_lora:
         unsupported.append("enable_lora")
     if config.speculative_config.speculative_config is not None:

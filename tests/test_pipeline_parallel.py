@@ -2,8 +2,8 @@
 
 One worker subprocess (this file run as a script, 8 simulated devices) builds each
 configuration in turn and writes what the tests check to JSON: a 4-layer tiny Llama at
-pp = 1, 2, 4, 2 x tp 2 and pp = 2 with an uneven `--pp-layer-partition 1,3`; a tiny Mixtral at
-pp = 1, 2. Every engine plans the same small KV budget, so preemption happens, prompts are
+pp = 1, 2, 4, pp = 2 x tp = 2 with an uneven `--pp-layer-partition 1,3`, pp = 2 x dp = 2; a
+tiny Mixtral at pp = 1, 2. Every engine plans the same small KV budget, so preemption happens, prompts are
 prefilled in chunks (4-token steps) and a repeated prompt hits the prefix cache. A second
 batch mixes penalties, seeded sampling and a structured-output choice. A `jaxserve serve
 -pp 2 -tp 2` process answers a chat completion and a stream.
@@ -78,6 +78,21 @@ def _run(model: str, pp: int, tp: int, kv_bytes: int, **extra) -> dict:
     return result
 
 
+def _run_dp(model: str, kv_bytes: int) -> dict:
+    """pp = 2 x dp = 2: two replicas, each two stages, on devices 0-1 and 2-3."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(model, pipeline_parallel_size=2, data_parallel_size=2,
+              kv_cache_memory_bytes=kv_bytes, **ENGINE_KWARGS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    replicas = llm.llm_engine.replicas
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "param_devices": [[sorted({d.id for leaf in _leaves(p) for d in leaf.devices()})
+                               for p in replica.runner.params] for replica in replicas],
+            "requests_per_replica": list(llm.llm_engine.num_routed)}
+
+
 def _leaves(tree):
     import jax
 
@@ -101,6 +116,7 @@ def worker(spec: dict) -> None:
                                 ("llama_pp4", 4, 1, {}),
                                 ("llama_pp2_tp2_uneven", 2, 2, {"pp_layer_partition": "1,3"})]:
         section(name, _run, llama, pp, tp, KV_BYTES_4_LAYERS, **extra)
+    section("llama_pp2_dp2", _run_dp, llama, KV_BYTES_4_LAYERS)
     for name, pp in [("mixtral_pp1", 1), ("mixtral_pp2", 2)]:
         section(name, _run, mixtral, pp, 1, KV_BYTES_4_LAYERS)
 
@@ -163,6 +179,13 @@ def test_each_stage_holds_its_layers_weights_and_kv_on_its_own_devices(results):
     assert _section(results, "llama_pp2_tp2_uneven")["param_devices"] == [[0, 1], [2, 3]]
 
 
+def test_pp2_dp2_replicas_each_hold_two_stages_and_serve_like_one_device(results):
+    ours = _section(results, "llama_pp2_dp2")
+    assert ours["tokens"] == _section(results, "llama_pp1")["tokens"]
+    assert ours["param_devices"] == [[[0], [1]], [[2], [3]]]
+    assert all(count > 0 for count in ours["requests_per_replica"])
+
+
 def test_a_layer_partition_splits_as_given(results):
     uneven = _section(results, "llama_pp2_tp2_uneven")
     assert uneven["stage_layers"] == [1, 3]
@@ -196,7 +219,7 @@ def test_bad_pipeline_splits_are_clear_errors(layers, pp, partition, words):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("kwargs,words", [
-    ({"enable_lora": True}, "enable_lora"), ({"data_parallel_size": 2}, "data_parallel_size"),
+    ({"enable_lora": True}, "enable_lora"), ({"num_processes": 2}, "num_processes"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "speculative decoding")])
 def test_unsupported_combinations_name_themselves(kwargs, words):
@@ -206,6 +229,27 @@ def test_unsupported_combinations_name_themselves(kwargs, words):
     with pytest.raises(ValueError, match=f"pipeline_parallel_size=2 is not supported with.*"
                                          f"{words}"):
         config.finalize("cpu")
+
+
+@pytest.mark.fast
+def test_micro_batches_split_the_running_sequences_and_take_turns():
+    from jaxserve.engine.micro_batches import MicroBatches
+    from tests.test_scheduler import make_scheduler, make_seq
+
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.micro_batches = MicroBatches(2, max_num_seqs=4)
+    seqs = [make_seq([1, 2, 3], f"r{i}") for i in range(4)]
+    for seq in seqs:
+        scheduler.add_seq(seq)
+    first, second = scheduler.schedule(), scheduler.schedule()   # both in flight
+    assert (first.micro_batch, second.micro_batch) == (0, 1)
+    # each admits its cap, ceil(4 / 2); the second never schedules the first's sequences
+    assert len(first.new_seqs) == 2 and len(second.new_seqs) == 2
+    assert not set(first.seq_ids) & set(second.seq_ids)
+    scheduler.update_from_output(first, [7] * first.num_rows)
+    third = scheduler.schedule()                 # micro-batch 0 again: its decodes only
+    assert third.micro_batch == 0 and third.seq_ids == first.seq_ids
+    assert third.num_scheduled_tokens == [1, 1]
 
 
 def test_serve_pp2_tp2_answers_a_chat_completion_and_a_stream(make_tiny_model, tmp_path):

@@ -10,6 +10,7 @@ sharded per stage by the runner (runner/pipeline_runner.py), not here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,10 @@ class PipelinePlacement:
     source_arch: ModelArch         # the checkpoint's architecture
 
     @classmethod
-    def create(cls, parallel: ParallelConfig, arch: ModelArch) -> PipelinePlacement:
+    def create(cls, parallel: ParallelConfig, arch: ModelArch,
+               devices: list[jax.Device] | None = None) -> PipelinePlacement:
+        """devices: this engine's (a data-parallel replica's pp x tp); default: the first
+        pp x tp devices."""
         from jaxserve.models.placement import ModelPlacement
 
         if jax.process_count() > 1:
@@ -44,8 +48,9 @@ class PipelinePlacement:
                              "yet")
         pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
         layers = stage_layers(arch.num_layers, pp, parallel.pp_layer_partition)
-        meshes = stage_meshes(pp, tp)
-        stages = [ModelPlacement.create(parallel, stage_arch(arch, stage), mesh)
+        meshes = stage_meshes(pp, tp, devices)
+        one_stage = dataclasses.replace(parallel, pipeline_parallel_size=1)
+        stages = [ModelPlacement.create(one_stage, stage_arch(arch, stage), mesh)
                   for stage, mesh in zip(layers, meshes)]
         logger.info("pipeline parallel %d: layers per stage %s, each stage on %d device(s) "
                     "[%s]", pp, [s.num_layers for s in layers], tp,
