@@ -252,6 +252,23 @@ def test_micro_batches_split_the_running_sequences_and_take_turns():
     assert third.num_scheduled_tokens == [1, 1]
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["-pp", "8"], "pipeline_parallel_size=8 exceeds the model's 4 layers"),
+    (["-pp", "2", "--pp-layer-partition", "3,3"], "pp_layer_partition '3,3' must name 2"),
+    (["-pp", "2", "--num-processes", "2", "--coordinator-address", "127.0.0.1:9"],
+     "across processes (a stage per process) is not supported")])
+def test_bad_pipeline_flags_exit_with_one_line(make_tiny_model, flags, words):
+    model = make_tiny_model("llama", num_hidden_layers=4)
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(model),
+                           "--host", "127.0.0.1", "--port", "9", "--log-level", "error",
+                           *flags], env=_env(8), cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and words in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_serve_pp2_tp2_answers_a_chat_completion_and_a_stream(make_tiny_model, tmp_path):
     import httpx
     import openai
