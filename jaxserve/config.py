@@ -183,7 +183,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = opt(
         1, "Pipeline stages: the layer stack split into this many contiguous stages, each on "
         "its own tensor_parallel_size devices with its own layers' KV cache (vLLM's flag; "
-        "jaxserve/parallel/pipeline.md).")
+        "README: Pipeline parallel).")
     pipeline_micro_batches: int | None = opt(
         None, "Micro-batches in flight with pipeline_parallel_size > 1 (vLLM's virtual "
         "engines): the running sequences split into this many groups, each stepped in turn, "

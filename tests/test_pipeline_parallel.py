@@ -254,7 +254,6 @@ def test_micro_batches_split_the_running_sequences_and_take_turns():
 
 @pytest.mark.parametrize("flags,words", [
     (["-pp", "8"], "pipeline_parallel_size=8 exceeds the model's 4 layers"),
-    (["-pp", "2", "--pp-layer-partition", "3,3"], "pp_layer_partition '3,3' must name 2"),
     (["-pp", "2", "--num-processes", "2", "--coordinator-address", "127.0.0.1:9"],
      "across processes (a stage per process) is not supported")])
 def test_bad_pipeline_flags_exit_with_one_line(make_tiny_model, flags, words):
