@@ -286,8 +286,9 @@ def check_pipeline_combination(config: "EngineConfig") -> None:
         unsupported.append("num_processes > 1 (a stage per process)")
     if config.lora_config.enable_lora:
         unsupported.append("enable_lora")
-    if config.speculative_config.speculative_config is not None:
-        unsupported.append("speculative decoding")
+    spec = config.spec_decode
+    if spec is not None and spec.method != "ngram":
+        unsupported.append(f"speculative decoding by {spec.method}")
     if config.runner_config.aot_dir:
         unsupported.append("aot_dir")
     if unsupported:
