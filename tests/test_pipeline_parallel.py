@@ -2,8 +2,8 @@
 
 One worker subprocess (this file run as a script, 8 simulated devices) builds each
 configuration in turn and writes what the tests check to JSON: a 4-layer tiny Llama at
-pp = 1, 2, 4, pp = 2 x tp = 2 with an uneven `--pp-layer-partition 1,3`, pp = 2 x dp = 2; a
-tiny Mixtral at pp = 1, 2. Every engine plans the same small KV budget, so preemption happens, prompts are
+pp = 1, 2, 4, pp = 2 x tp = 2 with an uneven `--pp-layer-partition 1,3`, pp = 2 x dp = 2,
+pp = 2 with ngram speculative decoding; a tiny Mixtral at pp = 1, 2. Every engine plans the same small KV budget, so preemption happens, prompts are
 prefilled in chunks (4-token steps) and a repeated prompt hits the prefix cache. A second
 batch mixes penalties, seeded sampling and a structured-output choice. A `jaxserve serve
 -pp 2 -tp 2` process answers a chat completion and a stream.
@@ -36,7 +36,8 @@ MAX_TOKENS = 8
 # =================================================================================================
 # The worker (a subprocess with 8 simulated devices)
 # =================================================================================================
-def _run(model: str, pp: int, tp: int, kv_bytes: int, **extra) -> dict:
+def _run(model: str, pp: int, tp: int, kv_bytes: int, mixed_batch: bool = True,
+         **extra) -> dict:
     import gc
 
     from jaxserve import LLM, SamplingParams
@@ -49,21 +50,31 @@ def _run(model: str, pp: int, tp: int, kv_bytes: int, **extra) -> dict:
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     mixed = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             presence_penalty=0.5, frequency_penalty=0.3,
-                            repetition_penalty=1.3),
-             SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            repetition_penalty=1.3, logprobs=2),
+             SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            prompt_logprobs=1),
              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
-    # LONG again: its full blocks are still in the prefix cache
-    mixed_out = llm.generate([LONG, [5, 6, 7], [9, 10]], mixed, use_tqdm=False)
+    # LONG again: its full blocks are still in the prefix cache (a prompt_logprobs request
+    # would bypass it)
+    mixed_out = llm.generate([LONG, [5, 6, 7], [9, 10]], mixed, use_tqdm=False) \
+        if mixed_batch else []
     engine = llm.llm_engine
     runner = engine.runner
     snapshot = engine.snapshot()
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
               "mixed": [list(o.outputs[0].token_ids) for o in mixed_out],
-              "choice_text": mixed_out[2].outputs[0].text,
+              "choice_text": mixed_out[2].outputs[0].text if mixed_out else None,
+              "logprobs": [entry[t].logprob for t, entry in zip(
+                  mixed_out[0].outputs[0].token_ids, mixed_out[0].outputs[0].logprobs)]
+              if mixed_out else [],
+              "prompt_logprobs": [next(iter(e.values())).logprob
+                                  for e in mixed_out[1].prompt_logprobs[1:]]
+              if mixed_out else [],
               "num_blocks": runner.num_blocks,
               "preemptions": snapshot.num_preemptions,
               "prefix_cache_hits": snapshot.prefix_cache_hits,
+              "accepted_draft_tokens": snapshot.spec_decode_num_accepted_tokens,
               "seconds": time.perf_counter() - start}
     if pp > 1:
         result["kv_bytes_per_device"] = runner.kv_cache_bytes_per_device()
@@ -117,6 +128,8 @@ def worker(spec: dict) -> None:
                                 ("llama_pp2_tp2_uneven", 2, 2, {"pp_layer_partition": "1,3"})]:
         section(name, _run, llama, pp, tp, KV_BYTES_4_LAYERS, **extra)
     section("llama_pp2_dp2", _run_dp, llama, KV_BYTES_4_LAYERS)
+    section("llama_pp2_ngram", _run, llama, 2, 1, KV_BYTES_4_LAYERS, mixed_batch=False,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     for name, pp in [("mixtral_pp1", 1), ("mixtral_pp2", 2)]:
         section(name, _run, mixtral, pp, 1, KV_BYTES_4_LAYERS)
 
@@ -163,6 +176,9 @@ def test_pipeline_greedy_and_mixed_sampling_equal_one_stage(results, name, refer
     assert ours["tokens"] == theirs["tokens"]
     # penalties, seeded sampling and a structured-output choice, on the last stage
     assert ours["mixed"] == theirs["mixed"]
+    for key in ("logprobs", "prompt_logprobs"):     # sampled and prompt logprobs, last stage
+        assert len(ours[key]) == len(theirs[key]) > 0
+        assert max(abs(a - b) for a, b in zip(ours[key], theirs[key])) < 1e-3
     assert ours["choice_text"] in ("yes", "no")
     # the same small cache: the scheduler preempted in both, and the repeat hit the prefix cache
     assert ours["num_blocks"] == theirs["num_blocks"]
@@ -177,6 +193,12 @@ def test_each_stage_holds_its_layers_weights_and_kv_on_its_own_devices(results):
     assert two["param_devices"] == [[0], [1]]
     assert four["param_devices"] == [[0], [1], [2], [3]]
     assert _section(results, "llama_pp2_tp2_uneven")["param_devices"] == [[0, 1], [2, 3]]
+
+
+def test_ngram_speculative_decoding_verifies_drafts_on_the_last_stage(results):
+    ours = _section(results, "llama_pp2_ngram")
+    assert ours["tokens"] == _section(results, "llama_pp1")["tokens"]
+    assert ours["accepted_draft_tokens"] > 0
 
 
 def test_pp2_dp2_replicas_each_hold_two_stages_and_serve_like_one_device(results):
@@ -220,8 +242,8 @@ def test_bad_pipeline_splits_are_clear_errors(layers, pp, partition, words):
 @pytest.mark.fast
 @pytest.mark.parametrize("kwargs,words", [
     ({"enable_lora": True}, "enable_lora"), ({"num_processes": 2}, "num_processes"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-     "speculative decoding")])
+    ({"speculative_config": {"method": "draft_model", "model": "m",
+                             "num_speculative_tokens": 2}}, "speculative decoding by draft")])
 def test_unsupported_combinations_name_themselves(kwargs, words):
     from jaxserve.config import EngineConfig
 
