@@ -3,10 +3,12 @@
 One worker subprocess (this file run as a script, 8 simulated devices) builds each
 configuration in turn and writes what the tests check to JSON: a 4-layer tiny Llama at
 pp = 1, 2, 4, pp = 2 x tp = 2 with an uneven `--pp-layer-partition 1,3`, pp = 2 x dp = 2,
-pp = 2 with ngram speculative decoding; a tiny Mixtral at pp = 1, 2. Every engine plans the same small KV budget, so preemption happens, prompts are
-prefilled in chunks (4-token steps) and a repeated prompt hits the prefix cache. A second
-batch mixes penalties, seeded sampling and a structured-output choice. A `jaxserve serve
--pp 2 -tp 2` process answers a chat completion and a stream.
+pp = 2 with ngram speculative decoding; a tiny Mixtral at pp = 1, 2. Every engine plans
+the same small KV budget, so preemption happens, prompts are prefilled in chunks (4-token
+steps), and a repeated prompt hits the prefix cache. A second batch mixes penalties,
+logprobs, prompt logprobs, seeded sampling and a structured-output choice. A `jaxserve
+serve -pp 2 -tp 2` process answers a chat completion and a stream; bad flags exit with
+one line.
 """
 
 from __future__ import annotations
