@@ -7,10 +7,10 @@ output processing on the engine thread (token append, stop tokens, token deltas)
 end's share (detokenization, stop strings, RequestOutputs: the server runs it on its asyncio
 side, LLM.generate on the same thread) is timed separately. Printed per component (p50 and
 mean over the measured steps) at several batch sizes, in steady decode, and written to
-benchmarks/results/host-<tag>.json. "engine thread" is `step_core` (what the server's
-engine thread runs); "total" adds the front end. The CPU-time line is the engine thread's
-`step_core` CPU time: on a busy box (other processes on the cores) it is the figure that
-still means something.
+benchmarks/results/host-<tag>.json. "engine thread" is `EngineCore.step` (what the
+server's engine thread runs; its key keeps the name `step_core` the earlier results used);
+"total" adds the front end. The CPU-time line is the engine thread's CPU time: on a busy
+box (other processes on the cores) it is the figure that still means something.
 
     python benchmarks/bench_host.py                       # 1, 64 and 256 running sequences
     python benchmarks/bench_host.py --sizes 64 --steps 400 --sync
