@@ -16,8 +16,9 @@ each projection on the kernel the engine takes at that row count in that dtype (
 to the limit gemv_choice.py measured for the dtype, oneDNN above), the KV cache in the
 dtype (kv-cache-dtype auto follows the model), every layer its own weights and cache pages
 (a decode step streams them from memory, as here). The layers are stacked to read about
-MEASURED_BYTES of weights (kernels/cpu/timings.py) and the step's time is per layer times
-the model's layers plus the head. The two dtypes are interleaved, fastest of a few calls.
+MEASURED_BYTES of weights (kernels/cpu/timings.py) with the same share of the LM head's
+vocabulary: a uniform slice of the step, whose time scaled by num_layers / layers is the
+step's. The two dtypes are interleaved, fastest of a few calls.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def step_row_counts(max_num_seqs: int, gemv_rows: int = 8, batch_cap: int = 64
 
 
 class SyntheticStep:
-    """One dtype's stacked decoder layers and LM head of a model's shapes, and programs that
-    run a decode step's layers (or its head) at a row count."""
+    """One dtype's stacked decoder layers and a slice of the LM head of a model's shapes (the
+    same share of the vocabulary as of the layers), and programs that run them at a row
+    count."""
 
     def __init__(self, dtype: str, shape: Any, num_layers: int):
         self.dtype, self.shape = jnp.dtype(dtype), shape
@@ -68,10 +70,14 @@ class SyntheticStep:
         # Values do not change the kernels' speed; they only must be real, touched memory.
         self.weights = [jnp.full((self.layers, a, b), 0.01, self.dtype)
                         for a, b in self.projections]
-        self.table = jnp.full((shape.vocab, h), 0.01, self.dtype)
+        self.num_layers = max(1, int(num_layers))
+        vocab_rows = max(1, shape.vocab * self.layers // self.num_layers)
+        self.table = jnp.full((vocab_rows, h), 0.01, self.dtype)
 
-    def layers_program(self, rows: int, gemv_rows: int) -> Callable[[], Any]:
-        """The decoder layers of a `rows`-row decode step, compiled, as a call."""
+    def program(self, rows: int, gemv_rows: int) -> Callable[[], Any]:
+        """A `rows`-row decode step's `layers` decoder layers and the same share of its LM
+        head's vocabulary rows, compiled, as a call: a uniform slice of the whole step (it
+        takes layers / num_layers of its time)."""
         from jaxserve.attention.cpu import paged_attention
         from jaxserve.kernels.cpu.matmul import layer_matmul
 
@@ -82,56 +88,43 @@ class SyntheticStep:
         kv_lens = jnp.full((rows,), CONTEXT_TOKENS, jnp.int32)
         starts = jnp.arange(rows + 1, dtype=jnp.int32)
         tables = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
+        head_rows = rows <= gemv_rows
 
         def norm(x):
             x32 = x.astype(jnp.float32)
-            return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
-                    ).astype(dtype)
+            return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
 
         def matmul(x, w, layer):
             return layer_matmul(x, w, layer, dtype, gemv_rows=gemv_rows)
 
-        def forward(weights, k_cache, v_cache, x):
+        def forward(weights, table, k_cache, v_cache, x):
             wq, wk, wv, wo, wg, wu, wd = weights
 
             def layer(l, x):
-                y = norm(x)
+                y = norm(x).astype(dtype)
                 q, _k, _v = matmul(y, wq, l), matmul(y, wk, l), matmul(y, wv, l)
                 attn = paged_attention(q.reshape(rows, s.heads, s.head_dim), k_cache,
                                        v_cache, kv_lens, tables + l * rows * pages, starts,
                                        rows)
                 x = x + matmul(attn.reshape(rows, -1), wo, l)
-                y = norm(x)
+                y = norm(x).astype(dtype)
                 gated = jax.nn.silu(matmul(y, wg, l).astype(jnp.float32)) * \
                     matmul(y, wu, l).astype(jnp.float32)
                 return x + matmul(gated.astype(dtype), wd, l)
-            return jax.lax.fori_loop(0, layers, layer, x)
+
+            # the engine's LM head: the transposed GEMV on float32 rows up to its limit,
+            # oneDNN on rows in the table's dtype above; then the greedy pick
+            y = norm(jax.lax.fori_loop(0, layers, layer, x))
+            logits = layer_matmul(y if head_rows else y.astype(dtype), table[None], 0,
+                                  jnp.float32, transposed=True,
+                                  gemv_rows=gemv_rows if head_rows else 0)
+            return jnp.argmax(logits, -1)
 
         k_cache = jnp.full(cache_shape, 0.01, dtype)
         v_cache = jnp.full(cache_shape, 0.01, dtype)
         x = jnp.full((rows, s.hidden), 0.5, dtype)
-        fn = jax.jit(forward).lower(self.weights, k_cache, v_cache, x).compile()
-        return functools.partial(fn, self.weights, k_cache, v_cache, x)
-
-    def head_program(self, rows: int, gemv_rows: int) -> Callable[[], Any]:
-        """The final norm, LM head and greedy pick of a `rows`-row step, compiled, as a call
-        (the engine's path: the transposed GEMV on float32 rows up to its limit, oneDNN on
-        rows in the table's dtype above)."""
-        from jaxserve.kernels.cpu.matmul import layer_matmul
-
-        dtype = self.dtype
-
-        def head(table, x):
-            x32 = x.astype(jnp.float32)
-            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
-            y = y if rows <= gemv_rows else y.astype(dtype)
-            logits = layer_matmul(y, table[None], 0, jnp.float32, transposed=True,
-                                  gemv_rows=gemv_rows if rows <= gemv_rows else 0)
-            return jnp.argmax(logits, -1)
-
-        x = jnp.full((rows, self.shape.hidden), 0.5, dtype)
-        fn = jax.jit(head).lower(self.table, x).compile()
-        return functools.partial(fn, self.table, x)
+        args = (self.weights, self.table, k_cache, v_cache, x)
+        return functools.partial(jax.jit(forward).lower(*args).compile(), *args)
 
 
 def load_or_measure(cache_dir: str | None, shape: Any, num_layers: int, max_num_seqs: int,
@@ -155,29 +148,15 @@ def load_or_measure(cache_dir: str | None, shape: Any, num_layers: int, max_num_
 @functools.lru_cache(maxsize=None)
 def _measure(shape: Any, num_layers: int, row_counts: tuple[int, ...],
              gemv_rows: tuple[tuple[str, int], ...], repeats: int = 5) -> dict:
-    """{rows: {dtype: ms per step}}: the layers' time per layer times `num_layers`, plus the
-    head's, the two dtypes interleaved (a shared box's drift slows both alike)."""
+    """{rows: {dtype: ms per step}}: each slice's time scaled to the model's layers, the two
+    dtypes interleaved (a shared box's drift slows both alike)."""
     limits = dict(gemv_rows)
     steps = {name: SyntheticStep(name, shape, num_layers) for name in DTYPES}
-    builders: dict[Any, Callable[[], Callable[[], Any]]] = {}
-    for rows in row_counts:
-        for name, step in steps.items():
-            builders[rows, name, "layers"] = functools.partial(step.layers_program, rows,
-                                                               limits[name])
-            builders[rows, name, "head"] = functools.partial(step.head_program, rows,
-                                                             limits[name])
-    programs = compile_all(builders)
+    programs = compile_all({(rows, name): functools.partial(step.program, rows, limits[name])
+                            for rows in row_counts for name, step in steps.items()})
     result = {}
     for rows in row_counts:
-        best = fastest_calls({key[1:]: programs[key] for key in programs if key[0] == rows},
-                             repeats)
-        result[str(rows)] = {
-            name: best[name, "layers"] / steps[name].layers * num_layers + best[name, "head"]
-            for name in DTYPES}
+        best = fastest_calls({name: programs[rows, name] for name in DTYPES}, repeats)
+        result[str(rows)] = {name: best[name] * steps[name].num_layers / steps[name].layers
+                             for name in DTYPES}
     return result
-
-
-def describe_timings(timings: dict[int, tuple[float, float]]) -> str:
-    """'1 row 9.1/6.2 ms, ...': each row count's float32 / bfloat16 step."""
-    return ", ".join(f"{r} row{'s' if r > 1 else ''} {f:.1f}/{b:.1f} ms"
-                     for r, (f, b) in sorted(timings.items()))
