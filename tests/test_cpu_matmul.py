@@ -3,6 +3,7 @@ ragged shapes, float32 and bfloat16; the CPU-feature dispatch; the build with cl
 
 from __future__ import annotations
 
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -259,6 +260,7 @@ def test_dtype_auto_on_a_cpu_is_timed_once_then_read_back(tmp_path, monkeypatch)
                         lambda *a: measured.append(a) or real(*a))
     dtype, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path))
     assert "whole decode step timed on this CPU" in why and "stored" not in why
+    assert re.search(r"timed in [0-9.]+ s$", why)
     # one stream, a few, past the GEMV and the batch (max_num_seqs=16)
     assert len(measured) == 1 and measured[0][2] == (1, 4, 16)
     assert all(f"{r} row" in why for r in (1, 4, 16))

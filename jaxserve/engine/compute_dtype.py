@@ -12,6 +12,7 @@ names) and whether the oneDNN matmul library loads.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +182,7 @@ def _measured_cpu_dtype(matrix_units: str, workload: DtypeWorkload | None
     from jaxserve.engine import dtype_step_timing
     from jaxserve.kernels.cpu import gemv_choice
 
+    started = time.perf_counter()
     try:
         # each dtype's GEMV limit (also stored: the chosen dtype's engine reads it back)
         gemv_rows = {name: gemv_choice.load_or_measure(workload.cache_dir, name,
@@ -196,5 +198,5 @@ def _measured_cpu_dtype(matrix_units: str, workload: DtypeWorkload | None
         return None
     choice = choose_by_step_times(timings)
     units = matmul.matrix_units_for(matrix_units).describe()
-    return dtype_by_name(choice.dtype), (f"{choice.describe()}; bf16 units: {units}"
-                                         + ("; stored timing" if stored else ""))
+    cost = "stored timing" if stored else f"timed in {time.perf_counter() - started:.1f} s"
+    return dtype_by_name(choice.dtype), f"{choice.describe()}; bf16 units: {units}; {cost}"
