@@ -1,111 +1,119 @@
 """Is ``dtype=auto`` within a few % of the better dtype at one stream and at the batch?
 
-float32, bfloat16 and auto, each in a fresh process (`LLM` on the embedded SmolLM2-135M,
-random prompt ids), interleaved round by round on one box: a batch of --batch streams of
---output-len tokens (best of 2), then one stream (best of 3); prints tok/s and auto's ratio
-to the better dtype.
+One process holds three engines on the embedded SmolLM2-135M -- float32, bfloat16 and auto --
+and runs them interleaved round by round (a shared box's load shifts by the minute; three
+processes minutes apart measured the load, not the dtype): each round a batch of --batch
+streams of --output-len tokens and one stream of as many, random prompt ids, greedy. Prints
+each dtype's best and median tok/s over the rounds and auto's ratio to the better dtype.
 
-    python benchmarks/bench_dtype_auto.py --rounds 2
+    python benchmarks/bench_dtype_auto.py --rounds 3
     # a CPU without bf16 units, emulated: the rule by kind forced to none, oneDNN capped to AVX2
-    python benchmarks/bench_dtype_auto.py --matrix-units none --onednn-isa AVX2
+    ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_dtype_auto.py --matrix-units none
 
-Every process shares one compilation cache and timing store (--cache-dir): auto's first
-start times the step (its cost is in `startup_s`), later ones read it back. Results go to
-benchmarks/results/dtype-auto-{tag}.json with the CPU's flags and the load average.
+auto's first start on a fresh --cache-dir times the step where the rule times it (its cost is
+in the startup log line printed, and in `startup_s`). Results go to
+benchmarks/results/dtype-auto-{tag}.json with the CPU's flags and the load averages.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-_RUN = """
-import json, logging, sys, time
 import numpy as np
-logging.basicConfig(level=logging.INFO)
-t0 = time.perf_counter()
-from jaxserve import LLM, SamplingParams
-dtype, units, cache = sys.argv[1], sys.argv[2], sys.argv[5]
-batch, out_len = int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(None, dtype=dtype, matrix_units=units, max_num_seqs=batch, skip_tokenizer_init=True,
-          compilation_cache_dir=cache, compile_in_background=False)
-startup = time.perf_counter() - t0
-rng = np.random.default_rng(0)
-prompts = [rng.integers(1, 40000, 32).tolist() for _ in range(batch)]
-def run(ps, n):
-    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    t = time.perf_counter(); outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
-run(prompts, 4); run(prompts[:1], 4)
-# the best of a few: what the dtype can do, not what a neighbour on the box left it
-batch_tok_s = max(run(prompts, out_len) for _ in range(2))
-single_tok_s = max(run(prompts[:1], out_len) for _ in range(3))
-print(json.dumps({"batch_tok_s": batch_tok_s, "single_tok_s": single_tok_s,
-                  "startup_s": startup, "chosen": str(llm.llm_engine.setup.dtype)}))
-"""
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+DTYPES = ("float32", "bfloat16", "auto")
 
 
-def one(dtype: str, args, cache: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if args.onednn_isa:
-        env["ONEDNN_MAX_CPU_ISA"] = args.onednn_isa
-    out = subprocess.run([sys.executable, "-c", _RUN, dtype, args.matrix_units,
-                          str(args.batch), str(args.output_len), cache],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    if out.returncode:
-        raise RuntimeError(f"{dtype} failed:\n{out.stderr[-4000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    why = [line for line in out.stderr.splitlines() if "compute dtype (dtype=auto)" in line]
-    result["log"] = why[-1][-600:] if why else ""
-    return result
+class ReasonLog(logging.Handler):
+    """Keeps the engine's 'compute dtype (dtype=auto)' startup line."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if "compute dtype (dtype=auto)" in text:
+            self.lines.append(text)
 
 
 def main() -> None:
     from machine import machine_info
 
+    from jaxserve import LLM, SamplingParams
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--matrix-units", default="auto")
-    parser.add_argument("--onednn-isa", default="", help="ONEDNN_MAX_CPU_ISA for every run")
-    parser.add_argument("--cache-dir", default="", help="shared cache (default: a fresh one)")
+    parser.add_argument("--cache-dir", default="", help="compilation cache and timing store "
+                        "(default: a fresh one, so auto's timing runs)")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="dtype-auto-")
-    runs: dict[str, list[dict]] = {"float32": [], "bfloat16": [], "auto": []}
+    reasons = ReasonLog()
+    logging.getLogger("jaxserve").addHandler(reasons)
+    logging.getLogger("jaxserve").setLevel(logging.INFO)
     loads = [os.getloadavg()[0]]
+    engines, startup = {}, {}
+    for name in DTYPES:
+        start = time.perf_counter()
+        engines[name] = LLM(None, dtype=name, matrix_units=args.matrix_units,
+                            max_num_seqs=args.batch, max_model_len=256,
+                            kv_cache_memory_bytes=768 << 20, skip_tokenizer_init=True,
+                            compilation_cache_dir=cache, compile_in_background=False)
+        startup[name] = time.perf_counter() - start
+    chosen = str(np.dtype(engines["auto"].llm_engine.setup.dtype))
+    print(f"auto chose {chosen}: {reasons.lines[-1] if reasons.lines else '?'}", flush=True)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(1, 40000, 32).tolist()}
+               for _ in range(args.batch)]
+
+    def tok_s(llm, ps) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate(ps, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+
+    for llm in engines.values():          # every bucket warmed once
+        tok_s(llm, prompts[:4])
+    runs: dict[str, dict[str, list[float]]] = {n: {"batch": [], "single": []} for n in DTYPES}
     for rnd in range(args.rounds):
-        order = list(runs) if rnd % 2 == 0 else list(runs)[::-1]
-        for dtype in order:
-            result = one(dtype, args, cache)
-            runs[dtype].append(result)
-            loads.append(os.getloadavg()[0])
-            print(f"round {rnd} {dtype:9s}: batch {result['batch_tok_s']:.1f} tok/s, single "
-                  f"{result['single_tok_s']:.1f} tok/s, start {result['startup_s']:.1f} s "
-                  f"({result['chosen']})", flush=True)
+        order = DTYPES if rnd % 2 == 0 else DTYPES[::-1]
+        for name in order:
+            runs[name]["batch"].append(tok_s(engines[name], prompts))
+            runs[name]["single"].append(tok_s(engines[name], prompts[:1]))
+        loads.append(os.getloadavg()[0])
+        print(f"round {rnd}: " + "; ".join(
+            f"{n} {runs[n]['batch'][-1]:.1f} / {runs[n]['single'][-1]:.1f}" for n in DTYPES)
+            + f" tok/s (batch / single), load {loads[-1]:.1f}", flush=True)
     summary = {}
-    for key in ("batch_tok_s", "single_tok_s"):
-        med = {d: statistics.median(r[key] for r in rs) for d, rs in runs.items()}
-        summary[key] = {**med, "auto_vs_better": med["auto"] / max(med["float32"],
-                                                                   med["bfloat16"])}
-        print(f"{key}: " + ", ".join(f"{d} {v:.1f}" for d, v in med.items())
-              + f"; auto / better dtype {summary[key]['auto_vs_better']:.3f}")
-    print("auto's reason:", runs["auto"][0]["log"])
+    for kind in ("batch", "single"):
+        for stat, fn in (("best", max), ("median", statistics.median)):
+            values = {n: fn(runs[n][kind]) for n in DTYPES}
+            ratio = values["auto"] / max(values["float32"], values["bfloat16"])
+            summary[f"{kind}_{stat}"] = {**values, "auto_vs_better": ratio}
+            print(f"{kind} {stat}: " + ", ".join(f"{n} {v:.1f}" for n, v in values.items())
+                  + f" tok/s; auto / better dtype {ratio:.3f}")
     record = {"command": " ".join(sys.argv), "machine": machine_info(),
-              "load_average": loads, "summary": summary, "runs": runs,
-              "onednn_max_cpu_isa": args.onednn_isa, "matrix_units": args.matrix_units}
-    tag = args.tag or f"units-{args.matrix_units}" + (f"-{args.onednn_isa}"
-                                                      if args.onednn_isa else "")
+              "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+              "matrix_units": args.matrix_units, "auto_chose": chosen,
+              "auto_reason": reasons.lines, "startup_s": startup, "load_average": loads,
+              "summary": summary, "runs": runs}
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+    tag = args.tag or f"units-{args.matrix_units}" + (f"-onednn-{isa}" if isa else "")
     path = ROOT / "benchmarks" / "results" / f"dtype-auto-{tag}.json"
     path.write_text(json.dumps(record, indent=1))
     print("wrote", path)
