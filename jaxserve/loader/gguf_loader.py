@@ -1,6 +1,7 @@
 """Read a llama.cpp GGUF file (weights, config and tokenizer) into our layout.
 
-Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants``.
+Quantized tensors (Q4_1, Q8_0, Q4_K, ...) are dequantized with ``gguf.quants``, or kept
+packed (the file's blocks, quantization/gguf_packed.py) for the block kernels.
 GGUF lists dimensions fastest-moving first (ggml's ``ne``); the reader's numpy
 arrays are already in row-major order, i.e. Hugging Face's ``[out, in]``.
 What llama.cpp's converter changed per architecture (Llama's q/k row permutation,
@@ -165,7 +166,7 @@ def _packed_groups(reader: Any, family: Any) -> dict[str, str]:
 def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
                       path: str, keep_packed: bool = False) -> dict[str, np.ndarray]:
     """All weights of a GGUF file in our stacked layout: dequantized into `dtype`, or with
-    keep_packed, Q8_0/Q4_0/Q4_1/Q4_K projections and embeddings as their raw blocks
+    keep_packed, Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections and embeddings as their raw blocks
     (``layers.q_proj.q4_1`` uint8 [L, out, packed bytes]; quantization/gguf_packed.py)."""
     from gguf.quants import dequantize
 
