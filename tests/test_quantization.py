@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -169,16 +170,24 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
     assert np.mean(logits.argmax(-1) == ref_logits.argmax(-1)) >= 0.8
 
 
-def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(default_gguf_path):
-    """quantization="gguf": the blocks stay packed, and on CPU the library's block kernel
-    reads them with x quantized to 8 bits per 32-block, as llama.cpp does
-    (kernels/cpu/gemv_gguf.h) -- close to, not equal to, the dequantized float model (HF on
-    gguf-py's dequantization): its teacher-forced next tokens and greedy first tokens."""
+def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(default_gguf_path,
+                                                                         caplog):
+    """The embedded GGUF with quantization unset, on one CPU: the blocks stay packed
+    (engine/gguf_packing.py) and the library's block kernel reads them with x quantized to
+    8 bits per 32-block, as llama.cpp does (kernels/cpu/gemv_gguf.h) -- close to, not equal
+    to, the dequantized float model (HF on gguf-py's dequantization): its teacher-forced next
+    tokens and greedy first tokens. The startup log says why, and quotes the measured cost."""
+    from jaxserve.kernels.cpu import matmul
     from jaxserve.loader import load_model
     from tests.hf_reference import hf_greedy, hf_logits, torch_model_from_weights
 
-    llm = LLM(None, quantization="gguf", max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)
+    if jax.default_backend() != "cpu" or not matmul.available():
+        pytest.skip("packed by default only where the CPU's block kernels run")
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        llm = LLM(None, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=32 << 20)
+    assert "GGUF weights kept packed" in caplog.text
+    assert "measured cost of weights=gguf" in caplog.text and "top-1 agreement" in caplog.text
     setup = llm.llm_engine.setup
     layers = setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["q4_1"].dtype == jnp.uint8

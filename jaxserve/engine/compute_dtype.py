@@ -38,7 +38,7 @@ class DtypeWorkload:
 
         return cls(projection_shapes(arch), arch.num_layers,
                    config.scheduler_config.max_num_seqs,
-                   config.model_config.quantization is None
+                   config.model_config.quantization in (None, "none")
                    and config.parallel_config.tensor_parallel_size == 1, cache_dir)
 
 
