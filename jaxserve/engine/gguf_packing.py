@@ -18,6 +18,15 @@ The rule (quantization unset, a .gguf file, weights read from it):
                 executables compiled ahead of time (--aot-dir: `jaxserve compile` builds the
                 dequantized model), or the file holds no packable tensor
 ``--quantization none`` always dequantizes; ``--quantization gguf`` always keeps them packed.
+
+Packed by the rule, the packed tensors are also kept dequantized into --dtype beside the
+blocks, when that copy takes at most half the memory available at start
+(`float_copy_budget`): the block kernels win at decode rows (a dot product per weight row
+and block, x rounded to 8 bits), oneDNN's float matmul on the copy above them (64 streams,
+prefill chunks: benchmarks/results/gguf-serving-cpu.md), so each step takes the faster
+(models/linear_method.GGUFPackedMethod). The copy costs what dequantized weights cost
+(SmolLM2-135M: 257 MiB in bfloat16, 514 MiB in float32, beside 88 MiB of blocks); without
+room for it the blocks serve every row count. ``--quantization gguf`` keeps the blocks alone.
 """
 
 from __future__ import annotations
@@ -64,6 +73,19 @@ def _why_dequantized(config: Any, mesh: Any, platform: str) -> str | None:
         return "the CPU kernel library is not available here (pip install onednn-cpu-gomp " \
                "onednn-devel-cpu-gomp)"
     return None
+
+
+def float_copy_budget(packed_by_default: bool) -> int:
+    """Bytes the dequantized copy of a packed-by-default GGUF may take: half the memory
+    available now (0: no copy)."""
+    if not packed_by_default:
+        return 0
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024 // 2
+    except (OSError, KeyError, ValueError):
+        return 0
 
 
 def settle_packed(quantization: str | None, auto_packed: bool, weights: Any) -> str | None:
