@@ -119,3 +119,28 @@ def test_k_quant_gguf_serves_with_and_without_packed_blocks(k_quant_gguf):
         decode = runner._steps[min(runner._steps)].as_text()
         assert (GGUF_TARGET in decode) == (quantization == "gguf")   # the block kernel
     assert [t[0] for t in tokens["gguf"]] == [t[0] for t in tokens["none"]]
+
+
+def test_packed_tensors_keep_a_float_copy_within_the_budget(k_quant_gguf):
+    """gguf_float_copy_budget (a GGUF packed by default, engine/gguf_packing.py): every packed
+    tensor also dequantized, equal to what the blocks dequantize to, when the copy fits the
+    budget; the blocks alone when it does not."""
+    from jaxserve.loader import load_model
+
+    model_dir, path, dequantized = k_quant_gguf
+    both = load_model(str(path), tokenizer=str(model_dir), quantization="gguf",
+                      gguf_float_copy_budget=1 << 30).weights
+    for name, want in dequantized.items():
+        ours, layer = _ours(name)
+        fmt = TYPES[name.split(".")[-2]].lower()
+        assert f"{ours.removesuffix('.kernel')}.{fmt}" in both, name
+        got = both[ours] if layer is None else both[ours][layer].T
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    packed_formats = ("q8_0", "q4_k", "q5_k", "q6_k")
+    copies = [k for k in both if not k.endswith(packed_formats) and any(
+        f"{k.removesuffix('.kernel')}.{f}" in both for f in packed_formats)]
+    assert "embed_tokens" in copies and "layers.o_proj.kernel" in copies
+    copy_bytes = sum(both[k].nbytes for k in copies)
+    alone = load_model(str(path), tokenizer=str(model_dir), quantization="gguf",
+                       gguf_float_copy_budget=copy_bytes - 1).weights
+    assert not set(copies) & set(alone) and set(alone) == set(both) - set(copies)
