@@ -69,3 +69,11 @@ def test_a_file_with_nothing_packable_is_reported_plain():
     assert settle_packed("gguf", True, packed_file) == "gguf"
     assert settle_packed("gguf", False, float_file) == "gguf"    # asked for: the user's word
     assert settle_packed("awq", False, float_file) == "awq"
+
+
+@pytest.mark.fast
+def test_the_command_line_takes_quantization_none(capsys):
+    from jaxserve.entrypoints.cli import main
+
+    assert main(["serve", "--quantization", "none", "--print-config"]) == 0
+    assert "quantization: none" in capsys.readouterr().out.splitlines()
