@@ -33,6 +33,7 @@ def test_a_gguf_on_one_cpu_is_served_packed(dtype):
 @pytest.mark.parametrize("kwargs, platform, reason", [
     ({}, "gpu", "the CPU's"),
     ({"tensor_parallel_size": 3}, "cpu", "several devices"),
+    ({"pipeline_parallel_size": 2}, "cpu", "several devices"),
     ({"dtype": "float32"}, "cpu", "dtype=float32"),
     ({"dtype": "float16"}, "cpu", "dtype=float16"),
     ({"aot_dir": "/compiled"}, "cpu", "--aot-dir"),

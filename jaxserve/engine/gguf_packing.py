@@ -12,7 +12,7 @@ every step (10x slower than dequantized weights), so there the file is dequantiz
 The rule (quantization unset, a .gguf file, weights read from it):
   packed        a CPU, one device, the CPU matmul library loads, dtype auto or bfloat16
   dequantized   another platform (the kernels are the CPU's), several devices (tensor /
-                data parallel shards of packed rows are not supported everywhere), dtype
+                pipeline parallel: the block kernels read one device's layers), dtype
                 float32 / float16 pinned by the user (the block kernels round activations to
                 8 bits per block: asking for float32 is asking for float32 projections),
                 executables compiled ahead of time (--aot-dir: `jaxserve compile` builds the
@@ -60,7 +60,8 @@ def _why_dequantized(config: Any, mesh: Any, platform: str) -> str | None:
         return (f"the packed-block kernels are the CPU's (on {platform} XLA would dequantize "
                 "them every step)")
     devices = getattr(mesh, "size", 1) if mesh is not None else 1
-    if devices > 1 or config.parallel_config.tensor_parallel_size > 1:
+    pc = config.parallel_config
+    if devices > 1 or pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
         return "several devices (packed blocks are read in place by one device's kernels)"
     if mc.dtype in ("float32", "float", "float16", "half"):
         return (f"dtype={mc.dtype} asks for {mc.dtype} projections (the block kernels round "
