@@ -69,7 +69,7 @@ class DtypeWorkload:
 
         return cls(projection_shapes(arch), arch.num_layers,
                    config.scheduler_config.max_num_seqs,
-                   config.model_config.quantization is None
+                   config.model_config.quantization in (None, "none")
                    and config.parallel_config.tensor_parallel_size == 1, cache_dir,
                    StepShape(arch.hidden_size, arch.intermediate_size, arch.num_heads,
                              arch.num_kv_heads, arch.head_dim, arch.vocab_size))
