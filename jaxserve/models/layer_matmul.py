@@ -61,7 +61,7 @@ class LayerWeights:
     def projection(self, name: str) -> ProjectionWeights | None:
         """The leaves of the layer's projection ``name`` (a flat key of the layer's tree)."""
         leaves = self.tree.get(name)
-        if leaves is None or self.layer is None or not hasattr(leaves, "get"):
+        if self.layer is None or not isinstance(leaves, Mapping):
             return None
         return ProjectionWeights(leaves, self.layer, self.gemv_rows)
 
