@@ -128,6 +128,10 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     max_model_len = resolve_max_model_len(mc.max_model_len, source_arch)
     settle_batch_limits(config, max_model_len)
     tp = pc.tensor_parallel_size
+    if pc.pipeline_parallel_size > 1:
+        raise ValueError("jaxserve compile does not plan pipeline_parallel_size > 1 yet; plan "
+                         "with --tensor-parallel-size (pipeline parallel serves without "
+                         "shipped executables)")
     mesh = topology_mesh(load_target(target), tp) if target else None
     placement = ModelPlacement.create(pc, source_arch, mesh)
     params = abstract_params(family, placement, dtype, quantization)

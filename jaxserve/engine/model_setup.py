@@ -215,7 +215,14 @@ def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCa
                   lora_stacks: Any, gemv_rows: int = 0) -> ModelRunner:
     """The runner for the placed model, with the KV cache the memory plan sized."""
     mc, sc, placement = config.model_config, config.scheduler_config, placed.placement
-    return ModelRunner(
+    runner_class, stages = ModelRunner, {}
+    if getattr(placement, "stages", None):       # pipeline parallel (models/pipeline_placement)
+        from jaxserve.runner.pipeline_runner import PipelineModelRunner
+
+        runner_class, stages = PipelineModelRunner, {
+            "pipeline": placement,
+            "micro_batches": config.parallel_config.pipeline_micro_batches or 1}
+    return runner_class(
         placed.arch, placed.params, backend, dtype=placed.dtype, num_blocks=kv_plan.num_blocks,
         block_size=kv_plan.block_size, max_model_len=max_model_len,
         kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
@@ -224,7 +231,8 @@ def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCa
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
         num_spec_tokens=spec_rows.num_tokens, max_spec_rows=spec_rows.max_rows,
         kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
-        logits_shardings=placement.logits_shardings, lora=lora_stacks, gemv_rows=gemv_rows)
+        logits_shardings=placement.logits_shardings, lora=lora_stacks, gemv_rows=gemv_rows,
+        **stages)
 
 
 def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: str,

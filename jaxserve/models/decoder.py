@@ -101,16 +101,27 @@ class CausalLM(nn.Module):
     def __call__(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
                  constants: dict[str, jax.Array]):
         """token_ids, positions: [T] → (hidden states [T, H] before the final norm, caches)."""
-        a, dt, opts = self.arch, self.dtype, self.arch.options
+        return self.run_layers(self.embed(token_ids), positions, meta, k_cache, v_cache,
+                               constants)
+
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        """token_ids [T] → the residual stream's first value [T, H] float32."""
+        opts = self.arch.options
         x = self.embed_tokens(token_ids)
         if opts.embed_scale is not None:
-            x = x * jnp.asarray(opts.embed_scale, dt)
+            x = x * jnp.asarray(opts.embed_scale, self.dtype)
         # The residual stream stays float32 whatever the compute dtype: each layer adds its
         # bf16 outputs to it (x + out promotes) and its norms hand bf16 to the projections.
         # SmolLM2 in bf16 against float32, teacher-forced (benchmarks/bench_quant_accuracy.py):
         # top-1 97.4 %, KL 3.0e-3 with everything bf16; 99.0 %, 9.0e-4 with this residual, the
         # projections' f32 outputs (models/linear_method.py) and the f32 logits below.
-        x = x.astype(jnp.float32)
+        return x.astype(jnp.float32)
+
+    def run_layers(self, x: jax.Array, positions, meta: AttentionMetadata, k_cache, v_cache,
+                   constants: dict[str, jax.Array]):
+        """The layer loop of the plan over the residual stream x [T, H] float32 → (hidden
+        states [T, H], caches)."""
+        a = self.arch
         freqs = positions.astype(jnp.float32)[None, :, None] * constants["inv_freq"][:, None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)          # [R, T, D/2]
         # Windows are traced per layer only when some layer has one; otherwise the
@@ -120,7 +131,7 @@ class CausalLM(nn.Module):
         xs = (jnp.arange(a.num_layers, dtype=jnp.int32), windows, constants["layer_rope"])
         # Steps the plan sends to the CPU library hand the layers their weights to read in
         # place (models/layer_matmul.py); init has no weights yet.
-        in_place = self.plan.library_rows(token_ids.shape[0]) and not self.is_initializing()
+        in_place = self.plan.library_rows(x.shape[0]) and not self.is_initializing()
         params, gemv_rows = self.variables.get("params", {}), self.plan.gemv_rows
         carry = (x, k_cache, v_cache)
         if self.plan.layer_loop is LayerLoop.PER_LAYER:
