@@ -231,7 +231,7 @@ def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCa
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
         num_spec_tokens=spec_rows.num_tokens, max_spec_rows=spec_rows.max_rows,
         kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
-        logits_shardings=placement.logits_shardings, lora=lora_stacks, cpu_gemv_rows=gemv_rows,
+        logits_shardings=placement.logits_shardings, lora=lora_stacks, gemv_rows=gemv_rows,
         **stages)
 
 
@@ -241,11 +241,12 @@ def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: st
     (CPU, one device, weights read in place: kernels/cpu/gemv_choice.py); 0 where that path
     is not taken. A quantized model's projections do not use it (int8 streams at every
     decode row count), but its tied table is float: the same choice serves it."""
-    from jaxserve.runner.model_runner import reads_layer_weights_in_place
+    from jaxserve.runner.execution_plan import choose_execution_plan
 
     setting = config.model_config.cpu_gemv_rows
-    if platform != "cpu" or not reads_layer_weights_in_place(
-            backend, getattr(placed.placement, "mesh", None), placed.dtype):
+    mesh = getattr(placed.placement, "mesh", None)
+    if not choose_execution_plan(platform, backend.name, 1 if mesh is None else mesh.size,
+                                 placed.dtype).cpu_matmul:
         return 0
     if setting != "auto":
         logger.info("CPU projections (%s): streaming GEMV at <= %s rows (cpu_gemv_rows=%s)",
