@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
+from jaxserve.platforms import Platform
 from jaxserve.quantization.cost import measured_cost
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.penalty_state import PenaltyState
@@ -33,7 +34,7 @@ class MemoryPlan:
 
 
 def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
-                 kv_dtype: Any, max_model_len: int, platform: str,
+                 kv_dtype: Any, max_model_len: int, platform: Platform,
                  spec_rows: Any) -> MemoryPlan:
     """Size the KV cache from what the weights, LoRA slots, a draft model and the widest
     step's activations leave of the budget (`cc`: the cache config, an --aot-dir's block
@@ -93,7 +94,7 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
     return MemoryPlan(kv_plan, lora_targets, draft, plan)
 
 
-def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str,
+def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: Platform,
                 max_model_len: int, max_rows: int) -> dict[str, Any]:
     """Speculative decoding's draft model: weights on the target's device, and the size of
     its KV cache (enough for max_rows sequences of max_model_len + k, plus one spare block

@@ -30,6 +30,7 @@ from jaxserve.models.arch import ModelArch
 from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
 from jaxserve.models.registry import family_for
 from jaxserve.models.tracing import apply_model
+from jaxserve.platforms import Platform, platform_of_device
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.input_batch import InputBatch, PenaltyAdmissions, StepInputs
@@ -153,21 +154,21 @@ class ModelRunner(StepCompilation):
             # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
             self.model = self.model.clone(small_batch_layer_matmul=True,
                                           float_gemv_rows=self.cpu_gemv_rows)
-        if self._params_platform() != "cpu" and hasattr(self.model, "unroll_layers"):
-            # Off the CPU, layers run unrolled: a rolled scan copies each layer's weight
-            # slice every step (models/decoder.py; 2.8x the weight-streaming time on an H200).
+        if self._params_platform().unroll_layers and hasattr(self.model, "unroll_layers"):
+            # The platform's layer loop (platforms/: off the CPU a rolled scan copies each
+            # layer's weight slice every step).
             self.model = self.model.clone(unroll_layers=True)
         constants = family.constants(self.arch)
         self.model_constants = constants if self.abstract else self._put(constants)
 
-    def _params_platform(self) -> str:
-        """The platform the parameters live on ("cpu", "gpu"/"cuda", "tpu"): an abstract
-        runner's target devices, not this machine's."""
+    def _params_platform(self) -> Platform:
+        """The platform the parameters live on: an abstract runner's target devices, not
+        this machine's."""
         for leaf in jax.tree.leaves(self._param_specs):
             sharding = getattr(leaf, "sharding", None)
             if sharding is not None:
-                return next(iter(sharding.device_set)).platform
-        return jax.default_backend()
+                return platform_of_device(next(iter(sharding.device_set)))
+        return platform_of_device(None)
 
     def _init_kv_cache(self, cache_shape: tuple[int, ...], kv_dtype: Any,
                        kv_sharding: Any) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from jaxserve import load_progress
-from jaxserve.runner.gpu_targets import GPU_STEP_COMPILER_OPTIONS
+from jaxserve.platforms import platform_named
 from jaxserve.runner.step_function import step
 from jaxserve.step_inputs import StepLayout
 
@@ -97,9 +97,8 @@ class StepCompilation:
             if executable is not None:
                 return executable
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
-            on_gpu = self._params_platform() in ("gpu", "cuda", "rocm")
             executable = self.lower_step(num_tokens, num_seqs).compile(
-                dict(GPU_STEP_COMPILER_OPTIONS) if on_gpu else None)
+                self._params_platform().step_compiler_options())
             if cache is not None and not hit():
                 cache.store((num_tokens, num_seqs), executable)
         return executable
@@ -255,7 +254,7 @@ class StepCompilation:
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
         model = self.model
         if hasattr(model, "unroll_layers"):    # the layer loop of that platform's runner
-            model = model.clone(unroll_layers=platform != "cpu")
+            model = model.clone(unroll_layers=platform_named(platform).unroll_layers)
         return export.export(self._jitted(layout, model), platforms=[platform],
                              disabled_checks=checks)(*args)
 
