@@ -36,8 +36,15 @@ from jaxserve.engine.aot_manifest import (
     expected_manifest,
     target_device_kind,
 )
+from jaxserve.engine.memory_plan import lora_targets_for, resident_bytes_per_device
 from jaxserve.engine.model_setup import compilation_cache_path
-from jaxserve.engine.runner_setup import build_runner, gemv_rows, prepare_config, step_shape
+from jaxserve.engine.runner_setup import (
+    build_runner,
+    gemv_rows,
+    lora_slots,
+    prepare_config,
+    step_shape,
+)
 from jaxserve.models.registry import family_for
 from jaxserve.platforms import Platform, platform_for_target
 from jaxserve.runner import aot_executables as aot
@@ -48,7 +55,6 @@ from jaxserve.runner.memory import (
     xla_base_limit_bytes,
 )
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.penalty_state import PenaltyState
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +94,10 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     shape = step_shape(config, placed, platform)
     config, placement, dtype = shape.config, placed.placement, placed.dtype
     family = family_for(placed.source_arch.architecture)
-    weight_bytes = placement.weight_bytes_per_device(placed.params, placed.resident_bytes)
-    lora = None
-    if config.lora_config.enable_lora:
-        lora = _abstract_lora(config, family, placement, dtype)
-        weight_bytes += lora.nbytes      # the slots, whole, as startup's memory plan counts
-    # The runner's penalty history tables live as long as the weights (memory_plan.py).
-    weight_bytes += PenaltyState.nbytes(config.scheduler_config.max_num_seqs + 1,
-                                        placement.arch.vocab_size)
+    lora_targets = lora_targets_for(config, family, placement.arch)
+    weight_bytes = resident_bytes_per_device(config, placed, lora_targets)
+    lora = None if lora_targets is None else lora_slots(config, family, placement, lora_targets,
+                                                        dtype, abstract=True)
     blocks = num_blocks or -(-shape.max_model_len // config.cache_config.block_size)
     runner = build_runner(shape, blocks, config.cache_config.block_size, eos=[0],
                           lora_stacks=lora, gemv_rows=gemv_rows(shape, cache_dir))
@@ -108,25 +110,6 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
         info={"model": placed.model_path, "architecture": placed.source_arch.architecture,
               "dtype": np.dtype(dtype).name, "kv_cache_dtype": np.dtype(shape.kv_dtype).name,
               "quantization": placed.quantization})
-
-
-def _abstract_lora(config: EngineConfig, family: Any, placement: Any, dtype: Any) -> Any:
-    from jax.sharding import PartitionSpec as P
-
-    from jaxserve.lora.peft_loader import supported_targets
-    from jaxserve.lora.stacks import LoRAStacks
-
-    lc = config.lora_config
-    targets = supported_targets(family, placement.arch)
-    specs = None
-    if placement.mesh is not None:
-        spec_fn = family.param_spec_for(placement.arch)
-        shapes = family.weight_shapes(placement.arch)
-        # tp = 1 on a one-device topology mesh: unsplit [L, in, out] (param_spec says P())
-        specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
-                            placement.tp) or P(None, None, None) for t in targets}
-    return LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
-                      dtype, placement.mesh, specs, abstract=True)
 
 
 @dataclass

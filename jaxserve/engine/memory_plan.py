@@ -41,9 +41,8 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
     count applied)."""
     sc = config.scheduler_config
     arch, dtype, placement = placed.arch, placed.dtype, placed.placement
-    # A RestoringParams (model_source.py) is still being read: plan from its shapes.
-    weight_bytes = placement.weight_bytes_per_device(
-        getattr(placed.params, "spec", placed.params), placed.resident_bytes)
+    lora_targets = lora_targets_for(config, family, arch)
+    weight_bytes = resident_bytes_per_device(config, placed, lora_targets)
     # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
     # logits of S rows and of the prompt-logprobs positions; leave generous room for them.
     t_max = sc.max_num_batched_tokens
@@ -51,19 +50,6 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
         spec_rows.max_rows * (spec_rows.num_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
-    # The runner's device-resident penalty history lives as long as the weights (counted
-    # with them, as jaxserve compile's plan does: aot_compile.abstract_engine).
-    weight_bytes += PenaltyState.nbytes(sc.max_num_seqs + 1, arch.vocab_size)
-    lora_targets = None
-    if config.lora_config.enable_lora:   # the adapter slots come out of the weights' share
-        from jaxserve.lora.peft_loader import supported_targets
-
-        lora_targets = supported_targets(family, arch)
-        lc = config.lora_config
-        lora_bytes = sum(arch.num_layers * (lc.max_loras + 1) * lc.max_lora_rank
-                         * (t.in_features + t.out_features) for t in lora_targets.values()
-                         ) * np.dtype(dtype).itemsize
-        weight_bytes += lora_bytes
     draft = None
     spec = config.spec_decode
     if spec is not None and spec.method == "draft_model":
@@ -92,6 +78,32 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
     if cost:
         logger.warning(cost)
     return MemoryPlan(kv_plan, lora_targets, draft, plan)
+
+
+def lora_targets_for(config: EngineConfig, family: Any, arch: ModelArch) -> dict | None:
+    """The projections LoRA adapters may target (None: LoRA off)."""
+    if not config.lora_config.enable_lora:
+        return None
+    from jaxserve.lora.peft_loader import supported_targets
+
+    return supported_targets(family, arch)
+
+
+def resident_bytes_per_device(config: EngineConfig, placed: Any, lora_targets: dict | None
+                              ) -> int:
+    """What lives as long as the weights, per device: the weights (a RestoringParams, still
+    being read: from its shapes), the runner's penalty history tables, and the LoRA slots
+    (whole). Startup and `jaxserve compile` plan the KV cache beside this."""
+    arch, placement = placed.arch, placed.placement
+    total = placement.weight_bytes_per_device(getattr(placed.params, "spec", placed.params),
+                                              placed.resident_bytes)
+    total += PenaltyState.nbytes(config.scheduler_config.max_num_seqs + 1, arch.vocab_size)
+    if lora_targets is not None:   # the adapter slots come out of the weights' share
+        lc = config.lora_config
+        total += sum(arch.num_layers * (lc.max_loras + 1) * lc.max_lora_rank
+                     * (t.in_features + t.out_features) for t in lora_targets.values()
+                     ) * np.dtype(placed.dtype).itemsize
+    return total
 
 
 def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: Platform,

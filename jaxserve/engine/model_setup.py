@@ -24,6 +24,7 @@ from jaxserve.engine.runner_setup import (
     StepShape,
     build_runner,
     gemv_rows,
+    lora_slots,
     prepare_config,
     step_shape,
 )
@@ -309,17 +310,9 @@ def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict
                 dtype: Any) -> tuple[Any, Any]:
     """The device adapter slots (split like their base kernels) and the adapter registry."""
     from jaxserve.lora.registry import LoRARegistry
-    from jaxserve.lora.stacks import LoRAStacks
 
     lc = config.lora_config
-    specs = None
-    if placement.mesh is not None:
-        spec_fn = family.param_spec_for(placement.arch)
-        shapes = family.weight_shapes(placement.arch)
-        specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
-                            placement.tp) for t in targets}
-    stacks = LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
-                        dtype, placement.mesh, specs)
+    stacks = lora_slots(config, family, placement, targets, dtype)
     registry = LoRARegistry(family, placement.source_arch, max_lora_rank=lc.max_lora_rank,
                             max_cpu_loras=lc.max_cpu_loras, tp=placement.tp,
                             hub=HubOptions(cache_dir=config.model_config.download_dir,

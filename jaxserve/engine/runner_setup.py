@@ -101,6 +101,26 @@ def gemv_rows(shape: StepShape, cache_dir: str | None) -> int:
                                     placed.dtype, in_place, cache_dir)
 
 
+def lora_slots(config: EngineConfig, family: Any, placement: Any, targets: dict, dtype: Any,
+               abstract: bool = False) -> Any:
+    """The device adapter slots (lora/stacks.py), split like their base kernels; abstract:
+    their ShapeDtypeStructs (an ahead-of-time compile)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.lora.stacks import LoRAStacks
+
+    lc = config.lora_config
+    specs = None
+    if placement.mesh is not None:
+        spec_fn = family.param_spec_for(placement.arch)
+        shapes = family.weight_shapes(placement.arch)
+        # a kernel left whole (tp = 1 on a one-device mesh: no spec) is [L, in, out] unsplit
+        specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
+                            placement.tp) or P(None, None, None) for t in targets}
+    return LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
+                      dtype, placement.mesh, specs, abstract=abstract)
+
+
 def build_runner(shape: StepShape, num_blocks: int, block_size: int, eos: list[int],
                  lora_stacks: Any = None, gemv_rows: int = 0) -> ModelRunner:
     """The runner for the placed model with a KV cache of `num_blocks` blocks per layer;
