@@ -216,6 +216,20 @@ class SchedulerConfig(ReadOnlyOnceResolved):
 class ParallelConfig(ReadOnlyOnceResolved):
     tensor_parallel_size: int = opt(1, "Devices that shard each layer (Megatron-style).")
     data_parallel_size: int = opt(1, "Model replicas, each with its own KV cache.")
+    pipeline_parallel_size: int = opt(
+        1, "Pipeline stages: the layer stack split into this many contiguous stages, each on "
+        "its own tensor_parallel_size devices with its own layers' KV cache (vLLM's flag; "
+        "README: Pipeline parallel).")
+    pipeline_micro_batches: int | None = opt(
+        None, "Micro-batches in flight with pipeline_parallel_size > 1 (vLLM's virtual "
+        "engines): the running sequences split into this many groups, each stepped in turn, "
+        "so stages work on different groups at once. Default: pipeline_parallel_size; 1: one "
+        "batch in flight (stages take turns). Needs async_scheduling.")
+    pp_layer_partition: str | None = opt(
+        lambda: os.environ.get("VLLM_PP_LAYER_PARTITION") or None,
+        "Layers per pipeline stage, comma-separated (\"10,11,11\"), summing to the model's "
+        "layers; default: an even split whose remainder goes to the stages before the last, "
+        "as vLLM does ($VLLM_PP_LAYER_PARTITION).")
     enable_expert_parallel: bool = opt(
         False, "Mixture-of-experts models: shard the experts over the tensor-parallel devices "
         "(each holds num_experts / tp whole experts) instead of splitting every expert's "
@@ -299,6 +313,25 @@ class FlatOptions:
         return {name: getattr(section, name) for section, name, _ in iter_leaf_fields(self)}
 
 
+def check_pipeline_combination(config: "EngineConfig") -> None:
+    """Refuse, by name, what pipeline_parallel_size > 1 does not run with yet (README's
+    "Pipeline parallel" section lists the same)."""
+    p = config.parallel_config
+    unsupported = []
+    if p.num_processes > 1:
+        unsupported.append("num_processes > 1 (a stage per process)")
+    if config.lora_config.enable_lora:
+        unsupported.append("enable_lora")
+    spec = config.spec_decode
+    if spec is not None and spec.method != "ngram":
+        unsupported.append(f"speculative decoding by {spec.method}")
+    if config.runner_config.aot_dir:
+        unsupported.append("aot_dir")
+    if unsupported:
+        raise ValueError(f"pipeline_parallel_size={p.pipeline_parallel_size} is not supported "
+                         f"with {', '.join(unsupported)} yet")
+
+
 @dataclass
 class EngineConfig(ReadOnlyOnceResolved, FlatOptions):
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -354,6 +387,12 @@ class EngineConfig(ReadOnlyOnceResolved, FlatOptions):
         _check_range("gpu_memory_utilization", c.gpu_memory_utilization, 0.01, 1.0)
         _check_range("tensor_parallel_size", p.tensor_parallel_size, 1, 4096)
         _check_range("data_parallel_size", p.data_parallel_size, 1, 4096)
+        _check_range("pipeline_parallel_size", p.pipeline_parallel_size, 1, 4096)
+        if p.pipeline_parallel_size > 1:
+            check_pipeline_combination(self)
+        if p.pipeline_micro_batches is None:
+            p.pipeline_micro_batches = p.pipeline_parallel_size
+        _check_range("pipeline_micro_batches", p.pipeline_micro_batches, 1, 64)
         if c.block_size <= 0 or c.block_size & (c.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {c.block_size}")
         self.spec_decode      # raises ValueError on a bad speculative_config

@@ -65,6 +65,9 @@ class SchedulerOutput:
     # LoRA: slot -> the adapter weights (jaxserve/lora/peft_loader.LoRAWeights) the runner
     # writes into that device slot before this step (the scheduler just gave it the slot).
     lora_loads: dict[int, Any] = field(default_factory=dict)
+    # Pipeline parallel with micro-batches in flight (engine/micro_batches.py): which one this
+    # step runs (the runner keeps each one's device-side last tokens apart).
+    micro_batch: int = 0
 
     @property
     def num_rows(self) -> int:

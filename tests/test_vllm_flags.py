@@ -74,8 +74,8 @@ def test_accepted_flags_are_dropped_with_one_warning_each_and_their_values():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--pipeline-parallel-size", "2"], ["--pipeline-parallel-size", "not implemented yet",
-                                         "--tensor-parallel-size"]),
+    (["--prefill-context-parallel-size", "2"], ["--prefill-context-parallel-size",
+                                                "not implemented", "--tensor-parallel-size"]),
     (["--cpu-offload-gb", "4"], ["--cpu-offload-gb", "not implemented"]),
     (["--frobnicate"], ["unknown flag --frobnicate", "--help"]),
     (["--max-num-queued-reqs", "9"], ["--max-queued-requests"]),
@@ -144,10 +144,10 @@ def test_a_vllm_config_yaml_is_settled_like_its_command_line(tmp_path, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["max-num-seqs"] == 4 and printed["gpu-memory-utilization"] == 0.5
     assert printed["max-model-len"] == 256
-    path.write_text("pipeline-parallel-size: 2\n")
+    path.write_text("prefill-context-parallel-size: 2\n")
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "pipeline-parallel-size" in err and "not implemented yet" in err
+    assert len(err.splitlines()) == 1 and "prefill-context-parallel-size" in err and "not implemented" in err
     path.write_text("frobnicate: 2\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "frobnicate" in capsys.readouterr().err

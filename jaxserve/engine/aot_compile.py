@@ -87,6 +87,10 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     if config.spec_decode is not None and config.spec_decode.method == "draft_model":
         raise ValueError("jaxserve compile: speculative_config method 'draft_model' is not "
                          "supported yet (ngram is)")
+    if config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("jaxserve compile does not plan pipeline_parallel_size > 1 yet; plan "
+                         "with --tensor-parallel-size (pipeline parallel serves without "
+                         "shipped executables)")
     tp = config.parallel_config.tensor_parallel_size
     mesh = platform.compile_mesh(tp)
     cache_dir = compilation_cache_path(config.runner_config.compilation_cache_dir)

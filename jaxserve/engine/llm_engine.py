@@ -41,6 +41,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
 from jaxserve.engine.frontend import Frontend
+from jaxserve.engine.micro_batches import MicroBatches
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import SequenceStatus
@@ -89,6 +90,8 @@ class LLMEngine:
             log_stats = not config.runner_config.disable_log_stats
         self.log_stats = log_stats
         self.max_steps_in_flight = 2 if config.scheduler_config.async_scheduling else 1
+        if self.scheduler.micro_batches is not None:    # one step in flight per micro-batch
+            self.max_steps_in_flight = self.scheduler.micro_batches.count
         self._in_flight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self.vocab_size = s.runner.arch.vocab_size          # logits width: the bitmask's V
         self._grammars: GrammarService | None = None        # built on the first constrained request
@@ -117,6 +120,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
                                    max_loras=lc.max_loras if lc.enable_lora else 0)
         self.scheduler.step_costs = self.step_costs
+        micro = getattr(self.runner, "num_micro_batches", 1)   # pipeline parallel
+        if micro > 1 and config.scheduler_config.async_scheduling:
+            self.scheduler.micro_batches = MicroBatches(micro,
+                                                        config.scheduler_config.max_num_seqs)
         self.outputs = OutputProcessor(s.eos_token_ids, s.max_model_len,
                                        s.default_sampling_overrides, seed=config.model_config.seed)
         self.frontend = Frontend(self, self.tokenizer, s.max_model_len,

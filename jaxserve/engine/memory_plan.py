@@ -50,6 +50,8 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
         spec_rows.max_rows * (spec_rows.num_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
+    # Pipeline stages plan per stage: the penalty tables sit on the last one.
+    penalty_bytes = PenaltyState.nbytes(sc.max_num_seqs + 1, arch.vocab_size)
     draft = None
     spec = config.spec_decode
     if spec is not None and spec.method == "draft_model":
@@ -57,9 +59,19 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
         weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
 
     def plan(activation: int) -> KVCachePlan:
-        kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes, activation,
-                                                max_model_len, tp_size=placement.tp,
-                                                device=placement.device, compute_dtype=dtype))
+        if getattr(placement, "stages", None):    # pipeline parallel: planned per stage
+            from jaxserve.engine.pipeline_memory import plan_pipeline_kv_cache
+
+            kv_plan = plan_pipeline_kv_cache(cc, placement, getattr(placed.params, "spec",
+                                                                    placed.params),
+                                             kv_dtype, penalty_bytes, activation,
+                                             max_model_len, dtype)
+        else:
+            kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes,
+                                                    activation, max_model_len,
+                                                    tp_size=placement.tp,
+                                                    device=placement.device,
+                                                    compute_dtype=dtype))
         if draft is not None and cc.kv_cache_memory_bytes and not cc.num_gpu_blocks_override:
             # An explicit KV budget is the target's and the draft's together.
             taken = -(-draft["kv_bytes"] // kv_plan.bytes_per_block)

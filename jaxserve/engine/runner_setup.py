@@ -127,7 +127,14 @@ def build_runner(shape: StepShape, num_blocks: int, block_size: int, eos: list[i
     abstract (nothing allocated) when the placed params are ShapeDtypeStructs."""
     config, placed = shape.config, shape.placed
     mc, sc, placement = config.model_config, config.scheduler_config, placed.placement
-    return ModelRunner(
+    runner_class, stages = ModelRunner, {}
+    if getattr(placement, "stages", None):       # pipeline parallel (models/pipeline_placement)
+        from jaxserve.runner.pipeline_runner import PipelineModelRunner
+
+        runner_class, stages = PipelineModelRunner, {
+            "pipeline": placement,
+            "micro_batches": config.parallel_config.pipeline_micro_batches or 1}
+    return runner_class(
         placed.arch, placed.params, shape.backend, dtype=placed.dtype, num_blocks=num_blocks,
         block_size=block_size, max_model_len=shape.max_model_len,
         kv_cache_dtype=shape.kv_dtype, max_num_seqs=sc.max_num_seqs,
@@ -137,4 +144,4 @@ def build_runner(shape: StepShape, num_blocks: int, block_size: int, eos: list[i
         num_spec_tokens=shape.num_spec_tokens, max_spec_rows=shape.max_spec_rows,
         kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
         logits_shardings=placement.logits_shardings, lora=lora_stacks, cpu_gemv_rows=gemv_rows,
-        abstract=placed.source_format == "abstract")
+        abstract=placed.source_format == "abstract", **stages)

@@ -44,6 +44,7 @@ from collections import deque
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.micro_batches import MicroBatches
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.shared_prefill import SharedPrefill
 from jaxserve.engine.step_costs import StepCosts, auto_step_tokens
@@ -104,6 +105,8 @@ class Scheduler:
         # Measured step times, fed by the engine (LLMEngine._collect); None: the auto prefill
         # cap falls back to its token rule.
         self.step_costs: StepCosts | None = None
+        # Pipeline parallel: micro-batches in flight (engine/micro_batches.py); None: off.
+        self.micro_batches: MicroBatches | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -160,6 +163,9 @@ class Scheduler:
         if not out.preempted_seq_ids:   # admit waiting ones unless the cache was just short
             self._admit_waiting(out, room)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - room.budget
+        if self.micro_batches is not None:
+            out.micro_batch = self.micro_batches.current
+            self.micro_batches.advance()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, drafts: dict[int, list[int]],
@@ -171,9 +177,13 @@ class Scheduler:
         seq_ids, num_scheduled = out.seq_ids, out.num_scheduled_tokens
         num_computed, is_sampling = out.num_computed_tokens, out.is_sampling
         fast = self.inline_fast_paths
+        micro = self.micro_batches
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if micro is not None and micro.skips(seq.seq_id):
+                i += 1               # another micro-batch's: its own step schedules it
+                continue
             computed = seq.num_computed_tokens
             pending = seq.num_pending_tokens
             num_tokens = len(seq.token_ids) + pending
@@ -247,7 +257,9 @@ class Scheduler:
         # A preempted sequence re-enters at the front of the queue, so under the active cap
         # the requests that already had KV (and a stream started) are re-admitted first.
         cap = self.max_num_active_seqs
-        while self._waiting and room.budget > 0 and len(running) < cap:
+        micro = self.micro_batches
+        while self._waiting and room.budget > 0 and len(running) < cap and \
+                (micro is None or micro.has_room(running)):
             seq = self._waiting[0]
             if seq.num_pending_tokens:
                 break   # preempted while a step ran: wait for that step's token
@@ -279,6 +291,8 @@ class Scheduler:
             room.prompt_logprobs -= prompt_logprobs_positions(seq, num_cached, num_new)
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
+            if micro is not None:
+                micro.admit(seq.seq_id)
             out.new_seqs.append(NewSeqData(
                 seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                 list(seq.block_table), seq.num_computed_tokens, seq.sampling_params, seq.seed,
@@ -471,6 +485,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._waiting.appendleft(seq)
+        if self.micro_batches is not None:
+            self.micro_batches.forget(seq.seq_id)
         self.num_preemptions += 1
         out.preempted_seq_ids.append(seq.seq_id)
         logger.debug("preempted %r (KV cache full; %d free blocks)", seq,
@@ -492,6 +508,8 @@ class Scheduler:
         self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
         self.shared_prefill.forget(seq)
+        if self.micro_batches is not None:
+            self.micro_batches.forget(seq.seq_id)
         self.num_constrained -= seq.grammar is not None
 
     def abort_request(self, request_id: str,

@@ -38,6 +38,7 @@ RENAMED = {
     "--device-memory-utilization": "--gpu-memory-utilization",
     "-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-q": "--quantization",
     "-sc": "--speculative-config", "-ep": "--enable-expert-parallel",
+    "-pp": "--pipeline-parallel-size",
 }
 
 _CUDA = "a CUDA/PyTorch mechanism; XLA compiles the whole step ahead of time"
@@ -114,8 +115,6 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
 
 REFUSED: dict[str, str] = {
     # What the flag asks for -> what to use instead.
-    "--pipeline-parallel-size": "pipeline parallelism is not implemented yet; "
-                                "use --tensor-parallel-size",
     "--prefill-context-parallel-size": "context parallelism is not implemented; use "
                                        "--tensor-parallel-size",
     "--decode-context-parallel-size": "context parallelism is not implemented; use "
@@ -223,7 +222,7 @@ REFUSED: dict[str, str] = {
 
 # Refused flags given their no-op value are accepted instead (vLLM defaults).
 HARMLESS_VALUES = {
-    "--pipeline-parallel-size": {"1"}, "--prefill-context-parallel-size": {"1"},
+    "--prefill-context-parallel-size": {"1"},
     "--decode-context-parallel-size": {"1"}, "--api-server-count": {"1"},
     "--nnodes": {"1"}, "--node-rank": {"0"}, "--scheduling-policy": {"fcfs"},
     "--model-impl": {"auto"}, "--runner": {"auto", "generate"}, "--convert": {"auto", "none"},
@@ -443,7 +442,7 @@ def summary(ours: Iterable[str], markdown: bool = False) -> str:
     for reason, flags in ACCEPTED.items():
         lines.append(f"- {reason}: {', '.join(f'`{f}`' for f in flags)}")
     lines += ["", "**Refused** with one error line (exit status 2) saying what to use "
-              "instead; `1`-style no-op values (`--pipeline-parallel-size 1`, "
+              "instead; `1`-style no-op values (`--prefill-context-parallel-size 1`, "
               "`--api-server-count 1`, `--runner generate`...) are accepted:", "",
               "| flag | instead |", "|---|---|"]
     for flag, s, note in rows:

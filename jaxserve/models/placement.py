@@ -43,14 +43,20 @@ class ModelPlacement:
     def create(cls, parallel: ParallelConfig, arch: ModelArch,
                mesh: Mesh | None = None) -> ModelPlacement:
         """The placement for one engine. `mesh` is a data-parallel replica's sub-mesh; without
-        one, tp > 1 (or a multi-process run) builds a (1, tp) mesh over the first devices."""
+        one, tp > 1 (or a multi-process run) builds a (1, tp) mesh over the first devices.
+        pipeline_parallel_size > 1: a PipelinePlacement (a placement per stage)."""
+        if mesh is None and parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs one engine per replica behind "
+                             "jaxserve.parallel.launch.create_engine (LLM and `jaxserve serve` "
+                             "use it); LLMEngine alone holds one replica")
+        if parallel.pipeline_parallel_size > 1:    # a data-parallel replica's row, or none
+            from jaxserve.models.pipeline_placement import PipelinePlacement
+
+            return PipelinePlacement.create(
+                parallel, arch, None if mesh is None else list(mesh.devices.flat))
         tp = mesh.shape[MODEL_AXIS] if mesh is not None else parallel.tensor_parallel_size
         partition.check_tp_size(arch, tp)
         if mesh is None:
-            if parallel.data_parallel_size > 1:
-                raise ValueError("data_parallel_size > 1 runs one engine per replica behind "
-                                 "jaxserve.parallel.launch.create_engine (LLM and `jaxserve serve` "
-                                 "use it); LLMEngine alone holds one replica")
             if tp > 1 or jax.process_count() > 1:
                 mesh = make_mesh(tp, 1)
         if mesh is not None:

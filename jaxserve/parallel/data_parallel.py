@@ -42,8 +42,10 @@ class DataParallelEngine:
         from jaxserve.engine.llm_engine import LLMEngine
 
         pc = config.parallel_config
-        mesh = mesh if mesh is not None else make_mesh(pc.tensor_parallel_size,
-                                                       pc.data_parallel_size)
+        # A replica's row holds its pipeline stages side by side (pp x tp devices; each
+        # engine splits its row into stages: models/pipeline_placement.py).
+        mesh = mesh if mesh is not None else make_mesh(
+            pc.tensor_parallel_size * pc.pipeline_parallel_size, pc.data_parallel_size)
         logger.info("data parallel %d: one engine per row of a %s", pc.data_parallel_size,
                     describe(mesh))
         # Each replica loads the checkpoint itself (host memory x dp during startup).

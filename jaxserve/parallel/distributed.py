@@ -67,6 +67,10 @@ def initialize(parallel: ParallelConfig) -> bool:
         raise ValueError("multi-process runs shard one engine over every device "
                          "(tensor_parallel_size = all devices); data_parallel_size > 1 "
                          "across processes is not supported: run one server per replica")
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"pipeline_parallel_size={parallel.pipeline_parallel_size} across "
+                         "processes (a stage per process) is not supported yet: run the stages "
+                         "in one process, or use --tensor-parallel-size across processes")
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     logger.info("process %d of %d joining the coordinator at %s", parallel.process_id,

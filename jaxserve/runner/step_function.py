@@ -23,7 +23,8 @@ StepOutputs = tuple[tuple[SamplerOutput, jax.Array | None], PromptLogprobsOutput
 
 
 def step(params, k_cache, v_cache, last_tokens, penalty_state, packed, bias_token_ids,
-         bias_values, grammar_bitmask, lora_stacks=None, *, model: Any, model_constants,
+         bias_values, grammar_bitmask, lora_stacks=None, stage_input=None, *, model: Any,
+         model_constants,
          layout: StepLayout, num_top_logprobs: int, num_spec_tokens: int = 0,
          num_spec_rows: int = 0, logits_shardings: tuple = ()):
     """One engine step: forward over the flat token axis, then sample each row's next token
@@ -37,12 +38,15 @@ def step(params, k_cache, v_cache, last_tokens, penalty_state, packed, bias_toke
     and ``num_emitted`` [S] says how many tokens each row emits (jaxserve/spec_decode).
     lora_stacks: the adapter slots (jaxserve/lora/stacks.py), None with LoRA off (then the
     step has no LoRA input or work at all).
+    stage_input: the last pipeline stage's input, the previous stage's hidden states [T, H]
+    (runner/pipeline_runner.py); None: the model starts from the token ids.
     """
     f = layout.unpack(packed)
     if lora_stacks is not None:
         params = with_lora(params, lora_stacks)
     token_ids = resolve_token_ids(f["token_ids"], last_tokens)
-    hidden, k_cache, v_cache = apply_model(model, params, token_ids, f["positions"],
+    model_input = token_ids if stage_input is None else stage_input
+    hidden, k_cache, v_cache = apply_model(model, params, model_input, f["positions"],
                                            layout.metadata(f), k_cache, v_cache, model_constants)
 
     def logits_of(rows):
@@ -86,3 +90,17 @@ def step(params, k_cache, v_cache, last_tokens, penalty_state, packed, bias_toke
         prompt_out = prompt_logprobs(logits_of, hidden, f["prompt_logprobs_indices"],
                                      f["prompt_logprobs_targets"], num_top_logprobs)
     return k_cache, v_cache, last_tokens, penalty_state, (out, num_emitted), prompt_out
+
+
+def stage_forward(params, k_cache, v_cache, last_tokens, packed, stage_input=None, *,
+                  model: Any, model_constants, layout: StepLayout):
+    """A pipeline stage before the last (runner/pipeline_runner.py): its layers over the flat
+    token axis → (caches, hidden states [T, H]). The first stage starts from the token ids
+    (``last_tokens``: the decodes' previous samples, copied from the last stage), the others
+    from ``stage_input``, the previous stage's hidden states."""
+    f = layout.unpack(packed)
+    model_input = resolve_token_ids(f["token_ids"], last_tokens) if stage_input is None \
+        else stage_input
+    hidden, k_cache, v_cache = apply_model(model, params, model_input, f["positions"],
+                                           layout.metadata(f), k_cache, v_cache, model_constants)
+    return k_cache, v_cache, hidden
