@@ -1,9 +1,12 @@
-"""One stream and 8 streams on the same GGUF, same client: jaxserve serving its blocks packed
-(`--quantization gguf`: kernels/cpu/gemv_gguf.h) against jaxserve float32 / bfloat16 / int8
-and llama.cpp's server, engines interleaved within each round.
+"""One stream, 8 and 64 streams on the same GGUF, same client: jaxserve's default (quantization
+unset: the blocks packed on a CPU, engine/gguf_packing.py; kernels/cpu/gemv_gguf.h) against
+jaxserve `--quantization none` (dequantized: float32 / bfloat16), `--quantization gguf`
+(blocks alone), int8, and llama.cpp's server, engines interleaved within each round.
 
     source ../shared/peers/llama_cpp.sh        # LLAMA_SERVER, GGUF (the embedded SmolLM2 Q4_1)
     python benchmarks/bench_gguf_single_stream.py --rounds 2 --tag epyc-avx512
+    python benchmarks/bench_gguf_single_stream.py --streams 1,8,64 --tag serving \
+        --engines llama.cpp,jaxserve-default,jaxserve-none,jaxserve-none-float32
 
 Each (round, engine) starts a fresh server on loopback, runs benchmarks/bench_serving.py
 (random 128-token prompts as token ids, 128 tokens out, EOS ignored, greedy, a connection per
@@ -36,6 +39,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import machine_info  # noqa: E402
 
 JAXSERVE_ENGINES = {
+    "jaxserve-default": [],
+    "jaxserve-none": ["--quantization", "none"],                 # dtype auto
+    "jaxserve-none-float32": ["--quantization", "none", "--dtype", "float32"],
+    "jaxserve-none-bfloat16": ["--quantization", "none", "--dtype", "bfloat16"],
     "jaxserve-gguf-packed": ["--quantization", "gguf"],
     "jaxserve-float32": ["--dtype", "float32"],
     "jaxserve-bfloat16": ["--dtype", "bfloat16"],
@@ -52,12 +59,14 @@ def server_command(engine: str, args, port: int) -> list[str]:
         # llama.cpp-t1: one thread. On a shared box its spinning thread barrier makes -t 2
         # collapse when another process holds a core (ggml waits for the slowest thread).
         threads = 1 if engine == "llama.cpp-t1" else os.cpu_count()
+        slots = max(8, max(args.stream_counts))
         return [args.llama_server, "-m", args.gguf, "--port", str(port), "--host", "127.0.0.1",
-                "-t", str(threads), "-c", "4096", "-np", "8", "-cb"]
+                "-t", str(threads), "-c", str(512 * slots), "-np", str(slots), "-cb"]
     # Every step bucket compiled before it serves: with background compilation a 128-token
     # prefill would run padded into the 512-token bucket while the others compile beside it.
     return [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", "smol", "--max-num-seqs", "8",
+            "--port", str(port), "--served-model-name", "smol",
+            "--max-num-seqs", str(max(8, max(args.stream_counts))),
             "--no-compile-in-background", *JAXSERVE_ENGINES[engine], args.gguf]
 
 
@@ -71,7 +80,8 @@ def run_engine(engine: str, args, port: int, out_dir: Path) -> dict:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, server, timeout=900)
-        for streams, prompts in ((1, args.single_prompts), (8, 16)):
+        for streams in args.stream_counts:
+            prompts = args.single_prompts if streams == 1 else max(16, streams)
             name = f"{engine}-c{streams}-{time.time():.0f}.json"
             load_before = os.getloadavg()[0]
             cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"),
@@ -121,7 +131,9 @@ def main() -> None:
     p.add_argument("--gguf", default=os.environ.get("GGUF"))
     p.add_argument("--port", type=int, default=8431)
     p.add_argument("--tag", default="cpu")
+    p.add_argument("--streams", default="1,8", help="concurrencies, comma-separated")
     args = p.parse_args()
+    args.stream_counts = [int(c) for c in args.streams.split(",")]
     engines = args.engines.split(",")
     if not args.gguf:
         raise SystemExit("no GGUF: source ../shared/peers/llama_cpp.sh or pass --gguf")
@@ -137,15 +149,21 @@ def main() -> None:
     summary: dict = {}
     for e in engines:
         summary[e] = {}
-        for c in ("c1", "c8"):
+        for c in (f"c{n}" for n in args.stream_counts):
             summary[e][c] = {k: float(np.median([rd[e][c][k] for rd in rounds]))
                              for k in ("output_throughput", "median_tpot_ms")}
             peers = [p for p in ("llama.cpp", "llama.cpp-t1") if p in engines]
+            if "jaxserve-none" in engines and e != "jaxserve-none":   # against today's default
+                summary[e][c]["tok_s_vs_jaxserve_none_same_round"] = float(np.median(
+                    [rd[e][c]["output_throughput"] / rd["jaxserve-none"][c]["output_throughput"]
+                     for rd in rounds]))
             if peers and not e.startswith("llama.cpp"):   # against llama.cpp's best here
                 summary[e][c]["tok_s_vs_best_llama_cpp_same_round"] = float(np.median(
                     [rd[e][c]["output_throughput"]
                      / max(rd[p][c]["output_throughput"] for p in peers) for rd in rounds]))
     report = {"machine": machine_info(), "lscpu_flags": lscpu_flags(), "gguf": args.gguf,
+              "command": " ".join(sys.argv), "engine_flags": {e: JAXSERVE_ENGINES.get(e)
+                                                             for e in engines},
               "client": "benchmarks/bench_serving.py, random 128 in / 128 out, ignore_eos",
               "note": "a shared machine: other processes ran beside these; see load_average",
               "summary": summary, "rounds": rounds}

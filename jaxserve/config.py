@@ -109,11 +109,14 @@ class ModelConfig(ReadOnlyOnceResolved):
     quantization: str | None = opt(
         None, "Weight quantization (vLLM's flag). int8: weight-only int8 per output channel "
         "(w8a16), quantized at load from any float checkpoint. gguf: a GGUF file's Q8_0/Q4_0/"
-        "Q4_1 tensors stay packed in device memory and are dequantized inside the step "
-        "(other GGUF types are dequantized at load). awq / gptq: an AWQ or GPTQ checkpoint's "
-        "int4/int8 projections stay packed and are dequantized inside the step; picked from "
-        "config.json's quantization_config when unset. Default: weights in --dtype.",
-        choices=["int8", "gguf", "awq", "gptq"])
+        "Q4_1/Q4_K/Q5_K/Q6_K tensors stay packed in memory, read in place by the CPU's block "
+        "kernels (elsewhere dequantized inside the step; other GGUF types are dequantized at "
+        "load). awq / gptq: an AWQ or GPTQ checkpoint's int4/int8 projections stay packed and "
+        "are dequantized inside the step; picked from config.json's quantization_config when "
+        "unset. none: weights in --dtype (a GGUF file dequantized at load). Default: a GGUF "
+        "file stays packed on a CPU (one device, dtype auto or bfloat16, where the block "
+        "kernels are faster; the startup log says which and why), else weights in --dtype.",
+        choices=["none", "int8", "gguf", "awq", "gptq"])
     matrix_units: str = opt(
         lambda: os.environ.get("JAXSERVE_MATRIX_UNITS", "auto"),
         "The CPU matrix units dtype=auto and the int8 path assume: auto (detected from "

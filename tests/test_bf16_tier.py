@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 @pytest.fixture(scope="module")
 def default_llm_bf16(default_gguf_path):
     return LLM(None, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
-               kv_cache_memory_bytes=16 << 20, **precision.BF16)
+               kv_cache_memory_bytes=16 << 20, quantization="none", **precision.BF16)
 
 
 def _chat_prompts(llm: LLM) -> list[list[int]]:

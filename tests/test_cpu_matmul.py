@@ -3,7 +3,9 @@ ragged shapes, float32 and bfloat16; the CPU-feature dispatch; the build with cl
 
 from __future__ import annotations
 
+import re
 import shutil
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -171,60 +173,97 @@ def test_dtype_auto_follows_the_matrix_units_and_the_config_forces_float32(monke
     assert model_setup.resolve_dtype("bfloat16", "cpu", "none") == jnp.bfloat16   # asked for
 
 
-# -- dtype=auto timed on this CPU (kernels/cpu/dtype_choice.py) ---------------------------------
-def test_dtype_auto_weighs_each_doubling_of_the_load_alike():
-    from jaxserve.kernels.cpu.dtype_choice import batch_row_counts, choose, score
+# -- dtype=auto timed on this CPU (engine/dtype_step_timing.py, compute_dtype.py) ------------
+def _regret(choice, timings) -> float:
+    """The chosen dtype's worst time over the faster dtype's, across the row counts."""
+    pick = 0 if choice.dtype == "float32" else 1
+    return max(t[pick] / min(t) for t in timings.values())
 
-    assert batch_row_counts(256) == (16, 32, 64) and batch_row_counts(48) == (16, 32, 48)
-    assert batch_row_counts(16) == (16,) and batch_row_counts(8) == batch_row_counts(3) == ()
-    # (float32 ms, bfloat16 ms) per row count: an AVX2 EPYC's shape of it
-    few = {1: (1.0, 0.5), 2: (1.0, 0.55), 4: (1.0, 0.7), 8: (1.0, 0.9)}
-    mid = {16: (1.0, 1.05), 32: (1.0, 1.0), 64: (1.0, 0.95)}
-    assert score({**few, **mid}) == pytest.approx(
-        np.exp(np.log([0.5, 0.55, 0.7, 0.9, 1.05, 1.0, 0.95]).mean()))
-    assert choose({**few, **mid}).dtype == "bfloat16"
-    # an AVX2 EPYC's timing of SmolLM2 (score 0.88): the few-row gain, the mid rows lost
-    avx2 = {1: (1.0, 0.64), 2: (1.0, 0.59), 4: (1.0, 0.62), 8: (1.0, 0.99), 16: (1.0, 1.33),
-            32: (1.0, 1.24), 64: (1.0, 1.13)}
-    assert score(avx2) == pytest.approx(0.88, abs=0.01) and choose(avx2).dtype == "float32"
-    assert choose({**few, **{r: (1.0, 0.5) for r in mid}}).dtype == "bfloat16"   # bf16 units
-    # a last step short of a doubling counts for less: 48 after 32 is 0.58 of one
-    partial = {**few, 16: (1.0, 1.0), 32: (1.0, 1.0), 48: (1.0, 4.0)}
-    assert score(partial) == pytest.approx(
-        np.exp((np.log([0.5, 0.55, 0.7, 0.9]).sum() + np.log2(1.5) * np.log(4.0))
-               / (6 + np.log2(1.5))))
-    # a near-tie (as on an AVX2 EPYC: 0.88-0.97 between two timings) keeps float32
-    assert choose({1: (1.0, 0.9), 64: (1.0, 0.9)}).dtype == "float32"
-    assert "1 row 0.50x" in choose({**few, **mid}).describe()
+
+@pytest.mark.fast
+def test_dtype_auto_takes_the_dtype_that_loses_least_at_its_worst_row_count():
+    from jaxserve.engine.compute_dtype import choose_by_step_times
+    from jaxserve.engine.dtype_step_timing import step_row_counts
+
+    assert step_row_counts(256) == (1, 4, 16, 64) and step_row_counts(48) == (1, 4, 16, 48)
+    assert step_row_counts(16) == (1, 4, 16) and step_row_counts(4) == (1, 4)
+    assert step_row_counts(2) == (1, 2) and step_row_counts(1) == (1,)
+    # (float32 ms, bfloat16 ms) per whole step
+    # an AMX Xeon's shape: bfloat16 faster everywhere (a 0.8 margin on a 0.81 score had kept
+    # float32, 1.4x slower served)
+    amx = {1: (10.0, 8.4), 4: (12.0, 9.5), 16: (30.0, 21.0), 64: (100.0, 66.0)}
+    assert choose_by_step_times(amx).dtype == "bfloat16"
+    # an AVX2 EPYC's end-to-end shape: bfloat16 1.41x faster at one stream, float32 1.35x
+    # faster at 64: bfloat16 loses less at its worst ...
+    avx2 = {1: (14.1, 10.0), 4: (16.0, 14.0), 64: (100.0, 135.0)}
+    assert choose_by_step_times(avx2).dtype == "bfloat16"
+    # ... unless the mid rows cost it more (1.47x at 16) than float32 loses at one stream
+    assert choose_by_step_times({**avx2, 16: (30.0, 44.1)}).dtype == "float32"
+    # ties keep float32 (bfloat16 rounds the weights): within FLOAT32_TIE everywhere
+    assert choose_by_step_times({1: (10.2, 10.0), 64: (100.0, 99.0)}).dtype == "float32"
+    assert choose_by_step_times({1: (10.0, 10.0)}).dtype == "float32"
+    assert choose_by_step_times({1: (10.4, 10.0), 64: (100.0, 99.0)}).dtype == "bfloat16"
+    why = choose_by_step_times(avx2).describe()
+    assert "1 row 14.1/10.0 ms" in why and "64 rows 100.0/135.0 ms" in why and "1.41x" in why
+    with pytest.raises(ValueError):
+        choose_by_step_times({})
+
+
+@pytest.mark.fast
+def test_dtype_auto_has_no_cliff_a_small_timing_change_costs_little():
+    """Sweeping bfloat16's one-stream speed in 1 % steps past the point where the choice
+    flips: the chosen dtype's worst loss against the better one never exceeds the other
+    dtype's by more than the float32 tie, and moves by about as much as the timing did --
+    never by a dtype's whole difference (the old rule's 0.81 vs 0.8 cliff cost 1.4x)."""
+    from jaxserve.engine.compute_dtype import FLOAT32_TIE, choose_by_step_times
+
+    previous = None
+    flips = 0
+    for step in range(80):
+        one_row = 1.6 - 0.01 * step          # float32's time over bfloat16's at one stream
+        for batch in (1.35, 1.02, 0.9):      # bfloat16's over float32's at 64 rows
+            timings = {1: (10.0 * one_row, 10.0), 64: (100.0, 100.0 * batch)}
+            choice = choose_by_step_times(timings)
+            other = "float32" if choice.dtype == "bfloat16" else "bfloat16"
+            regret = _regret(choice, timings)
+            alternative = _regret(type(choice)(other, 0, 0, timings), timings)
+            assert regret <= max(alternative, 1.0 + FLOAT32_TIE) + 1e-9
+            if batch == 1.35:
+                if previous is not None:
+                    assert abs(regret - previous[1]) <= 0.011 + 1e-9
+                    flips += choice.dtype != previous[0]
+                previous = (choice.dtype, regret)
+    assert flips == 1
 
 
 def _tiny_workload(tmp_path, **kw):
-    from jaxserve.engine.compute_dtype import DtypeWorkload
+    from jaxserve.engine.compute_dtype import DtypeWorkload, StepShape
 
     shapes = ((48, 48), (48, 16), (48, 16), (48, 48), (48, 96), (48, 96), (96, 48))
     return DtypeWorkload(**{"shapes": shapes, "num_layers": 4, "max_num_seqs": 16,
-                            "in_place_float": True, "cache_dir": str(tmp_path), **kw})
+                            "in_place_float": True, "cache_dir": str(tmp_path),
+                            "step": StepShape(48, 96, 3, 1, 16, 256), **kw})
 
 
 def test_dtype_auto_on_a_cpu_is_timed_once_then_read_back(tmp_path, monkeypatch):
+    from jaxserve.engine import dtype_step_timing
     from jaxserve.engine.compute_dtype import auto_compute_dtype
-    from jaxserve.kernels.cpu import dtype_choice, gemv_choice, timings
+    from jaxserve.kernels.cpu import timings
 
     monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 18)   # a quick timing
+    monkeypatch.setattr(dtype_step_timing, "MEASURED_BYTES", 1 << 18)
     # what is timed: a CPU without bf16 units (with them bfloat16 is taken untimed)
     monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
     measured = []
-    real = dtype_choice._measure.__wrapped__
-    monkeypatch.setattr(dtype_choice, "_measure", lambda *a: measured.append(a) or real(*a))
+    real = dtype_step_timing._measure.__wrapped__
+    monkeypatch.setattr(dtype_step_timing, "_measure",
+                        lambda *a: measured.append(a) or real(*a))
     dtype, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path))
-    assert "measured on this CPU" in why and "stored" not in why
-    # every row count up to max_num_seqs=16, each dtype on its engine's kernel there
-    shapes = _tiny_workload(tmp_path).shapes
-    limits = tuple(sorted((name, gemv_choice.load_or_measure(str(tmp_path), name, shapes,
-                                                             4)[0].rows)
-                          for name in ("bfloat16", "float32")))
-    assert measured == [(shapes, 4, (1, 2, 4, 8, 16), limits)]
-    assert all(f"{r} row" in why for r in (1, 2, 4, 8, 16))
+    assert "whole decode step timed on this CPU" in why and "stored" not in why
+    assert re.search(r"timed in [0-9.]+ s$", why)
+    # one stream, a few, past the GEMV and the batch (max_num_seqs=16)
+    assert len(measured) == 1 and measured[0][2] == (1, 4, 16)
+    assert all(f"{r} row" in why for r in (1, 4, 16))
     assert dtype == jnp.dtype(why.split(":")[0])
     again, why_again = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path))
     assert again == dtype and why_again.endswith("stored timing") and len(measured) == 1
@@ -234,30 +273,40 @@ def test_dtype_auto_on_a_cpu_is_timed_once_then_read_back(tmp_path, monkeypatch)
 
 
 def test_dtype_auto_is_not_timed_where_a_timing_decides_nothing(tmp_path, monkeypatch):
-    """Cache-resident weights, quantized or sharded projections, and a forced matrix_units
-    kind (a timing cannot emulate another CPU) take the rule by kind."""
+    """Cache-resident weights, quantized or sharded projections, and a forced kind with bf16
+    units take the rule by kind; a forced kind without them is timed (the timing measures
+    the kernels this process runs)."""
+    from jaxserve.engine import dtype_step_timing
     from jaxserve.engine.compute_dtype import auto_compute_dtype
-    from jaxserve.kernels.cpu import dtype_choice
 
-    monkeypatch.setattr(dtype_choice, "load_or_measure", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(dtype_step_timing, "load_or_measure",
+                        lambda *a: pytest.fail("timed"))
     monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
+    monkeypatch.setattr(matmul, "available", lambda: True)
     for workload, kind in ((_tiny_workload(tmp_path), "auto"),       # 1 MiB of weights
                            (_tiny_workload(tmp_path, num_layers=10**4,
                                            in_place_float=False), "auto"),
                            (_tiny_workload(tmp_path, num_layers=10**4), "avx512")):
         dtype, why = auto_compute_dtype("cpu", kind, workload)
-        assert "measured" not in why
+        assert "timed" not in why
         assert dtype == (jnp.bfloat16 if kind == "avx512" else jnp.float32)
+    fed = {1: (14.0, 10.0), 64: (100.0, 101.0)}
+    monkeypatch.setattr(dtype_step_timing, "load_or_measure", lambda *a: (fed, False))
+    monkeypatch.setattr("jaxserve.kernels.cpu.gemv_choice.load_or_measure",
+                        lambda *a: (SimpleNamespace(rows=8), False))
+    monkeypatch.setattr(matmul, "detect_matrix_units",
+                        lambda: matmul.MatrixUnits(avx512_bf16=True))
+    dtype, why = auto_compute_dtype("cpu", "none", _tiny_workload(tmp_path, num_layers=10**4))
+    assert dtype == jnp.bfloat16 and "timed on this CPU" in why and "units: none" in why
 
 
 def test_dtype_auto_takes_bfloat16_untimed_on_a_cpu_with_bf16_units(tmp_path, monkeypatch):
-    """With AMX or AVX512-BF16 bfloat16 wins at every row count: a timing with a threshold
-    could only turn that into a loss (an AMX Xeon scored 0.81 against a 0.8 margin and kept
-    float32, 1.4x slower served)."""
+    """With AMX or AVX512-BF16 bfloat16 wins at every row count: nothing to time."""
+    from jaxserve.engine import dtype_step_timing
     from jaxserve.engine.compute_dtype import auto_compute_dtype
-    from jaxserve.kernels.cpu import dtype_choice
 
-    monkeypatch.setattr(dtype_choice, "load_or_measure", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(dtype_step_timing, "load_or_measure",
+                        lambda *a: pytest.fail("timed"))
     monkeypatch.setattr(matmul, "available", lambda: True)
     large = _tiny_workload(tmp_path, num_layers=10**4)
     for units in (matmul.MatrixUnits(amx_bf16=True, avx512_bf16=True),
@@ -270,13 +319,13 @@ def test_dtype_auto_takes_bfloat16_untimed_on_a_cpu_with_bf16_units(tmp_path, mo
 def test_a_dtype_timing_that_fails_takes_the_rule_by_kind(tmp_path, monkeypatch, caplog):
     import logging
 
+    from jaxserve.engine import dtype_step_timing
     from jaxserve.engine.compute_dtype import auto_compute_dtype
-    from jaxserve.kernels.cpu import dtype_choice
 
     def broken(*args, **kwargs):
         raise RuntimeError("no timer here")
 
-    monkeypatch.setattr(dtype_choice, "load_or_measure", broken)
+    monkeypatch.setattr(dtype_step_timing, "load_or_measure", broken)
     monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
     with caplog.at_level(logging.WARNING, logger="jaxserve.engine.compute_dtype"):
         dtype, why = auto_compute_dtype("cpu", "auto", _tiny_workload(tmp_path,
@@ -287,28 +336,31 @@ def test_a_dtype_timing_that_fails_takes_the_rule_by_kind(tmp_path, monkeypatch,
 
 def test_the_engine_loads_the_model_in_the_dtype_auto_timed(make_tiny_model, tmp_path,
                                                                monkeypatch):
-    """place_model times the model's own shapes (here a tiny model made to count as large)
+    """place_model times the model's own step (here a tiny model made to count as large)
     and keeps why, for the startup log."""
     from jaxserve.config import EngineConfig
+    from jaxserve.engine import compute_dtype, dtype_step_timing
     from jaxserve.engine.model_source import place_model
-    from jaxserve.kernels.cpu import dtype_choice, timings
+    from jaxserve.kernels.cpu import timings
 
     monkeypatch.setattr(timings, "MEASURED_BYTES", 1 << 16)
+    monkeypatch.setattr(dtype_step_timing, "MEASURED_BYTES", 1 << 16)
     monkeypatch.setattr(matmul, "detect_matrix_units", lambda: matmul.MatrixUnits())
     chosen = []
-    real = dtype_choice.choose
-    monkeypatch.setattr(dtype_choice, "choose", lambda t: chosen.append(real(t)) or chosen[-1])
-    # matrix_units pinned to auto: a suite run as a forced kind ($JAXSERVE_MATRIX_UNITS)
-    # would otherwise take the rule by kind, untimed
+    real = compute_dtype.choose_by_step_times
+    monkeypatch.setattr(compute_dtype, "choose_by_step_times",
+                        lambda t: chosen.append(real(t)) or chosen[-1])
+    # matrix_units pinned to auto: a suite run as a forced kind with bf16 units
+    # ($JAXSERVE_MATRIX_UNITS) would otherwise take the rule by kind, untimed
     config = EngineConfig.from_kwargs(model=str(make_tiny_model("llama")), dtype="auto",
                                       max_num_seqs=4, max_model_len=64, matrix_units="auto")
     from jaxserve.platforms import CpuPlatform
 
     config = CpuPlatform().resolve_config(config)
     placed = place_model(config, None, CpuPlatform(), str(tmp_path))
-    assert len(chosen) == 1 and sorted(chosen[0].timings) == [1, 2, 4]
+    assert len(chosen) == 1 and sorted(chosen[0].timings) == [1, 4]
     assert placed.dtype == jnp.dtype(chosen[0].dtype)
-    assert placed.dtype_reason.startswith(chosen[0].dtype + ": measured on this CPU")
+    assert placed.dtype_reason.startswith(chosen[0].dtype + ": the whole decode step timed")
     assert {jnp.dtype(w.dtype) for w in jax.tree.leaves(placed.params)
             if jnp.issubdtype(w.dtype, jnp.floating)} == {jnp.dtype(placed.dtype)}
 

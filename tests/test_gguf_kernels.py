@@ -5,7 +5,9 @@ boxes may have) and no SIMD at all (the portable fallback build).
 
 The kernel quantizes x to 8 bits per 32-block (as llama.cpp's vec_dot does), so its products
 are checked twice: against x quantized the same way in numpy (equal to float rounding) and
-against float x within the rounding's worst case, sum_j |w_j| * (x's step / 2) per output."""
+against float x within the rounding's worst case, sum_j |w_j| * (x's step / 2) per output.
+Formats: Q8_0, Q4_0, Q4_1 and the K-quants Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M / Q6_K
+downloads hold)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not matmul.ava
 
 # weights and bytes per block, where its float16 scales sit (d; m or dmin)
 FORMATS = {"q8_0": (32, 34, (0,)), "q4_0": (32, 18, (0,)), "q4_1": (32, 20, (0, 2)),
-           "q4_k": (256, 144, (0, 2))}
+           "q4_k": (256, 144, (0, 2)), "q5_k": (256, 176, (0, 2)), "q6_k": (256, 210, (208,))}
+# the size of d: a weight is d times a quant (and a K-quant's sub-block scale: 6 bits in
+# q4_k / q5_k, int8 in q6_k), weights around 0.01-0.1 either way
+D_SIZE = {"q4_k": 0.01 / 32, "q5_k": 0.01 / 32, "q6_k": 0.01 / 32}
 SHAPES = {32: [(1, 576, 192), (3, 96, 37), (8, 576, 1536), (5, 64, 50), (13, 160, 71)],
           256: [(1, 512, 192), (3, 256, 37), (8, 768, 300), (13, 256, 71)]}   # T, in, out
 
@@ -32,16 +37,16 @@ def random_blocks(rng: np.random.Generator, fmt: str, out: int, n_in: int,
                   layers: int | None = None) -> np.ndarray:
     """uint8 [(layers,) out, n_in / block * bytes] for n_in weights a row: random quants and
     sub-block scales (every bit pattern), random nonzero float16 scales of both signs,
-    random mins (q4_1, q4_k's dmin)."""
+    random mins (q4_1, the K-quants' dmin)."""
     per_block, nbytes, scales = FORMATS[fmt]
     lead = (out, n_in // per_block) if layers is None else (layers, out, n_in // per_block)
     raw = rng.integers(0, 256, (*lead, nbytes), dtype=np.uint8)
-    size = 0.01 if fmt != "q4_k" else 0.01 / 32     # q4_k: times a 6-bit sub-block scale
+    size = D_SIZE.get(fmt, 0.01)
     d = (rng.uniform(0.5, 2.0, lead) * rng.choice([-1.0, 1.0], lead) * size).astype(np.float16)
-    raw[..., 0:2] = d[..., None].view(np.uint8)
+    raw[..., scales[0]:scales[0] + 2] = d[..., None].view(np.uint8)
     if len(scales) > 1:
-        m = rng.uniform(-0.05, 0.05, lead) / (32 if fmt == "q4_k" else 1)
-        raw[..., 2:4] = m.astype(np.float16)[..., None].view(np.uint8)
+        m = rng.uniform(-0.05, 0.05, lead) / (32 if per_block == 256 else 1)
+        raw[..., scales[1]:scales[1] + 2] = m.astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(*lead[:-1], lead[-1] * nbytes)
 
 
@@ -69,7 +74,8 @@ def check(got: np.ndarray, x: np.ndarray, packed: np.ndarray, fmt: str) -> None:
     # float x: within the 8-bit rounding's worst case (every rounding of one sign), and the
     # typical error far below it
     assert np.all(np.abs(got - exact) <= bound + 1e-5 * scale)
-    assert np.sqrt(np.mean((got - exact) ** 2)) < 0.02 * scale
+    # (numpy's own quantized x lands at 0.3-2.4 % of the outputs' RMS on these blocks)
+    assert np.sqrt(np.mean((got - exact) ** 2)) < 0.03 * scale
 
 
 def entry_library(flags: tuple[str, ...], name: str) -> ctypes.CDLL:
@@ -149,6 +155,7 @@ def test_the_entry_refuses_a_bad_format_or_ragged_blocks(kernel):
     w = np.zeros((4, 40), np.uint8)
     ptr = [a.ctypes.data_as(ctypes.c_void_p) for a in (x, w, y)]
     assert kernel.jaxserve_gguf_matmul(7, ptr[0], 1, 32, ptr[1], 4, ptr[2], 1) == -1
+    assert kernel.jaxserve_gguf_matmul(6, ptr[0], 1, 32, ptr[1], 4, ptr[2], 1) == -1
     assert kernel.jaxserve_gguf_matmul(0, ptr[0], 1, 40, ptr[1], 4, ptr[2], 1) == -1
     assert kernel.jaxserve_gguf_matmul(3, ptr[0], 1, 32, ptr[1], 4, ptr[2], 1) == -1  # q4_k: 256
 
@@ -184,5 +191,5 @@ def test_the_xla_call_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="multiple of 256"):
         matmul.gguf_matmul(jnp.zeros((1, 32)), (jnp.zeros((1, 2, 144), jnp.uint8),), 0, "q4_k")
     with pytest.raises(ValueError, match="format"):
-        matmul.gguf_matmul(jnp.zeros((1, 32)), (jnp.zeros((1, 2, 34), jnp.uint8),), 0, "q5_k")
+        matmul.gguf_matmul(jnp.zeros((1, 32)), (jnp.zeros((1, 2, 34), jnp.uint8),), 0, "q2_k")
 

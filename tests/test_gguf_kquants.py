@@ -1,7 +1,7 @@
 """GGUF files in llama.cpp's K-quant formats (Q4_K / Q5_K / Q6_K: what Q4_K_M / Q5_K_M /
 Q6_K downloads hold) load dequantized, by gguf-py's numpy reference, equal to what their
-blocks dequantize to; with quantization="gguf" Q4_K stays packed (with Q8_0 / Q4_0 / Q4_1),
-Q5_K / Q6_K are dequantized at load, and the model serves.
+blocks dequantize to; with quantization="gguf" Q4_K / Q5_K / Q6_K stay packed
+(with Q8_0 / Q4_0 / Q4_1), read by the block kernels, and the model serves.
 
 gguf-py (0.19) reads the K-quants but cannot write them (its quantize raises
 NotImplementedError for them), so the blocks are made here: random quants and sub-block
@@ -88,9 +88,9 @@ def test_k_quant_gguf_loads_what_its_blocks_dequantize_to(k_quant_gguf):
 
 
 def test_k_quant_gguf_serves_with_and_without_packed_blocks(k_quant_gguf):
-    """quantization="gguf" keeps the Q8_0 and Q4_K tensors packed (read by the block
-    kernel) and dequantizes the Q5_K / Q6_K ones; greedy tokens agree with the fully
-    dequantized model."""
+    """quantization="gguf" keeps the Q8_0 and K-quant tensors packed (read by the block
+    kernels, the Q6_K embedding too); greedy tokens agree with the fully dequantized
+    model."""
     import jax.numpy as jnp
 
     from jaxserve import LLM, SamplingParams
@@ -102,17 +102,45 @@ def test_k_quant_gguf_serves_with_and_without_packed_blocks(k_quant_gguf):
     prompts = [[11, 23, 98, 421, 77], [300, 301, 7]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = {}
-    for quantization in (None, "gguf"):
+    for quantization in ("none", "gguf"):
         llm = LLM(str(path), quantization=quantization, dtype="float32", **kwargs)
         layers = llm.llm_engine.setup.runner.params["params"]["layers"]
         if quantization == "gguf":
             assert layers["v_proj"]["q8_0"].dtype == jnp.uint8
             assert layers["o_proj"]["q4_k"].dtype == jnp.uint8
-            assert layers["gate_proj"]["kernel"].dtype == jnp.float32   # Q5_K: dequantized
+            assert layers["gate_proj"]["q5_k"].dtype == jnp.uint8
+            assert layers["down_proj"]["q6_k"].dtype == jnp.uint8
+            assert llm.llm_engine.setup.runner.params["params"]["embed_tokens"]["q6_k"].dtype \
+                == jnp.uint8
         tokens[quantization] = [o.outputs[0].token_ids
                                 for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.llm_engine.runner
         runner.wait_until_compiled()
         decode = runner._steps[min(runner._steps)].as_text()
         assert (GGUF_TARGET in decode) == (quantization == "gguf")   # the block kernel
-    assert [t[0] for t in tokens["gguf"]] == [t[0] for t in tokens[None]]
+    assert [t[0] for t in tokens["gguf"]] == [t[0] for t in tokens["none"]]
+
+
+def test_packed_tensors_keep_a_float_copy_within_the_budget(k_quant_gguf):
+    """gguf_float_copy_budget (a GGUF packed by default, engine/gguf_packing.py): every packed
+    tensor also dequantized, equal to what the blocks dequantize to, when the copy fits the
+    budget; the blocks alone when it does not."""
+    from jaxserve.loader import load_model
+
+    model_dir, path, dequantized = k_quant_gguf
+    both = load_model(str(path), tokenizer=str(model_dir), quantization="gguf",
+                      gguf_float_copy_budget=1 << 30).weights
+    for name, want in dequantized.items():
+        ours, layer = _ours(name)
+        fmt = TYPES[name.split(".")[-2]].lower()
+        assert f"{ours.removesuffix('.kernel')}.{fmt}" in both, name
+        got = both[ours] if layer is None else both[ours][layer].T
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    packed_formats = ("q8_0", "q4_k", "q5_k", "q6_k")
+    copies = [k for k in both if not k.endswith(packed_formats) and any(
+        f"{k.removesuffix('.kernel')}.{f}" in both for f in packed_formats)]
+    assert "embed_tokens" in copies and "layers.o_proj.kernel" in copies
+    copy_bytes = sum(both[k].nbytes for k in copies)
+    alone = load_model(str(path), tokenizer=str(model_dir), quantization="gguf",
+                       gguf_float_copy_budget=copy_bytes - 1).weights
+    assert not set(copies) & set(alone) and set(alone) == set(both) - set(copies)

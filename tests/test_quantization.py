@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +79,7 @@ def test_packed_dequantize_in_jit_equals_gguf_py_bit_for_bit(fmt):
     from gguf.quants import dequantize as gguf_dequantize
 
     rng = np.random.default_rng(1)
-    if fmt == "q4_k":    # gguf-py reads Q4_K but cannot write it: random super-blocks
+    if fmt.endswith("_k"):   # gguf-py reads the K-quants but cannot write them: random blocks
         from tests.test_gguf_kernels import random_blocks
 
         packed = random_blocks(rng, fmt, 24, 512, layers=2)
@@ -90,7 +91,7 @@ def test_packed_dequantize_in_jit_equals_gguf_py_bit_for_bit(fmt):
     ours = np.asarray(jax.jit(lambda p: dequantize(p, fmt))(packed))
     ref = gguf_dequantize(packed, GGMLQuantizationType[fmt.upper()])
     np.testing.assert_array_equal(ours, ref)
-    if fmt != "q4_k":
+    if not fmt.endswith("_k"):
         assert np.abs(ours - w).max() < (0.02 if fmt == "q8_0" else 0.5)
 
 
@@ -169,21 +170,43 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
     assert np.mean(logits.argmax(-1) == ref_logits.argmax(-1)) >= 0.8
 
 
-def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(default_gguf_path):
-    """quantization="gguf": the blocks stay packed, and on CPU the library's block kernel
-    reads them with x quantized to 8 bits per 32-block, as llama.cpp does
-    (kernels/cpu/gemv_gguf.h) -- close to, not equal to, the dequantized float model (HF on
-    gguf-py's dequantization): its teacher-forced next tokens and greedy first tokens."""
+def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(default_gguf_path,
+                                                                         caplog):
+    """The embedded GGUF with quantization unset, on one CPU: the blocks stay packed
+    (engine/gguf_packing.py) and the library's block kernel reads them with x quantized to
+    8 bits per 32-block, as llama.cpp does (kernels/cpu/gemv_gguf.h) -- close to, not equal
+    to, the dequantized float model (HF on gguf-py's dequantization): its teacher-forced next
+    tokens and greedy first tokens. The startup log says why, and quotes the measured cost."""
+    from jaxserve.kernels.cpu import matmul
+    from jaxserve.kernels.cpu.matmul import GGUF_TARGET
     from jaxserve.loader import load_model
+    from jaxserve.quantization.gguf_packed import GGUF_BLOCK_ROWS
     from tests.hf_reference import hf_greedy, hf_logits, torch_model_from_weights
 
-    llm = LLM(None, quantization="gguf", max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)
+    if jax.default_backend() != "cpu" or not matmul.available():
+        pytest.skip("packed by default only where the CPU's block kernels run")
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        llm = LLM(None, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=32 << 20)
+    assert "GGUF weights kept packed" in caplog.text
+    assert "measured cost of weights=gguf" in caplog.text and "top-1 agreement" in caplog.text
     setup = llm.llm_engine.setup
     layers = setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["q4_1"].dtype == jnp.uint8
     assert "q8_0" in setup.runner.params["params"]["embed_tokens"]
-    assert setup.weight_bytes <= 0.3 * setup.num_params * 4
+    blocks = sum(leaf.nbytes for leaf in jax.tree.leaves(setup.runner.params)
+                 if leaf.dtype == jnp.uint8)
+    assert blocks <= 0.2 * setup.num_params * 4
+    # beside the blocks, their float copy (engine/gguf_packing.py): steps of at most
+    # GGUF_BLOCK_ROWS rows read the blocks (the scan's q/k/v, o, gate/up, down calls), more
+    # rows the copy through oneDNN (at most the tied LM head's call on the blocks remains)
+    assert layers["q_proj"]["kernel"].dtype == setup.runner.dtype
+    runner = llm.llm_engine.runner
+    runner.wait_until_compiled()
+    few, many = min(runner._steps), max(runner._steps)
+    assert many[0] > GGUF_BLOCK_ROWS
+    assert runner._steps[few].as_text().count(GGUF_TARGET) >= 4
+    assert runner._steps[many].as_text().count(GGUF_TARGET) <= 1
     loaded = load_model(None)          # dequantized by gguf-py: the same quantized model
     hf = torch_model_from_weights(loaded.hf_config, loaded.weights)
     tok = llm.get_tokenizer()

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.platforms.gpu_targets import load_target, plugin_version
+from jaxserve.quantization import check_mode
 from jaxserve.runner import aot_executables as aot
 from jaxserve.runner.executable_cache import source_fingerprint
 
@@ -31,7 +32,7 @@ def engine_fingerprint(config: EngineConfig, source_arch: Any, dtype: Any, kv_dt
     pc, lc, spec = config.parallel_config, config.lora_config, config.spec_decode
     parts = {
         "arch": repr(source_arch), "dtype": np.dtype(dtype).name,
-        "kv_dtype": np.dtype(kv_dtype).name, "quantization": mc.quantization,
+        "kv_dtype": np.dtype(kv_dtype).name, "quantization": check_mode(mc.quantization),
         "max_model_len": max_model_len, "max_logprobs": mc.max_logprobs,
         "block_size": cc.block_size, "max_num_seqs": sc.max_num_seqs,
         "max_num_batched_tokens": sc.max_num_batched_tokens,

@@ -25,6 +25,11 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.dtypes import dtype_by_name
 from jaxserve.engine.compute_dtype import DtypeWorkload, auto_compute_dtype, resolve_dtype
+from jaxserve.engine.gguf_packing import (
+    float_copy_budget,
+    gguf_default_quantization,
+    settle_packed,
+)
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.platforms import Platform
@@ -122,12 +127,19 @@ def _load_and_place(config: EngineConfig, model_path: str, mesh: Any, platform: 
     mc = config.model_config
     dtype, dtype_reason = compute_dtype(
         config, platform, lambda: read_arch(read_model_config(model_path)[0]), cache_dir)
-    quantization = check_mode(mc.quantization)
+    quantization, packing = gguf_default_quantization(config, model_path, mesh, platform)
+    quantization = check_mode(quantization)
+    if packing:
+        logger.info(packing)
     loaded = load_model(model_path, dtype=np.dtype(dtype), tokenizer=mc.tokenizer,
                         load_format=mc.load_format, quantization=quantization,
                         skip_tokenizer_init=mc.skip_tokenizer_init,
-                        tokenizer_hub=hub_options(mc, for_tokenizer=True))
-    quantization = loaded.quantization     # awq / gptq: the checkpoint's own
+                        tokenizer_hub=hub_options(mc, for_tokenizer=True),
+                        gguf_float_copy_budget=float_copy_budget(quantization == "gguf"
+                                                                 and bool(packing)))
+    # awq / gptq: the checkpoint's own; a GGUF packed by default with nothing packable: None
+    quantization = settle_packed(loaded.quantization, quantization == "gguf" and bool(packing),
+                                 loaded.weights)
     source_arch = read_arch(loaded.hf_config)
     family = family_for(source_arch.architecture)
     # Sharding (jaxserve/models/placement.py): with tp > 1 each device receives only its

@@ -61,7 +61,9 @@ def convert_model(model: str | None, out: str, *, quantization: str | None = Non
     if Path(out).exists() and any(Path(out).iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
     own_dtype = dtype in ("model", "auto")
-    config = EngineConfig.from_kwargs(model=model, quantization=quantization,
+    # A converted checkpoint may be served anywhere: a GGUF stays packed only when asked
+    # (unset would pack it for this CPU's kernels, engine/gguf_packing.py).
+    config = EngineConfig.from_kwargs(model=model, quantization=quantization or "none",
                                       dtype="auto" if own_dtype else dtype,
                                       tokenizer=tokenizer, revision=revision,
                                       download_dir=download_dir, hf_token=hf_token,

@@ -114,7 +114,8 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
                tokenizer: str | os.PathLike | None = None,
                load_format: str = "auto", quantization: str | None = None,
                skip_tokenizer_init: bool = False, hub: HubOptions | None = None,
-               tokenizer_hub: HubOptions | None = None) -> LoadedModel:
+               tokenizer_hub: HubOptions | None = None,
+               gguf_float_copy_budget: int = 0) -> LoadedModel:
     """Resolve `model` (see loader/resolve.py) and load its config, weights and tokenizer.
 
     dtype: the numpy dtype of every weight ("float32", "bfloat16" = ml_dtypes.bfloat16,
@@ -127,7 +128,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
     checkpoint (config.json's quantization_config.quant_method) picks "awq" / "gptq" when
     quantization is None, keeps its projections packed (``NAME.qweight`` ...,
     quantization/awq_gptq.py), and refuses any other explicit mode.
-    LoadedModel.quantization is the mode the weights are in.
+    LoadedModel.quantization is the mode the weights are in. gguf_float_copy_budget: with
+    "gguf", the packed tensors dequantized too (``NAME.kernel`` beside ``NAME.q4_1``, for
+    steps of many rows) if they take at most this many bytes (gguf_loader.load_gguf_weights).
     skip_tokenizer_init: load no tokenizer (LoadedModel.tokenizer is None).
     hub, tokenizer_hub: revision, cache, token for a model / tokenizer named by its Hub id.
     """
@@ -161,7 +164,8 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype | str = "float32
         architecture = hf_config.architectures[0]
         weights = (dummy_weights(hf_config, numpy_dtype) if load_format == "dummy" else
                    load_gguf_weights(reader, hf_config, numpy_dtype, resolved.path,
-                                     keep_packed=quantization == "gguf"))
+                                     keep_packed=quantization == "gguf",
+                                     float_copy_budget=gguf_float_copy_budget))
         loaded_tokenizer = None if skip_tokenizer_init else (
             load_tokenizer(tokenizer, hub=tokenizer_hub) if tokenizer is not None
             else gguf_tokenizer(resolved.path, reader))

@@ -1,6 +1,7 @@
 """Read a llama.cpp GGUF file (weights, config and tokenizer) into our layout.
 
-Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants``.
+Quantized tensors (Q4_1, Q8_0, Q4_K, ...) are dequantized with ``gguf.quants``, or kept
+packed (the file's blocks, quantization/gguf_packed.py) for the block kernels.
 GGUF lists dimensions fastest-moving first (ggml's ``ne``); the reader's numpy
 arrays are already in row-major order, i.e. Hugging Face's ``[out, in]``.
 What llama.cpp's converter changed per architecture (Llama's q/k row permutation,
@@ -163,17 +164,28 @@ def _packed_groups(reader: Any, family: Any) -> dict[str, str]:
 
 
 def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
-                      path: str, keep_packed: bool = False) -> dict[str, np.ndarray]:
+                      path: str, keep_packed: bool = False,
+                      float_copy_budget: int = 0) -> dict[str, np.ndarray]:
     """All weights of a GGUF file in our stacked layout: dequantized into `dtype`, or with
-    keep_packed, Q8_0/Q4_0/Q4_1/Q4_K projections and embeddings as their raw blocks
-    (``layers.q_proj.q4_1`` uint8 [L, out, packed bytes]; quantization/gguf_packed.py)."""
+    keep_packed, Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections and embeddings as their raw blocks
+    (``layers.q_proj.q4_1`` uint8 [L, out, packed bytes]; quantization/gguf_packed.py).
+    float_copy_budget: with keep_packed, also the packed tensors dequantized into `dtype`
+    (``layers.q_proj.kernel`` beside ``layers.q_proj.q4_1``: steps of many rows read those,
+    models/linear_method.GGUFPackedMethod) when they take at most this many bytes."""
     from gguf.quants import dequantize
 
     gguf_arch = gguf_architecture(reader, path)
     family = file_family(reader, path)
     arch = read_arch(hf_config)
     packed_names = _packed_groups(reader, family) if keep_packed else {}
-    shapes = {n: s for n, s in family.weight_shapes(arch).items() if n not in packed_names}
+    copy_bytes = _float_bytes(reader, family, packed_names, dtype)
+    float_copy = bool(packed_names) and 0 < copy_bytes <= float_copy_budget
+    if packed_names and float_copy_budget:
+        logger.info("GGUF packed tensors: %s float copy (%.1f MiB in %s) for steps of many "
+                    "rows (budget %.1f MiB)", "with a" if float_copy else "without the",
+                    copy_bytes / 2**20, np.dtype(dtype).name, float_copy_budget / 2**20)
+    shapes = {n: s for n, s in family.weight_shapes(arch).items()
+              if float_copy or n not in packed_names}
     stacked = StackedWeights(shapes, dtype, source=path)
     packed: dict[str, np.ndarray] = {}
     unexpected, wanted = [], []
@@ -189,7 +201,8 @@ def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
                 if key not in packed:
                     packed[key] = np.empty((arch.num_layers, *rows.shape), np.uint8)
                 packed[key][layer] = rows
-            continue
+            if not float_copy:
+                continue
         if parsed is None or not stacked.wants(parsed[0]):
             if tensor.name != "output.weight" or not arch.tie_word_embeddings:
                 unexpected.append(tensor.name)
@@ -214,6 +227,16 @@ def load_gguf_weights(reader: Any, hf_config: Any, dtype: np.dtype,
         raise ValueError(f"{path}: GGUF has tensors this loader does not know how to use: "
                          f"{unexpected[:8]}")
     return stacked.finish() | packed
+
+
+def _float_bytes(reader: Any, family: Any, packed_names: dict[str, str], dtype: Any) -> int:
+    """Bytes the packed tensors take dequantized into dtype."""
+    count = 0
+    for tensor in reader.tensors:
+        parsed = parse_name(tensor.name, "gguf", family)
+        if parsed is not None and parsed[0] in packed_names:
+            count += int(tensor.n_elements)
+    return count * np.dtype(dtype).itemsize
 
 
 # The string arrays transformers' GGUF tokenizer reader returns whole; it gives any other

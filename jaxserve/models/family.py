@@ -112,7 +112,7 @@ class ModelFamily:
                 if base.startswith("layers."):
                     layers.setdefault(base.split(".")[1], {})[fmt] = value
                 else:
-                    params[base] = {fmt: value}
+                    params.setdefault(base, {})[fmt] = value
                 continue
             present.add(name)
             if name not in expected:
@@ -122,8 +122,8 @@ class ModelFamily:
                 module, leaf = parts[0], (parts[1] if len(parts) > 1 else "weight")
                 layers.setdefault(module, {})[leaf] = value
             else:
-                params[name] = {{"embed_tokens": "embedding", "lm_head": "kernel"}.get(
-                    name, "weight"): value}
+                params.setdefault(name, {})[{"embed_tokens": "embedding",
+                                             "lm_head": "kernel"}.get(name, "weight")] = value
         missing = sorted(set(expected) - present)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing}")

@@ -27,6 +27,7 @@ from jaxserve.models.layer_matmul import (
 from jaxserve.models.linear_method import linear_method_for
 from jaxserve.models.lora import lora_delta
 from jaxserve.quantization.gguf_packed import (
+    GGUF_BLOCK_ROWS,
     dequantize,
     packed_columns,
     packed_format_of,
@@ -138,7 +139,9 @@ class Embedding(nn.Module):
     def setup(self) -> None:
         fmt = packed_format_of(self.variables.get("params", {}))
         self.packed_format = fmt
-        if fmt is None:
+        # a packed table may come with its float copy (engine/gguf_packing.py)
+        self.float_copy = fmt is not None and "embedding" in self.variables.get("params", {})
+        if fmt is None or self.float_copy:
             self.embedding = self.param(
                 "embedding", nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
                 (self.num_embeddings, self.features), self.dtype)
@@ -151,7 +154,7 @@ class Embedding(nn.Module):
         return packed
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        if self.packed_format is None:
+        if self.packed_format is None or self.float_copy:
             return jnp.take(self.embedding, ids, axis=0)
         return dequantize(jnp.take(self._packed(), ids, axis=0), self.packed_format, self.dtype)
 
@@ -160,7 +163,7 @@ class Embedding(nn.Module):
         bfloat16 table read once, at the memory's speed, the rows taken in float32): with
         ``small_rows_kernel`` and at most ``gemv_rows`` rows (the engine's measured limit)."""
         if self.packed_format is not None:   # GGUF blocks: the block kernel, rows in f32
-            return 0 < rows <= SMALL_LOGITS_MAX_ROWS
+            return 0 < rows <= (GGUF_BLOCK_ROWS if self.float_copy else SMALL_LOGITS_MAX_ROWS)
         return 0 < rows <= gemv_rows and self.embedding.dtype in IN_PLACE_DTYPES
 
     def attend(self, query: jax.Array, small_rows_kernel: bool = False,
@@ -170,8 +173,10 @@ class Embedding(nn.Module):
         read in place: at most ``gemv_rows`` rows through its streaming GEMV (float32 rows
         as given: `streams_logits`), more through oneDNN -- except one row of a float32
         table, where XLA's GEMV is as fast as oneDNN."""
-        if self.packed_format is None:
-            if small_rows_kernel and query.ndim == 2 \
+        packed_rows = small_rows_kernel and query.ndim == 2 and self.packed_format is not None \
+            and self.streams_logits(query.shape[0], gemv_rows)
+        if self.packed_format is None or (self.float_copy and not packed_rows):
+            if self.packed_format is None and small_rows_kernel and query.ndim == 2 \
                     and self.streams_logits(query.shape[0], gemv_rows):
                 return small_logits(query, self.embedding, gemv_rows)
             if small_rows_kernel and query.ndim == 2 \

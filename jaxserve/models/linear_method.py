@@ -30,7 +30,12 @@ from jaxserve.models.layer_matmul import (
 )
 from jaxserve.quantization.awq_gptq import LEAVES as AWQ_GPTQ_LEAVES
 from jaxserve.quantization.awq_gptq import packed_int_matmul
-from jaxserve.quantization.gguf_packed import WEIGHTS_PER_BLOCK, packed_format_of, packed_matmul
+from jaxserve.quantization.gguf_packed import (
+    GGUF_BLOCK_ROWS,
+    WEIGHTS_PER_BLOCK,
+    packed_format_of,
+    packed_matmul,
+)
 
 
 class LinearMethod(Protocol):
@@ -173,10 +178,13 @@ class Int8GroupedMethod:
 
 
 class GGUFPackedMethod:
-    """q8_0 / q4_0 / q4_1 / q4_k uint8 [out, packed] GGUF blocks. On CPU under the stacked
-    layer scan (steps of at most MAX_ROWS rows) the library's block kernel reads them in place,
-    x quantized to 8 bits per block as llama.cpp does (kernels/cpu/gemv_gguf.h), products in
-    float32; elsewhere XLA dequantizes the tensor inside the jit."""
+    """q8_0 / q4_0 / q4_1 / q4_k / q5_k / q6_k uint8 [out, packed] GGUF blocks. On CPU under
+    the stacked layer scan (steps of at most MAX_ROWS rows) the library's block kernel reads
+    them in place, x quantized to 8 bits per block as llama.cpp does
+    (kernels/cpu/gemv_gguf.h), products in float32; elsewhere XLA dequantizes the tensor
+    inside the jit. A layer that also holds the blocks dequantized (``kernel`` [in, out],
+    engine/gguf_packing.py) reads the blocks only at up to GGUF_BLOCK_ROWS rows, and the
+    float copy (`DenseMethod`: oneDNN on the matrix units) above them."""
     name = "gguf"
 
     def matches(self, params: Mapping[str, Any]) -> bool:
@@ -186,15 +194,19 @@ class GGUFPackedMethod:
         operand = self.gemv_operand(layer, x)
         if operand is not None:
             return grouped_gemv(x, [operand], min_operands=1)[0]
+        if "kernel" in layer.variables.get("params", {}):
+            return _DENSE.apply(layer, x)
         fmt = packed_format_of(layer.variables.get("params", {}))
         return packed_matmul(x, layer.get_variable("params", fmt), fmt, layer.dtype)
 
     def gemv_operand(self, layer: nn.Module, x: jax.Array) -> GemvOperand | None:
         """This layer's stacked blocks for the library's GGUF kernel (grouped with its
         siblings: q/k/v, gate/up), under the CPU's stacked layer scan; else None."""
-        fmt = packed_format_of(layer.variables.get("params", {}))
+        params = layer.variables.get("params", {})
+        fmt = packed_format_of(params)
+        limit = GGUF_BLOCK_ROWS if "kernel" in params else MAX_ROWS
         found = stacked_params(layer.scope.path) if x.ndim == 2 \
-            and x.shape[0] <= MAX_ROWS and x.shape[-1] % WEIGHTS_PER_BLOCK[fmt] == 0 else None
+            and x.shape[0] <= limit and x.shape[-1] % WEIGHTS_PER_BLOCK[fmt] == 0 else None
         if found is None or found[0].get(fmt) is None or found[0][fmt].ndim != 3:
             return None
         return GemvOperand(found[0][fmt], found[1], out_dtype=jnp.float32, gguf_format=fmt)

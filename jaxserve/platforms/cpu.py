@@ -27,6 +27,7 @@ class CpuPlatform(Platform):
     default_max_num_batched_tokens = 512
     unroll_layers = False
     memory_is_host_ram = True
+    runs_gguf_block_kernels = True
 
     def configure_process(self, config: EngineConfig) -> None:
         """What dtype=auto and the int8 path assume: the matrix units steps are traced for."""

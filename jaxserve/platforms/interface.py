@@ -14,6 +14,7 @@ The rules, and who asks them:
   unroll_layers             the layer loop: unrolled (static per-layer slices) or a scan
   gemv_rows                 the matmul path's measured choice: decode rows on the CPU's GEMV
   memory_is_host_ram        memory pools: devices that share host RAM plan as one pool
+  runs_gguf_block_kernels   the matmul path of a GGUF file: packed blocks or dequantized
   device_memory_bytes       a compile target's memory (None: ask the devices here)
   compile_mesh              a compile target's compile-only devices
   step_compiler_options     what every compile of the step passes to XLA
@@ -44,6 +45,9 @@ class Platform(abc.ABC):
     memory_is_host_ram: bool = False
     #: A compile target's device memory (None: the devices here report their own).
     device_memory_bytes: int | None = None
+    #: GGUF's packed blocks are read in place by this platform's kernels (kernels/cpu); where
+    #: not, XLA would dequantize them every step, so a GGUF file is dequantized at load.
+    runs_gguf_block_kernels: bool = False
 
     @property
     def auto_dtype(self) -> Any | None:

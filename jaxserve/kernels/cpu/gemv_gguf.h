@@ -1,4 +1,4 @@
-// Projections over GGUF's packed blocks (Q8_0, Q4_0, Q4_1), read in place: y[T, out] =
+// Projections over GGUF's packed blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), read in place: y[T, out] =
 // x[T, in] @ W^T with W the file's own bytes, [out, in / 32 blocks] -- each output feature a
 // row of consecutive 32-weight blocks along the input, so the kernel is a dot product per
 // weight row (the transposed GEMV's shape), split over rows between XLA's pool workers.
@@ -35,14 +35,18 @@ namespace jaxserve_cpu {
 namespace {
 
 constexpr int kGgufBlock = 32;
-enum GgufFormat : int { kGgufQ8_0 = 0, kGgufQ4_0 = 1, kGgufQ4_1 = 2, kGgufQ4_K = 3 };
-constexpr int kGgufFormats = 4;
+enum GgufFormat : int {
+  kGgufQ8_0 = 0, kGgufQ4_0 = 1, kGgufQ4_1 = 2, kGgufQ4_K = 3, kGgufQ5_K = 4, kGgufQ6_K = 5
+};
+constexpr int kGgufFormats = 6;
 
-inline int64_t gguf_block_bytes(int fmt) {
-  return fmt == kGgufQ8_0 ? 34 : fmt == kGgufQ4_0 ? 18 : fmt == kGgufQ4_1 ? 20 : 144;
+constexpr int64_t gguf_block_bytes(int fmt) {
+  return fmt == kGgufQ8_0 ? 34 : fmt == kGgufQ4_0 ? 18 : fmt == kGgufQ4_1 ? 20
+       : fmt == kGgufQ4_K ? 144 : fmt == kGgufQ5_K ? 176 : 210;
 }
+constexpr bool gguf_is_k_quant(int fmt) { return fmt >= kGgufQ4_K; }
 // Weights per block: 32, or a K-quant's 256-weight super-block.
-inline int64_t gguf_block_weights(int fmt) { return fmt == kGgufQ4_K ? 256 : kGgufBlock; }
+inline int64_t gguf_block_weights(int fmt) { return gguf_is_k_quant(fmt) ? 256 : kGgufBlock; }
 // Bytes of one weight row of `in` weights (in a whole number of blocks).
 inline int64_t gguf_row_bytes(int fmt, int64_t in) {
   return in / gguf_block_weights(fmt) * gguf_block_bytes(fmt);
@@ -223,9 +227,55 @@ inline void q4k_scale_min(const uint8_t* q, int j, int* sc, int* m) {
   }
 }
 
-template <int T>
-void gguf_dot_rows_q4k(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t0, float* Y,
-                       int64_t ldy, int64_t r0, int64_t r1) {
+#if defined(__AVX2__)
+// Sub-block j's 32 weights as bytes: Q4_K / Q5_K unsigned 0..15 / 0..31; Q6_K signed q - 32.
+// qh: the super-block's 32 high-bit bytes (Q5_K), loaded once per super-block.
+template <int FMT>
+inline __m256i k_quant_weights(const uint8_t* blk, __m256i qh, int j) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  if (FMT == kGgufQ6_K) {
+    const int h = j >> 2, s = (j >> 1) & 1, c = j & 1;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * c));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * s)), lo4);
+    const __m256i high = _mm256_and_si256(
+        _mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * (j & 3))), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)),
+                           _mm256_set1_epi8(32));
+  }
+  const uint8_t* qs = blk + (FMT == kGgufQ5_K ? 48 : 16) + 32 * (j / 2);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  __m256i w = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(bytes, 4) : bytes, lo4);
+  if (FMT == kGgufQ5_K) {
+    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
+                                         _mm256_set1_epi8(1));
+    w = _mm256_or_si256(w, _mm256_slli_epi16(bit, 4));   // bit 0 -> bit 4, no carry across bytes
+  }
+  return w;
+}
+#endif
+
+// Weight l (0..31) of sub-block j, scalar: Q4_K / Q5_K unsigned, Q6_K signed (q - 32).
+template <int FMT>
+inline int k_quant_weight(const uint8_t* blk, int j, int l) {
+  if (FMT == kGgufQ6_K) {
+    const int h = j >> 2, s = (j >> 1) & 1, c = j & 1;
+    const int low = (blk[64 * h + 32 * c + l] >> (4 * s)) & 15;
+    const int high = (blk[128 + 32 * h + l] >> (2 * (j & 3))) & 3;
+    return (low | (high << 4)) - 32;
+  }
+  const uint8_t byte = blk[(FMT == kGgufQ5_K ? 48 : 16) + 32 * (j / 2) + l];
+  int w = j & 1 ? byte >> 4 : byte & 0x0f;
+  if (FMT == kGgufQ5_K) w |= ((blk[16 + l] >> j) & 1) << 4;
+  return w;
+}
+
+// The K-quants (Q4_K, Q5_K, Q6_K): 256-weight super-blocks of 8 sub-blocks of 32, each
+// sub-block meeting one 32-block of x.
+template <int T, int FMT>
+void gguf_dot_rows_k(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t0, float* Y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+  constexpr int64_t BPB = gguf_block_bytes(FMT);
   const int64_t nb = xq.blocks, nsb = nb / 8;
   const int8_t* XQ = xq.q.data() + t0 * nb * kGgufBlock;
   const float* XD = xq.d.data() + t0 * nb;
@@ -242,37 +292,50 @@ void gguf_dot_rows_q4k(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t
     for (int t = 0; t < T; ++t) acc[t] = 0.f;
 #endif
     for (int64_t sb = 0; sb < nsb; ++sb) {
-      const uint8_t* blk = row + sb * 144;
-      const float d = f16_at(blk), dmin = f16_at(blk + 2);
-      const uint8_t* qs = blk + 16;
-      for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        q4k_scale_min(blk + 4, j, &sc, &mn);
-        const float ds = d * float(sc), dm = dmin * float(mn);
-        const int64_t b = sb * 8 + j;
-        const uint8_t* raw = qs + 32 * (j / 2);
+      const uint8_t* blk = row + sb * BPB;
+      const float d = f16_at(FMT == kGgufQ6_K ? blk + 208 : blk);
+      const float dmin = FMT == kGgufQ6_K ? 0.f : f16_at(blk + 2);
 #if defined(__AVX2__)
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw));
-        const __m256i w = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(bytes, 4) : bytes,
-                                           _mm256_set1_epi8(0x0f));
+      const __m256i qh = FMT == kGgufQ5_K
+          ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+#endif
+      for (int j = 0; j < 8; ++j) {
+        float s0, s1, dm = 0.f;   // the scales of the sub-block's two halves, its min
+        if (FMT == kGgufQ6_K) {
+          s0 = d * float(int8_t(blk[192 + 2 * j]));
+          s1 = d * float(int8_t(blk[193 + 2 * j]));
+        } else {
+          int sc, mn;
+          q4k_scale_min(blk + 4, j, &sc, &mn);
+          s0 = s1 = d * float(sc);
+          dm = dmin * float(mn);
+        }
+        const int64_t b = sb * 8 + j;
+#if defined(__AVX2__)
+        __m256i w = k_quant_weights<FMT>(blk, qh, j);
+        const __m256i sign = w;
+        if (FMT == kGgufQ6_K) w = _mm256_sign_epi8(w, w);
+        // lanes 0-3 sum bytes 0-15 (first half), lanes 4-7 bytes 16-31
+        const __m256 halves = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
         JAXSERVE_UNROLL for (int t = 0; t < T; ++t) {
           const int64_t at = t * nb + b;
-          const __m256i xv =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + at * kGgufBlock));
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + at * kGgufBlock));
+          if (FMT == kGgufQ6_K) xv = _mm256_sign_epi8(xv, sign);
           const __m256 p = _mm256_cvtepi32_ps(gguf_dot_us(w, xv));
-          acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(ds * XD[at]), acc[t]);
-          corr[t] -= dm * XS[at];
+          acc[t] = _mm256_fmadd_ps(p, _mm256_mul_ps(halves, _mm256_set1_ps(XD[at])), acc[t]);
+          if (FMT != kGgufQ6_K) corr[t] -= dm * XS[at];
         }
 #else
         int w[kGgufBlock];
-        for (int l = 0; l < kGgufBlock; ++l) w[l] = j & 1 ? raw[l] >> 4 : raw[l] & 0x0f;
+        for (int l = 0; l < kGgufBlock; ++l) w[l] = k_quant_weight<FMT>(blk, j, l);
         for (int t = 0; t < T; ++t) {
           const int64_t at = t * nb + b;
           const int8_t* xb = XQ + at * kGgufBlock;
-          int sum = 0;
-          for (int l = 0; l < kGgufBlock; ++l) sum += w[l] * xb[l];
-          acc[t] += float(sum) * (ds * XD[at]);
-          corr[t] -= dm * XS[at];
+          int lo = 0, hi = 0;
+          for (int l = 0; l < 16; ++l) lo += w[l] * xb[l];
+          for (int l = 16; l < kGgufBlock; ++l) hi += w[l] * xb[l];
+          acc[t] += (float(lo) * s0 + float(hi) * s1) * XD[at];
+          if (FMT != kGgufQ6_K) corr[t] -= dm * XS[at];
         }
 #endif
       }
@@ -295,10 +358,10 @@ struct GgufSegment {
 template <int T, int FMT>
 void gguf_rows(const uint8_t* W, int64_t bpr, const GgufX& xq, int64_t t0, float* Y,
                int64_t ldy, int64_t r0, int64_t r1) {
-  if (FMT == kGgufQ4_K)
-    gguf_dot_rows_q4k<T>(W, bpr, xq, t0, Y, ldy, r0, r1);
+  if (gguf_is_k_quant(FMT))
+    gguf_dot_rows_k<T, FMT>(W, bpr, xq, t0, Y, ldy, r0, r1);
   else
-    gguf_dot_rows<T, FMT == kGgufQ4_K ? kGgufQ4_1 : FMT>(W, bpr, xq, t0, Y, ldy, r0, r1);
+    gguf_dot_rows<T, gguf_is_k_quant(FMT) ? kGgufQ4_1 : FMT>(W, bpr, xq, t0, Y, ldy, r0, r1);
 }
 
 template <int FMT>
@@ -342,8 +405,12 @@ inline void gguf_run_part(int fmt, const std::vector<GgufSegment>& segs, int64_t
     gguf_part<kGgufQ4_0>(segs, bpr, xq, T, total_rows, part, parts);
   else if (fmt == kGgufQ4_1)
     gguf_part<kGgufQ4_1>(segs, bpr, xq, T, total_rows, part, parts);
-  else
+  else if (fmt == kGgufQ4_K)
     gguf_part<kGgufQ4_K>(segs, bpr, xq, T, total_rows, part, parts);
+  else if (fmt == kGgufQ5_K)
+    gguf_part<kGgufQ5_K>(segs, bpr, xq, T, total_rows, part, parts);
+  else
+    gguf_part<kGgufQ6_K>(segs, bpr, xq, T, total_rows, part, parts);
 }
 
 // How many parts a pass over `rows` weight rows of `bytes` in all is cut into: about

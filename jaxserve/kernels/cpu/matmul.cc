@@ -386,7 +386,7 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (xd.size() != 2 || layer_buf.element_count() != 1 || n == 0 || args.size() != n ||
       fmt < 0 || fmt >= jaxserve_cpu::kGgufFormats)
     return ffi::Error::InvalidArgument("gguf matmul: want x [T, in], layer [], n >= 1 packed "
-                                       "weights [L, out_i, bytes] of format 0..3 and n results "
+                                       "weights [L, out_i, bytes] of format 0..5 and n results "
                                        "[T, out_i]; got x " + dims_str(xd));
   if (x.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("gguf matmul: x float32");

@@ -34,8 +34,9 @@ TARGET = "jaxserve_matmul"
 SYMBOL = "JaxserveMatmul"
 GROUP_TARGET = "jaxserve_matmul_group"
 GGUF_TARGET = "jaxserve_gguf_matmul"
-GGUF_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3}   # gemv_gguf.h's GgufFormat
-GGUF_BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}
+# gemv_gguf.h's GgufFormat
+GGUF_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}
+GGUF_BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
 MAX_GEMV_ROWS = 8
 GEMV_K_BLOCK = 8      # gemv.h's kGemvKBlock: weight rows per block, never two int8 groups
 
@@ -278,8 +279,8 @@ def gguf_matmul(x: jax.Array, packed: tuple[jax.Array, ...], layer, fmt: str
     """(x @ W[layer]^T for W in packed): GGUF blocks read in place (gemv_gguf.h).
 
     packed: uint8 [L, out_i, in / block * bytes_per_block] weights of one format (``fmt``:
-    q8_0, q4_0, q4_1 of 32-weight blocks, quantization/gguf_packed.py's layout; q4_k of
-    256-weight super-blocks), x [T, in] float32 (any T; in a
+    q8_0, q4_0, q4_1 of 32-weight blocks, quantization/gguf_packed.py's layout; q4_k, q5_k,
+    q6_k of 256-weight super-blocks), x [T, in] float32 (any T; in a
     multiple of 32), results float32 [T, out_i]. x is quantized to 8 bits per 32-block
     inside the call (llama.cpp's vec_dot does the same): the products differ from the
     dequantized weights' float ones by that rounding (tests/test_gguf_kernels.py bounds it)."""

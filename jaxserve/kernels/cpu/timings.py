@@ -1,5 +1,5 @@
 """Timing the model's projection shapes on this CPU, and keeping what was measured: what the
-engine's measured choices (gemv_choice.py, dtype_choice.py) share.
+engine's measured choices (gemv_choice.py, engine/dtype_step_timing.py) share.
 
 A timing reads about MEASURED_BYTES of weights per call -- more than a CPU's last-level cache,
 as a decode step does -- stacked over enough layers of the model's own [in, out] shapes.
