@@ -35,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -42,19 +43,21 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.model_setup import setup_model  # noqa: E402
+from jaxserve.models.execution_plan import LayerLoop  # noqa: E402
 from jaxserve.platforms.gpu_targets import (  # noqa: E402
     CUBLAS_COMPILER_OPTIONS,
     GPU_COMPILER_OPTIONS,
 )
 
-# name -> (unroll_layers, small_batch_layer_matmul, compiler options; None: the runner's own)
+# name -> (the plan's layer loop, its cpu_matmul, compiler options; None: the runner's own)
 VARIANTS = {
-    "rolled+layer_matmul": (False, True, None),
-    "rolled": (False, False, None),
-    "unrolled": (True, False, None),
-    "unrolled+layer_matmul": (True, True, None),
-    "unrolled-untuned": (True, False, {**GPU_COMPILER_OPTIONS, "xla_gpu_autotune_level": 0}),
-    "unrolled-cublas": (True, False, CUBLAS_COMPILER_OPTIONS),
+    "rolled+layer_matmul": (LayerLoop.SCANNED, True, None),
+    "rolled": (LayerLoop.SCANNED, False, None),
+    "unrolled": (LayerLoop.UNROLLED, False, None),
+    "unrolled+layer_matmul": (LayerLoop.UNROLLED, True, None),
+    "unrolled-untuned": (LayerLoop.UNROLLED, False,
+                         {**GPU_COMPILER_OPTIONS, "xla_gpu_autotune_level": 0}),
+    "unrolled-cublas": (LayerLoop.UNROLLED, False, CUBLAS_COMPILER_OPTIONS),
 }
 
 
@@ -81,14 +84,14 @@ def main() -> None:
     wanted = [int(t) for t in args.tokens.split(",")]
     shapes = [s for s in runner.buckets.all_shapes() if s[0] in wanted]
     names = args.variants.split(",")
-    if "+layer_matmul" in args.variants and not base.small_batch_layer_matmul:
+    if "+layer_matmul" in args.variants and not base.plan.cpu_matmul:
         sys.exit("the oneDNN layer matmul is off here (not the CPU backend, or no library)")
 
     steps: dict[str, dict] = {}
     compile_s: dict[str, dict] = {}
     for name in names:
-        unroll, in_place, options = VARIANTS[name]
-        runner.model = base.clone(unroll_layers=unroll, small_batch_layer_matmul=in_place)
+        loop, in_place, options = VARIANTS[name]
+        runner.model = base.with_plan(replace(base.plan, layer_loop=loop, cpu_matmul=in_place))
         steps[name], compile_s[name] = {}, {}
         for shape in shapes:
             t0 = time.perf_counter()    # the runner's own compile (GPU: its step options)

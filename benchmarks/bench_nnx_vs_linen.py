@@ -31,6 +31,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from jaxserve.attention.backend import get_attention_backend
+from jaxserve.models.execution_plan import ExecutionPlan
 from jaxserve.models.layers import apply_rope
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.step_inputs import AttentionMetadata
@@ -68,7 +69,7 @@ def linen_variant(arch, backend, rng):
         if name.endswith("norm"):
             weights[name] += 1
     params = jax.device_put(family.params_from_weights(weights, arch))
-    model = family.build(arch, backend, NUM_BLOCKS, BLOCK_SIZE, jnp.float32)
+    model = family.build(arch, backend, NUM_BLOCKS, BLOCK_SIZE, jnp.float32, ExecutionPlan())
     constants = jax.device_put(family.constants(arch))
 
     def step(params, k_cache, v_cache, tokens, positions, meta, logits_indices):

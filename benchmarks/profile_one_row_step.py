@@ -199,14 +199,13 @@ def main() -> None:
     table = lm_head_weight(runner.params, vocab, hidden)
     x = jnp.asarray(rng.standard_normal((1, hidden)), dtype=getattr(table, "dtype", dtype))
     lm_head = None
-    settings = runner._settings
+    plan = runner.plan
     if table is not None and hasattr(table, "dtype") and table.ndim == 2 \
-            and table.shape == (vocab, hidden) and settings.get("float_gemv_rows", 0) >= 1 \
-            and settings.get("small_batch_layer_matmul"):
+            and table.shape == (vocab, hidden) and plan.gemv_rows >= 1 and plan.cpu_matmul:
         # The step's own path: the library's transposed GEMV on float32 rows
         from jaxserve.models.layer_matmul import small_logits
 
-        rows = settings["float_gemv_rows"]
+        rows = plan.gemv_rows
         lm_head = timed(jax.jit(lambda h, w: small_logits(h, w, rows)),
                         x.astype(jnp.float32), table)
     elif table is not None and hasattr(table, "dtype") and table.ndim == 2:

@@ -293,10 +293,10 @@ def test_engine_cpu_backend_gives_the_reference_backends_greedy_tokens(make_tiny
                   max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, **precision.EXACT)
         runner = llm.llm_engine.runner
         assert runner.model.backend.name == backend
-        # The CPU backend's steps (all of them here: <= layer_matmul.MAX_ROWS tokens) also read
-        # each layer's projection weights in place through the oneDNN library
+        # The CPU backend's steps (all of them here: <= the plan's max_library_rows) also
+        # read each layer's projection weights in place through the oneDNN library
         # (models/layer_matmul.py); the reference keeps XLA's dot.
-        assert runner.model.small_batch_layer_matmul == (backend == "cpu")
+        assert runner.plan.cpu_matmul == (backend == "cpu")
         outputs[backend] = [o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)]
         if backend == "cpu":

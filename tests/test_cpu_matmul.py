@@ -473,7 +473,7 @@ def test_gemv_and_onednn_steps_give_the_same_greedy_tokens(make_tiny_model):
         llm = LLM(model, dtype="float32", max_model_len=64, max_num_seqs=4,
                   max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, cpu_gemv_rows=rows)
         runner = llm.llm_engine.runner
-        assert runner._settings["float_gemv_rows"] == int(rows)
+        assert runner.plan.gemv_rows == int(rows)
         outs[rows] = llm.generate(prompts, params, use_tqdm=False)
         runner.wait_until_compiled()
         step = runner._steps[min(runner._steps)].as_text()
@@ -502,5 +502,5 @@ def test_a_gemv_timing_that_fails_leaves_onednn_and_the_engine_starts(make_tiny_
     with caplog.at_level(logging.WARNING, logger="jaxserve.engine.model_setup"):
         llm = LLM(str(make_tiny_model("llama")), dtype="float32", max_model_len=64,
                   max_num_seqs=2, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
-    assert llm.llm_engine.runner._settings["float_gemv_rows"] == 0
+    assert llm.llm_engine.runner.plan.gemv_rows == 0
     assert "could not time the CPU GEMV" in caplog.text and "no timer here" in caplog.text

@@ -13,6 +13,7 @@ chooser's tiles fit the smallest target.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.aot_compile import build_abstract_engine, compile_bucket  # noqa: E402
+from jaxserve.models.execution_plan import LayerLoop  # noqa: E402
 from jaxserve.platforms.gpu_targets import load_target, target_names, topology_mesh  # noqa: E402
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -178,13 +180,14 @@ def test_the_decode_step_reads_layer_weights_in_place(tmp_path):
     # The one-token bucket: in wider ones activations (prompt logits, split-K partials) reach
     # a weight's size, and size alone no longer tells a copied weight apart.
     decode = runner.buckets.all_shapes()[0]
-    assert decode[0] == 1 and runner.model.unroll_layers
+    assert decode[0] == 1 and runner.plan.layer_loop is LayerLoop.UNROLLED
 
     text = runner._compile(*decode).as_text()
     assert TRITON in text
     assert _big_buffers(text, smallest) == []
 
-    runner.model = runner.model.clone(unroll_layers=False)
+    runner.model = runner.model.with_plan(
+        dataclasses.replace(runner.plan, layer_loop=LayerLoop.SCANNED))
     rolled = _big_buffers(runner._compile(*decode).as_text(), smallest)
     assert any(" while " in c for c in rolled) and any(" fusion " in c for c in rolled), rolled
 

@@ -78,11 +78,16 @@ def test_default_smollm2_logits_and_greedy_tokens_match_hf(default_llm):
     logger.warning("SmolLM2-135M: max |logits - HF| = %.2e", worst)
 
 
-def test_unrolled_layer_loop_gives_the_scans_logits(make_tiny_model):
-    """GPUs run the layers unrolled (models/decoder.py `unroll_layers`), CPUs as a scan: the
-    same parameters and per-layer inputs (windows, layer index) give the same logits."""
+def test_unrolled_and_per_layer_loops_give_the_scans_logits(make_tiny_model):
+    """GPUs run the layers unrolled, CPUs as a scan, and per-layer buffers are the third
+    layer loop of the execution plan (models/execution_plan.py): the same parameters and
+    per-layer inputs (windows, layer index) give the same logits."""
+    import dataclasses
+
     from jaxserve.config import EngineConfig
     from jaxserve.engine.model_setup import setup_model
+    from jaxserve.models.decoder import per_layer_weights
+    from jaxserve.models.execution_plan import LayerLoop
 
     model = make_tiny_model("qwen2", use_sliding_window=True, sliding_window=8,
                             max_window_layers=1, num_hidden_layers=3)
@@ -91,11 +96,15 @@ def test_unrolled_layer_loop_gives_the_scans_logits(make_tiny_model):
                                       attention_backend="reference",
                                       kv_cache_memory_bytes=1 << 20, load_format="dummy")
     runner = setup_model(config, warmup=False).runner
-    assert not runner.model.unroll_layers
+    assert runner.plan.layer_loop is LayerLoop.SCANNED
     ids = list(range(3, 23))                     # 20 tokens: past the 8-token window
     rolled = runner.prompt_logits(ids, [0, 1])
-    runner.model = runner.model.clone(unroll_layers=True)
-    runner._prompt_logits_fns.clear()
-    unrolled = runner.prompt_logits(ids, [0, 1])
     assert np.abs(rolled).max() > 0
-    np.testing.assert_allclose(unrolled, rolled, rtol=1e-5, atol=1e-5)
+    base, stacked = runner.model, runner.params
+    for loop in (LayerLoop.UNROLLED, LayerLoop.PER_LAYER):
+        runner.model = base.with_plan(dataclasses.replace(base.plan, layer_loop=loop))
+        runner.params = {"params": per_layer_weights(stacked["params"])} \
+            if loop is LayerLoop.PER_LAYER else stacked
+        runner._prompt_logits_fns.clear()
+        np.testing.assert_allclose(runner.prompt_logits(ids, [0, 1]), rolled,
+                                   rtol=1e-5, atol=1e-5, err_msg=loop.value)

@@ -26,7 +26,8 @@ ASKING = re.compile("|".join([
 # The attention backend named "cpu" (the C++ kernel) is a backend, not a platform.
 ALLOWED = {
     ("attention/backend.py", 'if name == "cpu":'),
-    ("runner/model_runner.py", 'return backend.name == "cpu" and (mesh is None or mesh.size == 1) \\'),
+    ("runner/execution_plan.py",
+     'if backend_name == "cpu" and num_devices == 1 and jnp.dtype(dtype) in IN_PLACE_DTYPES \\'),
 }
 
 

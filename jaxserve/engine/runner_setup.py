@@ -19,7 +19,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.platforms import Platform
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
-from jaxserve.runner.model_runner import ModelRunner, reads_layer_weights_in_place
+from jaxserve.runner.execution_plan import choose_execution_plan
+from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,9 @@ def gemv_rows(shape: StepShape, cache_dir: str | None) -> int:
     """The platform's measured matmul choice for this model: up to how many rows float
     projections take the streaming GEMV (0: never)."""
     placed = shape.placed
-    in_place = reads_layer_weights_in_place(
-        shape.backend, getattr(placed.placement, "mesh", None), placed.dtype)
+    mesh = getattr(placed.placement, "mesh", None)
+    in_place = choose_execution_plan(shape.platform, shape.backend.name,
+                                     1 if mesh is None else mesh.size, placed.dtype).cpu_matmul
     return shape.platform.gemv_rows(shape.config.model_config.cpu_gemv_rows, placed.arch,
                                     placed.dtype, in_place, cache_dir)
 
@@ -143,5 +145,5 @@ def build_runner(shape: StepShape, num_blocks: int, block_size: int, eos: list[i
         prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
         num_spec_tokens=shape.num_spec_tokens, max_spec_rows=shape.max_spec_rows,
         kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
-        logits_shardings=placement.logits_shardings, lora=lora_stacks, cpu_gemv_rows=gemv_rows,
+        logits_shardings=placement.logits_shardings, lora=lora_stacks, gemv_rows=gemv_rows,
         abstract=placed.source_format == "abstract", **stages)

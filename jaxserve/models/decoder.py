@@ -1,18 +1,20 @@
 """The decoder-only LM every family runs: embed → scanned layers → final norm → logits.
 
-Flax linen. Layers are stacked ([L, ...] per weight) and run under `nn.scan`. The whole
-forward works on one flat ("ragged") token axis: prefill chunks and decodes of many
-sequences share it.
+Flax linen. The whole forward works on one flat ("ragged") token axis: prefill chunks and
+decodes of many sequences share it.
 
-How the scan runs is the runner's choice, by platform (`unroll_layers`):
-  rolled   one while loop over layers: compile time flat in depth, but every step each
-           layer's weights are sliced out of the stack with a dynamic index, and XLA
-           copies that slice (on an H200 the 8B chain ran 10.8 ms vs 3.8 ms unrolled).
-           The CPU keeps it: its projections read the stack in place through
-           models/layer_matmul.py.
-  unrolled `unroll=num_layers`: straight-line layers whose slices have constant offsets,
-           so the dots read the stacked weights in place (GPU, TPU). The parameter tree
-           and checkpoint layout are the same either way.
+The model is built with its static execution plan (models/execution_plan.py; the runner
+chooses it by platform) and called with everything else as arguments. The plan's layer loop:
+  scanned  weights stacked [L, ...] under one `nn.scan` while loop: compile time flat in
+           depth, but every step each layer's weights are sliced out of the stack with a
+           dynamic index, and XLA copies that slice (on an H200 the 8B chain ran 10.8 ms vs
+           3.8 ms unrolled). The CPU keeps it: with the plan's ``cpu_matmul`` its
+           projections read the stack in place (`LayerWeights`, models/layer_matmul.py).
+  unrolled the same stack, `unroll=num_layers`: straight-line layers whose slices have
+           constant offsets, so the dots read the stacked weights in place (GPU, TPU).
+  per-layer each layer's weights in their own buffers (`per_layer_weights` splits the
+           loaded stack), a Python loop: straight-line, no slice at all. The checkpoint
+           layout and the partition rules stay the stacked ones.
 
 KV cache layout: ``[num_layers * num_blocks, block_size, Hkv, D]`` for K and for V. All
 layers live in one array so the scan can carry it and update it in place; layer ``l``
@@ -32,7 +34,6 @@ tracing per bucket. Converting is a per-family change behind `ModelFamily.build`
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import flax.linen as nn
@@ -41,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.layer_matmul import MAX_ROWS, current_layer, stacked_layer_weights
+from jaxserve.models.execution_plan import ExecutionPlan, LayerLoop
+from jaxserve.models.layer_matmul import LayerWeights
 from jaxserve.models.layers import (
     AttentionConfig,
     Embedding,
@@ -72,16 +74,7 @@ class CausalLM(nn.Module):
     layer: Any                 # the family's decoder layer class (see `scan_layer_args`)
     cache: PagedCache
     dtype: Any = jnp.float32
-    # Steps of at most layer_matmul.MAX_ROWS tokens (every default bucket) read each
-    # layer's projection weights in place with the C++ kernel (models/layer_matmul.py)
-    # instead of XLA's copied slice. The runner sets it for the CPU attention backend on
-    # one device.
-    small_batch_layer_matmul: bool = False
-    # With it: float projections of at most this many rows take the streaming GEMV instead
-    # of oneDNN (the engine measures which is faster here: kernels/cpu/gemv_choice.py).
-    float_gemv_rows: int = 0
-    # Fully unroll the layer scan (see the module docstring): the runner sets it on GPU/TPU.
-    unroll_layers: bool = False
+    plan: ExecutionPlan = ExecutionPlan()    # the layer loop and the matmul path
 
     @property
     def backend(self):
@@ -92,11 +85,15 @@ class CausalLM(nn.Module):
         # Attribute names are the parameter tree's names (embed_tokens, layers, norm, lm_head).
         a, dt, opts = self.arch, self.dtype, self.arch.options
         self.embed_tokens = Embedding(a.vocab_size, a.hidden_size, dtype=dt)
-        self.layers = nn.scan(
-            self.layer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=a.num_layers,
-            unroll=a.num_layers if self.unroll_layers else 1,
-        )(a, self.cache, dt)
+        loop = self.plan.layer_loop
+        if loop is LayerLoop.PER_LAYER:      # params layers_0 .. layers_{L-1}
+            self.layers = [self.layer(a, self.cache, dt) for _ in range(a.num_layers)]
+        else:
+            self.layers = nn.scan(
+                self.layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=a.num_layers, unroll=a.num_layers if loop is LayerLoop.UNROLLED else 1,
+            )(a, self.cache, dt)
         self.norm = RMSNorm(opts.rms_norm_eps, dt, opts.norm_offset)
         if not a.tie_word_embeddings:
             self.lm_head = Linear(a.vocab_size, dtype=dt)
@@ -104,16 +101,27 @@ class CausalLM(nn.Module):
     def __call__(self, token_ids, positions, meta: AttentionMetadata, k_cache, v_cache,
                  constants: dict[str, jax.Array]):
         """token_ids, positions: [T] → (hidden states [T, H] before the final norm, caches)."""
-        a, dt, opts = self.arch, self.dtype, self.arch.options
+        return self.run_layers(self.embed(token_ids), positions, meta, k_cache, v_cache,
+                               constants)
+
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        """token_ids [T] → the residual stream's first value [T, H] float32."""
+        opts = self.arch.options
         x = self.embed_tokens(token_ids)
         if opts.embed_scale is not None:
-            x = x * jnp.asarray(opts.embed_scale, dt)
+            x = x * jnp.asarray(opts.embed_scale, self.dtype)
         # The residual stream stays float32 whatever the compute dtype: each layer adds its
         # bf16 outputs to it (x + out promotes) and its norms hand bf16 to the projections.
         # SmolLM2 in bf16 against float32, teacher-forced (benchmarks/bench_quant_accuracy.py):
         # top-1 97.4 %, KL 3.0e-3 with everything bf16; 99.0 %, 9.0e-4 with this residual, the
         # projections' f32 outputs (models/linear_method.py) and the f32 logits below.
-        x = x.astype(jnp.float32)
+        return x.astype(jnp.float32)
+
+    def run_layers(self, x: jax.Array, positions, meta: AttentionMetadata, k_cache, v_cache,
+                   constants: dict[str, jax.Array]):
+        """The layer loop of the plan over the residual stream x [T, H] float32 → (hidden
+        states [T, H], caches)."""
+        a = self.arch
         freqs = positions.astype(jnp.float32)[None, :, None] * constants["inv_freq"][:, None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)          # [R, T, D/2]
         # Windows are traced per layer only when some layer has one; otherwise the
@@ -121,26 +129,34 @@ class CausalLM(nn.Module):
         windows = constants["layer_windows"] if a.has_sliding_layers else \
             jnp.zeros((a.num_layers,), jnp.int32)
         xs = (jnp.arange(a.num_layers, dtype=jnp.int32), windows, constants["layer_rope"])
-        in_place = self.small_batch_layer_matmul and token_ids.shape[0] <= MAX_ROWS \
-            and not self.is_initializing()
-        with stacked_layer_weights(self.variables["params"]["layers"],
-                                   self.float_gemv_rows) if in_place \
-                else contextlib.nullcontext():
-            (x, k_cache, v_cache), _ = self.layers((x, k_cache, v_cache), xs, cos, sin, meta)
-        return x, k_cache, v_cache
+        # Steps the plan sends to the CPU library hand the layers their weights to read in
+        # place (models/layer_matmul.py); init has no weights yet.
+        in_place = self.plan.library_rows(x.shape[0]) and not self.is_initializing()
+        params, gemv_rows = self.variables.get("params", {}), self.plan.gemv_rows
+        carry = (x, k_cache, v_cache)
+        if self.plan.layer_loop is LayerLoop.PER_LAYER:
+            for i, layer in enumerate(self.layers):
+                weights = LayerWeights.single(params[f"layers_{i}"], gemv_rows) \
+                    if in_place else None
+                carry, _ = layer(carry, jax.tree.map(lambda v, i=i: v[i], xs), cos, sin, meta,
+                                 weights)
+        else:
+            weights = LayerWeights(params["layers"], gemv_rows=gemv_rows) if in_place else None
+            carry, _ = self.layers(carry, xs, cos, sin, meta, weights)
+        return carry
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, H] rows of `__call__`'s output → logits [N, V] float32."""
         opts = self.arch.options
         # A tied table the library streams with its GEMV takes the normed rows in float32
         # (one pass over the table, no hi/lo split below).
-        streams = self.arch.tie_word_embeddings and self.small_batch_layer_matmul \
-            and hidden.ndim == 2 \
-            and self.embed_tokens.streams_logits(hidden.shape[0], self.float_gemv_rows)
+        plan = self.plan
+        streams = self.arch.tie_word_embeddings and plan.cpu_matmul and hidden.ndim == 2 \
+            and self.embed_tokens.streams_logits(hidden.shape[0], plan.gemv_rows)
         if self.arch.tie_word_embeddings:
             def head(q):
-                return self.embed_tokens.attend(q, small_rows_kernel=self.small_batch_layer_matmul,
-                                                gemv_rows=self.float_gemv_rows)
+                return self.embed_tokens.attend(q, small_rows_kernel=plan.cpu_matmul,
+                                                gemv_rows=plan.gemv_rows)
         else:
             head = self.lm_head
         if streams:
@@ -168,6 +184,22 @@ class CausalLM(nn.Module):
         hidden, k_cache, v_cache = self(token_ids, positions, meta, k_cache, v_cache, constants)
         return self.logits(hidden[logits_indices]), k_cache, v_cache
 
+    def with_plan(self, plan: ExecutionPlan) -> "CausalLM":
+        """The same model under another execution plan (tests and benchmarks compare them;
+        LayerLoop.PER_LAYER takes `per_layer_weights` of the stacked params)."""
+        return self.clone(plan=plan)
+
+
+def per_layer_weights(params: Any) -> Any:
+    """params with the stacked ``layers`` [L, ...] split into ``layers_0`` .. ``layers_{L-1}``
+    (LayerLoop.PER_LAYER's tree): one buffer per layer weight, copied once."""
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda w, i=i: w[i], stacked)
+    return out
+
 
 def layer_inputs(arch: ModelArch, xs, cos, sin):
     """Unpack one layer's scan slice: (layer_idx, window, cos [T, D/2], sin [T, D/2]).
@@ -182,8 +214,9 @@ def layer_inputs(arch: ModelArch, xs, cos, sin):
 
 class DecoderLayer(nn.Module):
     """A family's layer (CausalLM's `layer`) has these fields, in this order: CausalLM
-    builds it as ``layer(arch, cache, dtype)`` under the scan; its ``__call__(carry, xs,
-    cos, sin, meta)`` returns ((x, k_cache, v_cache), None)."""
+    builds it as ``layer(arch, cache, dtype)`` under its layer loop; its ``__call__(carry,
+    xs, cos, sin, meta, in_place)`` returns ((x, k_cache, v_cache), None). ``in_place``: a
+    `LayerWeights` its projections read in place (``in_place.at(layer_idx)``), or None."""
     arch: ModelArch
     cache: PagedCache
     dtype: Any = jnp.float32
@@ -199,19 +232,20 @@ def attention_config(arch: ModelArch, *, qkv_bias: bool = False, o_bias: bool = 
 
 
 def pre_norm_layer(layer: nn.Module, carry, xs, cos, sin, meta, attn: AttentionConfig,
-                   feed_forward: Any):
+                   feed_forward: Any, in_place: LayerWeights | None = None):
     """The Llama-style layer body: x += attn(input_layernorm(x)); x += feed_forward(
     post_attention_layernorm(x)). Called from a family layer's compact ``__call__`` (its
     submodules are the layer's: input_layernorm, the attention projections,
-    post_attention_layernorm, then whatever ``feed_forward`` builds: a gated MLP, experts)."""
+    post_attention_layernorm, then whatever ``feed_forward(h, weights)`` builds: a gated MLP,
+    experts; ``weights``: this layer's `LayerWeights` or None)."""
     x, k_cache, v_cache = carry
     a, eps, dt = layer.arch, layer.arch.options.rms_norm_eps, layer.dtype
     layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
-    with current_layer(layer_idx):      # for projections that read stacked weights in place
-        h = RMSNorm(eps, dt, name="input_layernorm")(x)
-        out, k_cache, v_cache = paged_self_attention(h, attn, layer.cache, k_cache, v_cache,
-                                                     layer_idx, window, cos, sin, meta, dt)
-        x = x + out
-        h = RMSNorm(eps, dt, name="post_attention_layernorm")(x)
-        x = x + feed_forward(h)
+    weights = in_place.at(layer_idx) if in_place is not None else None
+    h = RMSNorm(eps, dt, name="input_layernorm")(x)
+    out, k_cache, v_cache = paged_self_attention(h, attn, layer.cache, k_cache, v_cache,
+                                                 layer_idx, window, cos, sin, meta, dt, weights)
+    x = x + out
+    h = RMSNorm(eps, dt, name="post_attention_layernorm")(x)
+    x = x + feed_forward(h, weights)
     return (x, k_cache, v_cache), None

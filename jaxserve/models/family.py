@@ -175,11 +175,13 @@ class ModelFamily:
 
     # -- forward -----------------------------------------------------------------------------
     def build(self, arch: ModelArch, backend: Any, num_blocks: int, block_size: int,
-              dtype: Any) -> Any:
-        """The linen module (models/decoder.py's CausalLM contract): apply(params, token_ids,
-        positions, meta, k_cache, v_cache, constants) -> (hidden [T, H], k_cache, v_cache);
-        method `logits(hidden rows)` -> [N, V] f32; `forward_logits(..., logits_indices,
-        constants)` -> (logits [S, V], caches)."""
+              dtype: Any, plan: Any) -> Any:
+        """The linen module (models/decoder.py's CausalLM contract), built with its static
+        execution plan (models/execution_plan.py): apply(params, token_ids, positions, meta,
+        k_cache, v_cache, constants) -> (hidden [T, H], k_cache, v_cache); method
+        `logits(hidden rows)` -> [N, V] f32; `forward_logits(..., logits_indices, constants)`
+        -> (logits [S, V], caches). params["layers"] is stacked [L, ...], or with the plan's
+        LayerLoop.PER_LAYER split per layer (decoder.per_layer_weights)."""
         raise NotImplementedError
 
     def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:

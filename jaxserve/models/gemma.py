@@ -44,7 +44,6 @@ from jaxserve.models.family import (
     gated_mlp_shapes,
     hf_layer_types,
 )
-from jaxserve.models.layer_matmul import current_layer
 from jaxserve.models.layers import (
     ACTIVATIONS,
     PagedCache,
@@ -72,7 +71,7 @@ class GemmaOptions(DecoderOptions):
 class GemmaDecoderLayer(DecoderLayer):
 
     @nn.compact
-    def __call__(self, carry, xs, cos, sin, meta):
+    def __call__(self, carry, xs, cos, sin, meta, in_place=None):
         x, k_cache, v_cache = carry
         a, o, dt = self.arch, self.arch.options, self.dtype
         layer_idx, window, cos, sin = layer_inputs(a, xs, cos, sin)
@@ -83,16 +82,14 @@ class GemmaDecoderLayer(DecoderLayer):
         def norm(name: str) -> RMSNorm:
             return RMSNorm(o.rms_norm_eps, dt, o.norm_offset, name=name)
 
-        # Named, so the projections read this layer's stacked weights in place on the CPU
-        # (models/layer_matmul.py); without it Gemma's steps took XLA's dot on a copied slice.
-        with current_layer(layer_idx):
-            out, k_cache, v_cache = paged_self_attention(
-                norm("input_layernorm")(x), attn, self.cache, k_cache, v_cache, layer_idx,
-                window, cos, sin, meta, dt)
-            x = x + norm("post_attention_layernorm")(out)
-            h = gated_mlp(norm("pre_feedforward_layernorm")(x), a.intermediate_size,
-                          a.hidden_size, o.activation, dt, meta.lora_slots)
-            x = x + norm("post_feedforward_layernorm")(h)
+        weights = in_place.at(layer_idx) if in_place is not None else None
+        out, k_cache, v_cache = paged_self_attention(
+            norm("input_layernorm")(x), attn, self.cache, k_cache, v_cache, layer_idx,
+            window, cos, sin, meta, dt, weights)
+        x = x + norm("post_attention_layernorm")(out)
+        h = gated_mlp(norm("pre_feedforward_layernorm")(x), a.intermediate_size,
+                      a.hidden_size, o.activation, dt, meta.lora_slots, weights)
+        x = x + norm("post_feedforward_layernorm")(h)
         return (x, k_cache, v_cache), None
 
 
@@ -211,9 +208,9 @@ class GemmaFamily(ModelFamily):
             return weight - np.asarray(1.0, weight.dtype)   # llama.cpp stored 1 + w
         return weight
 
-    def build(self, arch, backend, num_blocks, block_size, dtype):
+    def build(self, arch, backend, num_blocks, block_size, dtype, plan):
         return CausalLM(arch, GemmaDecoderLayer, PagedCache(backend, num_blocks, block_size),
-                        dtype)
+                        dtype, plan)
 
     def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
         o = arch.options

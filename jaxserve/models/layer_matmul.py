@@ -1,104 +1,101 @@
-"""Projections that read one layer of the stacked weights in place (CPU, float32 or bfloat16).
+"""Projections that read one layer's weights in place (CPU, float32 / bfloat16 / int8 / GGUF).
 
-The layers run under a scan over weights stacked ``[L, in, out]``, so each step XLA slices
-layer ``l``'s weights for its dot -- and on XLA:CPU that slice is a copy: every layer's
-weights are copied in every step, on top of the dot reading them (in bf16 the scan ran 6x
-slower than the same dots on per-layer buffers). Here a plain float32 / bfloat16 `Linear`
-in a step of at most ``MAX_ROWS`` rows calls the oneDNN matmul library
-(jaxserve/kernels/cpu/matmul.py: the CPU's matrix units where it has them) -- or, at the few
-rows where the engine measured it faster on this CPU, the library's streaming GEMV
-(kernels/cpu/gemv_choice.py) -- on the stacked weights and the layer index instead; the
-slice is then unused and XLA drops it.
+Under the scanned layer loop (models/execution_plan.LayerLoop.SCANNED) the weights are stacked
+``[L, in, out]``, so each step XLA slices layer ``l``'s weights for its dot -- and on XLA:CPU
+that slice is a copy: every layer's weights are copied in every step, on top of the dot
+reading them (in bf16 the scan ran 6x slower than the same dots on per-layer buffers). With
+the plan's ``cpu_matmul``, a `Linear` in a step of at most ``max_library_rows`` rows calls the
+matmul library (jaxserve/kernels/cpu/matmul.py: oneDNN on the CPU's matrix units where it has
+them, or at the few rows where the engine measured it faster, the streaming GEMV) on the
+stacked weights and the layer index instead; the slice is then unused and XLA drops it.
 
-`CausalLM` turns it on around its layer scan (``stacked_layer_weights``) when it was built
-with ``small_batch_layer_matmul`` (the runner does so with the CPU attention backend on one
-device when the library loads) and the step has at most ``MAX_ROWS`` tokens; the layer body
-names its layer (``current_layer``); `Linear` asks ``stacked_kernel(path)``. Anything else --
-quantized weights, tensor parallelism, other platforms (the GPU/TPU lowering never sees the
-call) -- keeps XLA's dot.
+How a projection gets there is explicit: `CausalLM` hands the layer loop a `LayerWeights`
+(the stacked tree, or under LayerLoop.PER_LAYER the layer's own buffers as a stack of one),
+the layer body names its layer (`LayerWeights.at`), and each `Linear` is built with its own
+leaves (`LayerWeights.projection`). Anything else -- tensor parallelism, other platforms (the
+GPU/TPU lowering never sees the call) -- has no `LayerWeights` and keeps XLA's dot.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
-MAX_ROWS = 512    # steps of at most this many tokens take the library (the largest default bucket)
+from jaxserve.models.execution_plan import MAX_LIBRARY_ROWS
+
+MAX_ROWS = MAX_LIBRARY_ROWS    # steps of at most this many tokens take the library
 IN_PLACE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class _Stacked:
-    tree: Any                  # params["layers"]: the stacked [L, ...] layer weights
-    gemv_rows: int = 0         # float projections of at most this many rows: the GEMV
-    layer: Any = None          # the layer being traced (an int32 scalar), None outside one
+class ProjectionWeights:
+    """One `Linear`'s leaves stacked [L, ...] (name -> array), read in place at ``layer``."""
+    leaves: Mapping[str, Any]
+    layer: Any                                     # int32 scalar (traced under the scan) or 0
+    gemv_rows: int = field(default=0, metadata=dict(static=True))
 
 
-_STATE: contextvars.ContextVar[_Stacked | None] = contextvars.ContextVar(
-    "jaxserve_stacked_layer_weights", default=None)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerWeights:
+    """The layer weights a layer loop reads in place: ``tree`` is params["layers"] ([L, ...]
+    leaves) under the scan, or one layer's own buffers as a stack of one (`single`)."""
+    tree: Mapping[str, Any]
+    layer: Any = None                              # None: the layer body names it (`at`)
+    gemv_rows: int = field(default=0, metadata=dict(static=True))
 
+    @classmethod
+    def single(cls, tree: Mapping[str, Any], gemv_rows: int) -> "LayerWeights":
+        """One layer's own buffers ([in, out] leaves), each seen as [1, in, out] (a bitcast,
+        no copy), at layer 0."""
+        return cls(jax.tree.map(lambda w: w[None], tree), 0, gemv_rows)
 
-@contextlib.contextmanager
-def stacked_layer_weights(tree: Any, gemv_rows: int = 0):
-    """While tracing the layer scan: the stacked weights the layers may read in place, and
-    up to how many rows float projections take the library's streaming GEMV (else oneDNN)."""
-    token = _STATE.set(_Stacked(tree, gemv_rows))
-    try:
-        yield
-    finally:
-        _STATE.reset(token)
+    def at(self, layer: Any) -> "LayerWeights":
+        """The weights of the layer the body runs (its index in the stack, unless fixed)."""
+        return self if self.layer is not None else replace(self, layer=layer)
 
-
-@contextlib.contextmanager
-def current_layer(layer: Any):
-    """While tracing one layer's body: its index (a no-op outside `stacked_layer_weights`)."""
-    state = _STATE.get()
-    if state is None:
-        yield
-        return
-    token = _STATE.set(replace(state, layer=layer))
-    try:
-        yield
-    finally:
-        _STATE.reset(token)
-
-
-def stacked_params(path: tuple[str, ...]) -> tuple[Any, Any] | None:
-    """(the stacked [L, ...] leaves of the `Linear` at module ``path``, layer index), when the
-    layer scan is being traced with stacked weights on; else None."""
-    state = _STATE.get()
-    if state is None or state.layer is None or "layers" not in path:
-        return None
-    node = state.tree
-    for name in path[path.index("layers") + 1:]:
-        if not hasattr(node, "get") or node.get(name) is None:
+    def projection(self, name: str) -> ProjectionWeights | None:
+        """The leaves of the layer's projection ``name`` (a flat key of the layer's tree)."""
+        leaves = self.tree.get(name)
+        if self.layer is None or not isinstance(leaves, Mapping):
             return None
-        node = node[name]
-    return (node, state.layer) if hasattr(node, "get") else None
+        return ProjectionWeights(leaves, self.layer, self.gemv_rows)
 
 
-def stacked_kernel(path: tuple[str, ...]) -> tuple[jax.Array, Any] | None:
-    """(stacked float kernel [L, in, out], layer index) for the `Linear` at ``path`` (see
-    `stacked_params`); else None."""
-    found = stacked_params(path)
+def stacked_params(weights: ProjectionWeights | None) -> tuple[Any, Any] | None:
+    """(the stacked [L, ...] leaves of a `Linear` built with ``weights``, layer index), or
+    None for a `Linear` that reads no weights in place."""
+    return None if weights is None else (weights.leaves, weights.layer)
+
+
+def stacked_kernel(weights: ProjectionWeights | None) -> tuple[jax.Array, Any] | None:
+    """(stacked float kernel [L, in, out], layer index) of a `Linear` built with ``weights``
+    (see `stacked_params`); else None."""
+    found = stacked_params(weights)
     kernel = found[0].get("kernel") if found is not None else None
     if kernel is None or kernel.ndim != 3 or kernel.dtype not in IN_PLACE_DTYPES:
         return None
     return kernel, found[1]
 
 
-def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any) -> jax.Array:
-    """x [T, in] @ stacked[layer] ([L, in, out]) -> [T, out] in out_dtype (f32 accumulation)."""
+def gemv_rows_limit(weights: ProjectionWeights | None) -> int:
+    """Up to how many rows float projections built with ``weights`` take the streaming GEMV
+    (0 for one that reads no weights in place)."""
+    return 0 if weights is None else weights.gemv_rows
+
+
+def layer_matmul(x: jax.Array, stacked: jax.Array, layer: Any, out_dtype: Any,
+                 gemv_rows: int = 0) -> jax.Array:
+    """x [T, in] @ stacked[layer] ([L, in, out]) -> [T, out] in out_dtype (f32 accumulation);
+    at most ``gemv_rows`` rows through the streaming GEMV, more through oneDNN."""
     from jaxserve.kernels.cpu.matmul import layer_matmul as library_matmul
 
-    state = _STATE.get()
     return library_matmul(x.astype(stacked.dtype), stacked, layer, out_dtype,
-                          gemv_rows=state.gemv_rows if state is not None else 0)
+                          gemv_rows=gemv_rows)
 
 
 @dataclass(frozen=True)
@@ -113,13 +110,6 @@ class GemvOperand:
     out_dtype: Any = jnp.float32
     group_scale: jax.Array | None = None
     gguf_format: str | None = None  # weights: GGUF blocks uint8 [L, out, bytes] (gemv_gguf.h)
-
-
-def gemv_rows_limit() -> int:
-    """Up to how many rows float projections take the streaming GEMV in the step being traced
-    (0 outside the stacked layer scan)."""
-    state = _STATE.get()
-    return state.gemv_rows if state is not None and state.layer is not None else 0
 
 
 def grouped_gemv(x: jax.Array, operands: list[GemvOperand], *,

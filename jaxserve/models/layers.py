@@ -21,6 +21,8 @@ from jaxserve.models.layer_matmul import (
     IN_PLACE_DTYPES,
     SMALL_LOGITS_MAX_ROWS,
     GemvOperand,
+    LayerWeights,
+    ProjectionWeights,
     grouped_gemv,
     small_logits,
 )
@@ -88,10 +90,13 @@ class Linear(nn.Module):
     object (models/linear_method.py) chosen by the parameter leaves the tree holds; init
     makes the float one. With LoRA on, the tree also holds the adapter slots ``lora_a``
     [S, in, r] and ``lora_b`` [S, r, out] (jaxserve/lora/stacks.py), and each token's delta
-    from its slot (``lora_slots`` i32[T]) is added to whatever the format computed."""
+    from its slot (``lora_slots`` i32[T]) is added to whatever the format computed.
+    ``in_place``: this layer's leaves stacked [L, ...] and its layer index, where the step's
+    execution plan reads them in place with the CPU library (models/layer_matmul.py)."""
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
+    in_place: ProjectionWeights | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None,
@@ -196,8 +201,12 @@ class Embedding(nn.Module):
         return packed_matmul(query, self._packed(), self.packed_format, self.dtype)
 
 
-def dense(features: int, name: str, dtype: Any, bias: bool = False) -> Linear:
-    return Linear(features, use_bias=bias, dtype=dtype, name=name)
+def dense(features: int, name: str, dtype: Any, bias: bool = False,
+          in_place: LayerWeights | None = None) -> Linear:
+    """The layer's projection ``name``; in_place: the layer's weights the step reads in place
+    (None: XLA's dot on the layer's own leaves)."""
+    return Linear(features, use_bias=bias, dtype=dtype, name=name,
+                  in_place=in_place.projection(name) if in_place is not None else None)
 
 
 @dataclass(frozen=True)
@@ -226,18 +235,20 @@ class PagedCache:
 def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
                          k_cache: jax.Array, v_cache: jax.Array, layer_idx: jax.Array,
                          window: jax.Array | int, cos: jax.Array, sin: jax.Array,
-                         meta: AttentionMetadata, dtype: Any):
+                         meta: AttentionMetadata, dtype: Any,
+                         in_place: LayerWeights | None = None):
     """q/k/v projections, optional q/k norms, RoPE, KV write, paged attention, o_proj.
 
-    h: [T, hidden]; window: this layer's sliding window (0 = full; traced under the scan).
+    h: [T, hidden]; window: this layer's sliding window (0 = full; traced under the scan);
+    in_place: the layer's weights its projections read in place (see `dense`).
     Returns (out [T, hidden], k_cache, v_cache).
     """
     num_tokens = h.shape[0]
     lora = meta.lora_slots     # None unless LoRA is on
     q, k, v = sibling_projections(h, (
-        dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias),
-        dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias),
-        dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)), lora)
+        dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias, in_place),
+        dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias, in_place),
+        dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias, in_place)), lora)
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
     k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -268,16 +279,18 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
                                    meta.num_seqs, sliding_window=window, **static)
     if rotation is not None:
         attn = rotate_heads(attn, rotation.T)
-    out = dense(cfg.hidden_size, "o_proj", dtype, cfg.o_bias)(
+    out = dense(cfg.hidden_size, "o_proj", dtype, cfg.o_bias, in_place)(
         attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), lora)
     return out, k_cache, v_cache
 
 
 def gated_mlp(h: jax.Array, intermediate_size: int, hidden_size: int, activation: str,
-              dtype: Any, lora_slots: jax.Array | None = None) -> jax.Array:
+              dtype: Any, lora_slots: jax.Array | None = None,
+              in_place: LayerWeights | None = None) -> jax.Array:
     """down(act(gate(h)) * up(h)); activation: a key of ACTIVATIONS; lora_slots: i32[T]
-    (meta.lora_slots) when LoRA is on."""
-    gate, up = sibling_projections(h, (dense(intermediate_size, "gate_proj", dtype),
-                                       dense(intermediate_size, "up_proj", dtype)), lora_slots)
+    (meta.lora_slots) when LoRA is on; in_place: see `dense`."""
+    gate, up = sibling_projections(h, (dense(intermediate_size, "gate_proj", dtype, False, in_place),
+                                       dense(intermediate_size, "up_proj", dtype, False, in_place)),
+                                   lora_slots)
     act = ACTIVATIONS[activation](gate.astype(jnp.float32)) * up.astype(jnp.float32)
-    return dense(hidden_size, "down_proj", dtype)(act.astype(dtype), lora_slots)
+    return dense(hidden_size, "down_proj", dtype, False, in_place)(act.astype(dtype), lora_slots)

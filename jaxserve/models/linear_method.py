@@ -71,21 +71,21 @@ class DenseMethod:
     def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
         kernel = layer.param("kernel", nn.initializers.lecun_normal(),
                              (x.shape[-1], layer.features), layer.dtype)
-        stacked = stacked_kernel(layer.scope.path) if x.ndim == 2 \
+        stacked = stacked_kernel(layer.in_place) if x.ndim == 2 \
             and x.shape[0] <= MAX_ROWS and kernel.dtype in IN_PLACE_DTYPES else None
         # Accumulated and returned in float32 at every compute dtype: a bf16 layer's outputs
         # feed the f32 residual stream and the f32 RoPE / activation math unrounded (each
         # consumer rounds once, where it needs bf16 again). SmolLM2 bf16 vs float32 with the
         # f32 residual and logits: KL 1.4e-3 with bf16 outputs, 9.0e-4 with these.
         if stacked is not None:   # CPU, <= MAX_ROWS rows: this layer's weights in place
-            return layer_matmul(x, *stacked, jnp.float32)
+            return layer_matmul(x, *stacked, jnp.float32, layer.in_place.gemv_rows)
         return float32_accumulating_dot(x.astype(layer.dtype), kernel)
 
     def gemv_operand(self, layer: nn.Module, x: jax.Array) -> GemvOperand | None:
         """This layer's weights for a grouped GEMV, where `apply` would take the GEMV."""
-        if x.ndim != 2 or x.shape[0] > gemv_rows_limit():
+        if x.ndim != 2 or x.shape[0] > gemv_rows_limit(layer.in_place):
             return None
-        stacked = stacked_kernel(layer.scope.path)
+        stacked = stacked_kernel(layer.in_place)
         return GemvOperand(*stacked) if stacked is not None else None
 
 
@@ -120,7 +120,7 @@ class Int8PerChannelMethod:
     def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
         kernel = layer.get_variable("params", "kernel")
         scale = layer.get_variable("params", "scale").astype(layer.dtype)
-        found = stacked_params(layer.scope.path) if x.ndim == 2 and x.shape[0] <= MAX_ROWS \
+        found = stacked_params(layer.in_place) if x.ndim == 2 and x.shape[0] <= MAX_ROWS \
             else None
         if found is not None and found[0]["kernel"].ndim == 3:
             y = int8_layer_matmul(x, found[0]["kernel"], found[0]["scale"], found[1],
@@ -133,7 +133,7 @@ class Int8PerChannelMethod:
         """This layer's int8 weights and scales for a grouped GEMV (W8A16: at most 8 rows)."""
         from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS
 
-        found = stacked_params(layer.scope.path) if x.ndim == 2 \
+        found = stacked_params(layer.in_place) if x.ndim == 2 \
             and x.shape[0] <= MAX_GEMV_ROWS else None
         if found is None or found[0]["kernel"].ndim != 3:
             return None
@@ -167,7 +167,7 @@ class Int8GroupedMethod:
         group per column)."""
         from jaxserve.kernels.cpu.matmul import MAX_GEMV_ROWS, gemv_takes_groups
 
-        found = stacked_params(layer.scope.path) if x.ndim == 2 \
+        found = stacked_params(layer.in_place) if x.ndim == 2 \
             and x.shape[0] <= MAX_GEMV_ROWS else None
         if found is None or found[0]["kernel"].ndim != 3 or found[0]["scale"].ndim != 3:
             return None
@@ -205,7 +205,7 @@ class GGUFPackedMethod:
         params = layer.variables.get("params", {})
         fmt = packed_format_of(params)
         limit = GGUF_BLOCK_ROWS if "kernel" in params else MAX_ROWS
-        found = stacked_params(layer.scope.path) if x.ndim == 2 \
+        found = stacked_params(layer.in_place) if x.ndim == 2 \
             and x.shape[0] <= limit and x.shape[-1] % WEIGHTS_PER_BLOCK[fmt] == 0 else None
         if found is None or found[0].get(fmt) is None or found[0][fmt].ndim != 3:
             return None

@@ -55,11 +55,11 @@ class LlamaOptions(DecoderOptions):
 class LlamaDecoderLayer(DecoderLayer):
 
     @nn.compact
-    def __call__(self, carry, xs, cos, sin, meta):
+    def __call__(self, carry, xs, cos, sin, meta, in_place=None):
         a, o, dt = self.arch, self.arch.options, self.dtype
         attn = attention_config(a, qkv_bias=o.qkv_bias, o_bias=o.o_bias, qk_norm=o.qk_norm)
-        return pre_norm_layer(self, carry, xs, cos, sin, meta, attn, lambda h: gated_mlp(
-            h, a.intermediate_size, a.hidden_size, "silu", dt, meta.lora_slots))
+        return pre_norm_layer(self, carry, xs, cos, sin, meta, attn, lambda h, w: gated_mlp(
+            h, a.intermediate_size, a.hidden_size, "silu", dt, meta.lora_slots, w), in_place)
 
 
 class LlamaFamily(ModelFamily):
@@ -116,9 +116,9 @@ class LlamaFamily(ModelFamily):
                   gguf_arch: str) -> np.ndarray:
         return unpermute_llama_qk(name, weight, arch, gguf_arch)
 
-    def build(self, arch, backend, num_blocks, block_size, dtype):
+    def build(self, arch, backend, num_blocks, block_size, dtype, plan):
         return CausalLM(arch, LlamaDecoderLayer, PagedCache(backend, num_blocks, block_size),
-                        dtype)
+                        dtype, plan)
 
     def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
         return layer_constants(arch, [arch.options.rope.inv_freq(arch.head_dim)])

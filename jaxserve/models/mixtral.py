@@ -69,12 +69,12 @@ class MoEDecoderLayer(DecoderLayer):
     """x += o_proj(attn(norm(x))); x += moe(norm(x))."""
 
     @nn.compact
-    def __call__(self, carry, xs, cos, sin, meta):
+    def __call__(self, carry, xs, cos, sin, meta, in_place=None):
         a, o, dt = self.arch, self.arch.options, self.dtype
         attn = attention_config(a, qkv_bias=o.attention_bias, o_bias=o.attention_bias,
                                 qk_norm=o.qk_norm)
         return pre_norm_layer(self, carry, xs, cos, sin, meta, attn,
-                              lambda h: moe_block(h, o.moe, o.experts, dt))
+                              lambda h, w: moe_block(h, o.moe, o.experts, dt, w), in_place)
 
 
 class MixtralFamily(ModelFamily):
@@ -180,9 +180,9 @@ class MixtralFamily(ModelFamily):
         return spec
 
     # -- forward -----------------------------------------------------------------------------
-    def build(self, arch, backend, num_blocks, block_size, dtype):
+    def build(self, arch, backend, num_blocks, block_size, dtype, plan):
         return CausalLM(arch, MoEDecoderLayer, PagedCache(backend, num_blocks, block_size),
-                        dtype)
+                        dtype, plan)
 
     def constants(self, arch: ModelArch) -> dict[str, np.ndarray]:
         return layer_constants(arch, [arch.options.rope.inv_freq(arch.head_dim)])

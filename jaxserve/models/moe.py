@@ -136,10 +136,11 @@ class _ExpertKernel(nn.Module):
 
 
 def moe_block(h: jax.Array, cfg: MoEConfig, sharding: ExpertSharding | None,
-              dtype: Any) -> jax.Array:
-    """Router + experts. Call from a linen @nn.compact method; h: [T, H] → [T, H]."""
+              dtype: Any, in_place: Any = None) -> jax.Array:
+    """Router + experts. Call from a linen @nn.compact method; h: [T, H] → [T, H];
+    in_place: the layer's weights its router reads in place (layers.dense)."""
     hidden, num_experts, inter = h.shape[-1], cfg.num_experts, cfg.intermediate_size
-    router_logits = dense(num_experts, "router", dtype)(h)
+    router_logits = dense(num_experts, "router", dtype, False, in_place)(h)
     weights, experts = route(router_logits, cfg.top_k, cfg.renormalize)
     w_gate = _ExpertKernel((num_experts, hidden, inter), dtype, name="experts_gate_proj")()
     w_up = _ExpertKernel((num_experts, hidden, inter), dtype, name="experts_up_proj")()

@@ -13,7 +13,6 @@ block_size, Hkv, D]``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -23,7 +22,6 @@ import numpy as np
 
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.decoder import CausalLM
-from jaxserve.models.layer_matmul import MAX_ROWS, stacked_layer_weights
 from jaxserve.pipeline_layout import StageLayers
 from jaxserve.step_inputs import AttentionMetadata
 
@@ -70,31 +68,11 @@ class StageLM(CausalLM):
                  constants: dict[str, jax.Array]):
         """inputs: token ids [T] on the first stage, hidden states [T, H] float32 after it
         → (hidden states [T, H], caches)."""
-        a, dt, opts = self.arch, self.dtype, self.arch.options
-        if self.is_first:
-            x = self.embed_tokens(inputs)
-            if opts.embed_scale is not None:
-                x = x * jnp.asarray(opts.embed_scale, dt)
-        else:
-            x = inputs
-        x = x.astype(jnp.float32)           # the residual stream is float32 (decoder.py)
-        freqs = positions.astype(jnp.float32)[None, :, None] * constants["inv_freq"][:, None, :]
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-        windows = constants["layer_windows"] if a.has_sliding_layers else \
-            jnp.zeros((a.num_layers,), jnp.int32)
-        xs = (jnp.arange(a.num_layers, dtype=jnp.int32), windows, constants["layer_rope"])
-        in_place = self.small_batch_layer_matmul and positions.shape[0] <= MAX_ROWS \
-            and not self.is_initializing()
-        with stacked_layer_weights(self.variables["params"]["layers"],
-                                   self.float_gemv_rows) if in_place \
-                else contextlib.nullcontext():
-            (x, k_cache, v_cache), _ = self.layers((x, k_cache, v_cache), xs, cos, sin, meta)
-        return x, k_cache, v_cache
+        x = self.embed(inputs) if self.is_first else inputs.astype(jnp.float32)
+        return self.run_layers(x, positions, meta, k_cache, v_cache, constants)
 
 
 def stage_model(model: CausalLM, stage: StageLayers) -> StageLM:
     """The family's model (built for the stage's arch) as a stage of the pipeline."""
-    return StageLM(model.arch, model.layer, model.cache, model.dtype,
-                   small_batch_layer_matmul=model.small_batch_layer_matmul,
-                   float_gemv_rows=model.float_gemv_rows, unroll_layers=model.unroll_layers,
+    return StageLM(model.arch, model.layer, model.cache, model.dtype, model.plan,
                    is_first=stage.is_first)

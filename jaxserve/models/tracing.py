@@ -30,7 +30,7 @@ _TRACE_LOCK = threading.RLock()
 
 def apply_model(model: Any, *args: Any, **kwargs: Any) -> Any:
     """``model.apply(*args, **kwargs)``, never two at once in this process."""
-    with _TRACE_LOCK, float32_precision(getattr(model, "dtype", None)):
+    with _TRACE_LOCK, float32_precision(model.dtype):
         return model.apply(*args, **kwargs)
 
 

@@ -23,16 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backend import AttentionBackend
-from jaxserve.kernels.cpu.matmul import available as cpu_matmul_available
 from jaxserve.lora.stacks import LoRAStacks, with_lora
 from jaxserve.mesh import put_replicated
 from jaxserve.models.arch import ModelArch
-from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
 from jaxserve.models.registry import family_for
 from jaxserve.models.tracing import apply_model
 from jaxserve.platforms import Platform, platform_of_device
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
+from jaxserve.runner.execution_plan import choose_execution_plan
 from jaxserve.runner.input_batch import InputBatch, PenaltyAdmissions, StepInputs
 from jaxserve.runner.penalty_state import PenaltyState, empty_penalty_state, load_history
 from jaxserve.runner.step_compilation import StepCompilation, wait_for_background_compiles
@@ -50,13 +49,6 @@ __all__ = ["ModelRunner", "PendingStep", "StepOutputs", "wait_for_background_com
 logger = logging.getLogger(__name__)
 
 
-def reads_layer_weights_in_place(backend: AttentionBackend, mesh: Any, dtype: Any) -> bool:
-    """Whether steps read float projection weights in place through the CPU matmul library
-    (the CPU attention backend, one device, float32/bf16, the library loads)."""
-    return backend.name == "cpu" and (mesh is None or mesh.size == 1) \
-        and jnp.dtype(dtype) in IN_PLACE_DTYPES and cpu_matmul_available()
-
-
 class ModelRunner(StepCompilation):
     """One model replica's device side: parameters, the KV cache, the persistent batch and
     the compiled step of every bucket; `execute` runs one `SchedulerOutput`."""
@@ -68,15 +60,14 @@ class ModelRunner(StepCompilation):
                  num_spec_tokens: int = 0, max_spec_rows: int = 0, kv_sharding: Any = None,
                  input_sharding: Any = None, logits_shardings: tuple = (),
                  kv_cache_dtype: Any = None, lora: LoRAStacks | None = None,
-                 cpu_gemv_rows: int = 0, abstract: bool = False) -> None:
+                 gemv_rows: int = 0, abstract: bool = False) -> None:
         """abstract: build the step only to compile it ahead of time (engine/aot_compile.py)
         for devices that may not be here (a deviceless GPU topology): params, the KV cache
         and the step's inputs are ShapeDtypeStructs with their shardings; nothing is
-        allocated and the runner cannot execute. cpu_gemv_rows: on CPU, float projections of
-        at most this many rows take the streaming GEMV (kernels/cpu/gemv_choice.py)."""
+        allocated and the runner cannot execute. gemv_rows: on CPU, float projections of at
+        most this many rows take the streaming GEMV (kernels/cpu/gemv_choice.py)."""
         self.arch = arch
         self.abstract = abstract
-        self.cpu_gemv_rows = cpu_gemv_rows
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -99,7 +90,7 @@ class ModelRunner(StepCompilation):
         # seconds: kv_fill (allocating the cache) and params_wait (what warm-up waited for)
         self.startup_timings: dict[str, float] = {}
         self._init_params(params)
-        self._init_model(backend)
+        self._init_model(backend, gemv_rows)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.width,
                                 eos_token_ids=list(eos_token_ids),
                                 prompt_logprobs_cap=prompt_logprobs_cap,
@@ -126,9 +117,7 @@ class ModelRunner(StepCompilation):
             "eos_token_ids": list(eos_token_ids), "backend": backend.name,
             "kv_sharding": kv_sharding, "input_sharding": input_sharding,
             "logits_shardings": self.logits_shardings,
-            "small_batch_layer_matmul": getattr(self.model, "small_batch_layer_matmul", False),
-            "float_gemv_rows": getattr(self.model, "float_gemv_rows", 0),
-            "unroll_layers": getattr(self.model, "unroll_layers", False),
+            "plan": self.plan,
             "lora": None if lora is None else jax.tree.map(
                 lambda x: (x.shape, x.dtype), self._lora_stacks())}
 
@@ -141,23 +130,17 @@ class ModelRunner(StepCompilation):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             params.spec if self._params_pending is not None else params)
 
-    def _init_model(self, backend: AttentionBackend) -> None:
-        """The family's model module, and the constants (rope tables, windows) its step closes
-        over: numpy when abstract, embedded as constants either way."""
+    def _init_model(self, backend: AttentionBackend, gemv_rows: int) -> None:
+        """The family's model module, built with its execution plan (runner/execution_plan.py),
+        and the constants (rope tables, windows) its step closes over: numpy when abstract,
+        embedded as constants either way."""
         family = family_for(self.arch.architecture)   # the registry's model module for this arch
+        mesh = getattr(self.input_sharding, "mesh", None)
+        self.plan = choose_execution_plan(self._params_platform(), backend.name,
+                                          1 if mesh is None else mesh.size, self.dtype,
+                                          gemv_rows)
         self.model = family.build(self.arch, backend, self.num_blocks, self.block_size,
-                                  self.dtype)
-        if reads_layer_weights_in_place(backend, getattr(self.input_sharding, "mesh", None),
-                                        self.dtype) \
-                and hasattr(self.model, "small_batch_layer_matmul"):
-            # Steps read each layer's weights in place through the oneDNN library
-            # (models/layer_matmul.py, jaxserve/kernels/cpu/matmul.py).
-            self.model = self.model.clone(small_batch_layer_matmul=True,
-                                          float_gemv_rows=self.cpu_gemv_rows)
-        if self._params_platform().unroll_layers and hasattr(self.model, "unroll_layers"):
-            # The platform's layer loop (platforms/: off the CPU a rolled scan copies each
-            # layer's weight slice every step).
-            self.model = self.model.clone(unroll_layers=True)
+                                  self.dtype, self.plan)
         constants = family.constants(self.arch)
         self.model_constants = constants if self.abstract else self._put(constants)
 

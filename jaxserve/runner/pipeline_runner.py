@@ -32,8 +32,9 @@ from jaxserve.mesh import put_replicated
 from jaxserve.models.pipeline_stage import stage_constants, stage_model
 from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import empty_cache
+from jaxserve.runner.execution_plan import choose_execution_plan
 from jaxserve.runner.input_batch import StepInputs
-from jaxserve.runner.model_runner import ModelRunner, reads_layer_weights_in_place
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_function import StepOutputs, stage_forward
 from jaxserve.step_contract import SchedulerOutput
 
@@ -98,21 +99,21 @@ class PipelineModelRunner(ModelRunner):
                              "checkpoints yet; serve the Hugging Face or GGUF model")
         super()._init_params(params)
 
-    def _init_model(self, backend: Any) -> None:
-        """A StageLM per stage, built by the family for the stage's arch, attention sharded on
-        the stage's mesh; the family's constants sliced to each stage's layers."""
+    def _init_model(self, backend: Any, gemv_rows: int) -> None:
+        """A StageLM per stage, built by the family for the stage's arch with the stage's
+        execution plan, attention sharded on the stage's mesh; the family's constants sliced
+        to each stage's layers."""
         family = family_for(self.arch.architecture)
         constants = family.constants(self.arch)
-        unroll = self._params_platform().unroll_layers     # the platform's layer loop
+        platform = self._params_platform()
         self.stage_models, self.stage_constants = [], []
         for placement, layers in zip(self.pipeline.stages, self.pipeline.layers):
+            mesh = placement.mesh
+            self.plan = choose_execution_plan(platform, backend.name,
+                                              1 if mesh is None else mesh.size, self.dtype,
+                                              gemv_rows)
             model = family.build(placement.arch, placement.shard_backend(backend),
-                                 self.num_blocks, self.block_size, self.dtype)
-            if reads_layer_weights_in_place(backend, placement.mesh, self.dtype):
-                model = model.clone(small_batch_layer_matmul=True,
-                                    float_gemv_rows=self.cpu_gemv_rows)
-            if unroll:
-                model = model.clone(unroll_layers=True)
+                                 self.num_blocks, self.block_size, self.dtype, self.plan)
             self.stage_models.append(stage_model(model, layers))
             consts = stage_constants(constants, layers)
             self.stage_constants.append(

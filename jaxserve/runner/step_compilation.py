@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from jaxserve import load_progress
-from jaxserve.platforms import platform_named
+from jaxserve.runner.execution_plan import choose_execution_plan
 from jaxserve.runner.step_function import step
 from jaxserve.step_inputs import StepLayout
 
@@ -252,9 +252,9 @@ class StepCompilation:
                 consts["bias_values"], consts["grammar_bitmask"], self._lora_stacks())
         # Triton kernels are custom calls that jax.export does not vouch for by default.
         checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        model = self.model
-        if hasattr(model, "unroll_layers"):    # the layer loop of that platform's runner
-            model = model.clone(unroll_layers=platform_named(platform).unroll_layers)
+        # The model as that platform's runner builds it (its execution plan).
+        model = self.model.with_plan(choose_execution_plan(
+            platform, self.model.backend.name, 1, self.dtype, self.plan.gemv_rows))
         return export.export(self._jitted(layout, model), platforms=[platform],
                              disabled_checks=checks)(*args)
 
