@@ -52,13 +52,13 @@ class DataParallelEngine:
         self.replicas = [LLMEngine(config, log_stats=log_stats, mesh=sub_mesh)
                          for sub_mesh in replica_meshes(mesh)]
         first = self.replicas[0]
-        self.config = config
+        self.config = first.config      # resolved (read-only), as each replica's
         self.mesh = mesh
         self.setup = first.setup
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.model_path = first.model_path
-        self.lora_registry = None                      # config.finalize refuses LoRA with dp > 1
+        self.lora_registry = None                      # config resolution refuses LoRA with dp > 1
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
         self.frontend = Frontend(self, self.tokenizer, self.max_model_len,
                                  config.model_config.max_logprobs, first.setup.arch.vocab_size)
