@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.model_setup import setup_model  # noqa: E402
 from jaxserve.models.execution_plan import LayerLoop  # noqa: E402
-from jaxserve.runner.gpu_targets import (  # noqa: E402
+from jaxserve.platforms.gpu_targets import (  # noqa: E402
     CUBLAS_COMPILER_OPTIONS,
     GPU_COMPILER_OPTIONS,
 )

@@ -5,11 +5,13 @@ Every leaf field is a flat, vLLM-named option (``max_model_len``,
 kwargs (as ``LLM(**kwargs)`` receives them) into the right sub-config; the CLI
 generates one ``--long-flag`` per field from the same tree, and YAML keys are
 the same long flag names. Defaults that depend on the platform (CPU or GPU)
-are ``None`` here and resolved once by ``EngineConfig.finalize``.
+are ``None`` here; the platform object (jaxserve/platforms/) resolves the tree once into a
+read-only copy (``EngineConfig.resolved``) that the engine's parts share.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -33,8 +35,42 @@ def opt(default: Any = None, help: str = "", **extra: Any) -> Any:
 MATRIX_UNIT_CHOICES = ("auto", "none", "avx512", "amx")
 
 
+class ReadOnlyOnceResolved:
+    """A config section that can be resolved: the tree CLI, YAML and kwargs fill is
+    mutable; `EngineConfig.resolved` returns a copy with the platform's defaults filled in
+    whose every section refuses assignment (as a frozen dataclass does), so the engine's
+    parts all read the one settled tree. `dataclasses.replace` builds a new, mutable one."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_resolved", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r}: a resolved {type(self).__name__} is "
+                "read-only (change the config before resolving it)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_resolved", False):
+            raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}: a resolved "
+                                                  f"{type(self).__name__} is read-only")
+        object.__delattr__(self, name)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.__dict__.get("_resolved", False)
+
+
+def _mark_resolved(config: Any) -> Any:
+    """Make `config` and every section under it read-only; returns it."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, ReadOnlyOnceResolved):
+            _mark_resolved(value)
+    object.__setattr__(config, "_resolved", True)
+    return config
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(ReadOnlyOnceResolved):
     model: str | None = opt(
         None, "HF model directory, .gguf file, or a Hugging Face Hub name (org/name; "
         "org/name:Q4_K_M for one file of a GGUF repo): from the local HF cache, else "
@@ -124,7 +160,7 @@ class ModelConfig:
 
 
 @dataclass
-class CacheConfig:
+class CacheConfig(ReadOnlyOnceResolved):
     block_size: int = opt(16, "Tokens per KV-cache block.", choices=[8, 16, 32, 64, 128])
     gpu_memory_utilization: float = opt(
         0.9, "Fraction of device memory the engine may use (weights + KV cache), of the whole "
@@ -146,7 +182,7 @@ class CacheConfig:
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(ReadOnlyOnceResolved):
     max_num_seqs: int = opt(256, "Most sequences in one step.")
     max_num_active_seqs: int | None = opt(
         None, "Most RUNNING sequences (those holding KV blocks and decoding), independent of "
@@ -180,7 +216,7 @@ class SchedulerConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(ReadOnlyOnceResolved):
     tensor_parallel_size: int = opt(1, "Devices that shard each layer (Megatron-style).")
     data_parallel_size: int = opt(1, "Model replicas, each with its own KV cache.")
     pipeline_parallel_size: int = opt(
@@ -207,7 +243,7 @@ class ParallelConfig:
 
 
 @dataclass
-class RunnerConfig:
+class RunnerConfig(ReadOnlyOnceResolved):
     attention_backend: str = opt(
         "auto", "auto (pallas on GPU; on CPU: cpu if its C++ kernel compiles, else reference; "
         "reference elsewhere), cpu (C++ kernel through the XLA FFI, compiled on first use with "
@@ -237,7 +273,7 @@ class RunnerConfig:
 
 
 @dataclass
-class StructuredOutputsConfig:
+class StructuredOutputsConfig(ReadOnlyOnceResolved):
     structured_outputs_disable_any_whitespace: bool = opt(
         False, "JSON constraints (schemas, json_object) allow no whitespace between tokens, "
         "for every request (a request can ask for it with structured_outputs."
@@ -245,7 +281,7 @@ class StructuredOutputsConfig:
 
 
 @dataclass
-class SpeculativeConfig:
+class SpeculativeConfig(ReadOnlyOnceResolved):
     speculative_config: dict | None = opt(
         None, "Speculative decoding, as vLLM's dict (JSON on the command line, a mapping in "
         "YAML): {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -256,7 +292,7 @@ class SpeculativeConfig:
 
 
 @dataclass
-class LoRAConfig:
+class LoRAConfig(ReadOnlyOnceResolved):
     enable_lora: bool = opt(
         False, "Serve LoRA adapters (PEFT directories) over the base model, batched: each "
         "request may name its own (vLLM's flag). Off: the step carries no LoRA at all.")
@@ -300,7 +336,7 @@ def check_pipeline_combination(config: "EngineConfig") -> None:
 
 
 @dataclass
-class EngineConfig(FlatOptions):
+class EngineConfig(ReadOnlyOnceResolved, FlatOptions):
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -316,14 +352,28 @@ class EngineConfig(FlatOptions):
         """The parsed speculative settings (jaxserve/spec_settings.py), None if off."""
         return parse_speculative_config(self.speculative_config.speculative_config)
 
-    def finalize(self, platform: str) -> "EngineConfig":
-        """Resolve platform-dependent defaults and check ranges. Returns self."""
+    def resolved(self, *, default_max_num_batched_tokens: int) -> "EngineConfig":
+        """A read-only copy with the defaults that depend on the platform filled in and every
+        range checked (ValueError names the bad value); self is left as it was. The platform
+        object calls it (`Platform.resolve_config`): it knows the defaults."""
+        if self.is_resolved:
+            return self
+        resolved = copy.deepcopy(self)
+        resolved._fill_defaults_and_check(default_max_num_batched_tokens)
+        return _mark_resolved(resolved)
+
+    def with_changes(self, **sections: dict[str, Any]) -> "EngineConfig":
+        """A resolved config with some fields of some sections changed, resolved too:
+        ``config.with_changes(scheduler_config={"max_num_batched_tokens": 4096})``."""
+        parts = {name: dataclasses.replace(getattr(self, name), **changes)
+                 for name, changes in sections.items()}
+        return _mark_resolved(dataclasses.replace(self, **parts))
+
+    def _fill_defaults_and_check(self, default_max_num_batched_tokens: int) -> None:
         s, c, p = self.scheduler_config, self.cache_config, self.parallel_config
-        on_cpu = platform == "cpu"
         if s.max_num_batched_tokens is None:
-            s.max_num_batched_tokens = 512 if on_cpu else 2048
-        # attention_backend stays as given: "auto" needs a build probe of the CPU kernel, which
-        # belongs to the attention layer (attention.backend.resolve_backend_name), not to config.
+            s.max_num_batched_tokens = default_max_num_batched_tokens
+        # attention_backend stays as given: "auto" is the platform object's to resolve.
         _check_range("max_num_seqs", s.max_num_seqs, 1, 4096)
         if s.max_num_active_seqs is not None:
             _check_range("max_num_active_seqs", s.max_num_active_seqs, 1, 4096)
@@ -373,7 +423,6 @@ class EngineConfig(FlatOptions):
                              f"supported: {', '.join(GENERATION_CONFIG_DEFAULTS)}")
         if self.model_config.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.model_config.max_logprobs}")
-        return self
 
 
 @dataclass

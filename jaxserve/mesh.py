@@ -48,9 +48,10 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
             f"data_parallel_size ({dp}) = {needed}, but the {jax.process_count()} processes "
             f"have {len(devices)} devices together")
     if needed > len(devices):
+        # The hint applies to the CPU (the only platform whose devices can be simulated);
+        # it is given on every platform, as this leaf module asks no platform questions.
         hint = (" (on CPU, simulate devices with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})"
-                if devices and devices[0].platform == "cpu" else "")
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})")
         raise ValueError(f"tensor_parallel_size ({tp}) x data_parallel_size ({dp}) needs "
                          f"{needed} devices, but only {len(devices)} are visible{hint}")
     chosen = devices[:needed]

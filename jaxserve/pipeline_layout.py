@@ -90,9 +90,10 @@ def stage_meshes(pipeline_parallel_size: int, tensor_parallel_size: int,
     devices = list(devices) if devices is not None else jax.devices()
     needed = pp * tp
     if needed > len(devices):
+        # The hint applies to the CPU (the only platform whose devices can be simulated);
+        # it is given on every platform, as this leaf module asks no platform questions.
         hint = (" (on CPU, simulate devices with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})"
-                if devices and devices[0].platform == "cpu" else "")
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})")
         raise ValueError(f"pipeline_parallel_size ({pp}) x tensor_parallel_size ({tp}) needs "
                          f"{needed} devices, but only {len(devices)} are visible{hint}")
     return [Mesh(np.array(devices[s * tp:(s + 1) * tp], dtype=object).reshape(1, tp), AXES)

@@ -120,16 +120,17 @@ def _check_aot_dir(model, directory, caplog, **overrides):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.aot_manifest import aot_dir_for_engine
     from jaxserve.engine.compute_dtype import resolve_dtype
-    from jaxserve.engine.model_setup import resolve_max_model_len, settle_batch_limits
+    from jaxserve.engine.runner_setup import resolve_max_model_len, settle_batch_limits
     from jaxserve.loader import read_model_config
     from jaxserve.models.registry import read_arch
+    from jaxserve.platforms import CpuPlatform
     from jaxserve.quantization.kv import resolve_kv_cache_dtype
 
-    config = EngineConfig.from_kwargs(model=str(model), aot_dir=str(directory),
-                                      **{**ENGINE_KWARGS, **overrides}).finalize("cpu")
+    config = CpuPlatform().resolve_config(EngineConfig.from_kwargs(
+        model=str(model), aot_dir=str(directory), **{**ENGINE_KWARGS, **overrides}))
     arch = read_arch(read_model_config(str(model))[0])
     max_model_len = resolve_max_model_len(config.model_config.max_model_len, arch)
-    settle_batch_limits(config, max_model_len)
+    config = settle_batch_limits(config, max_model_len)
     dtype = resolve_dtype(config.model_config.dtype, "cpu", config.model_config.matrix_units)
     placed = SimpleNamespace(source_arch=arch, placement=SimpleNamespace(tp=1))
     caplog.clear()
@@ -199,7 +200,7 @@ def test_deviceless_plan_is_the_startup_rule_on_the_targets_memory():
     compile's headroom, or XLA's limit for the step where that is less."""
     from jaxserve.config import CacheConfig
     from jaxserve.models.arch import ModelArch
-    from jaxserve.runner.gpu_targets import load_target
+    from jaxserve.platforms.gpu_targets import load_target
     from jaxserve.runner.memory import KVCacheDoesNotFit, plan_kv_cache
 
     arch = ModelArch(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,

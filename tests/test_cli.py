@@ -91,8 +91,10 @@ def test_example_config_loads_and_validates(path):
     flat = config.to_flat_dict()
     for key, value in keys.items():
         assert flat[key.replace("-", "_")] == value, key
-    platform = "gpu" if "gpu" in path.name else "cpu"
-    config.engine.finalize(platform)
+    from jaxserve.platforms import platform_named
+
+    platform = platform_named("gpu" if "gpu" in path.name else "cpu")
+    platform.resolve_config(config.engine)
 
 
 def test_example_configs_exist():

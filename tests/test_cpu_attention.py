@@ -342,10 +342,10 @@ def test_broken_compiler_raises_a_clear_error(monkeypatch, tmp_path):
 
 def test_auto_backend_is_cpu_when_it_builds_else_reference_with_one_warning(monkeypatch,
                                                                             caplog):
-    from jaxserve.attention.backend import resolve_backend_name
+    from jaxserve.platforms import CpuPlatform, GpuPlatform
 
-    assert resolve_backend_name("auto", "cpu") == "cpu"
-    assert resolve_backend_name("auto", "gpu") == "pallas"
+    assert CpuPlatform().attention_backend_name("auto") == "cpu"
+    assert GpuPlatform().attention_backend_name("auto") == "pallas"
 
     def fail():
         raise loader.CpuAttentionBuildError("no C++ compiler found (test)")
@@ -354,7 +354,7 @@ def test_auto_backend_is_cpu_when_it_builds_else_reference_with_one_warning(monk
     monkeypatch.setattr(loader, "_warned", False)
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         for _ in range(2):
-            assert resolve_backend_name("auto", "cpu") == "reference"
+            assert CpuPlatform().attention_backend_name("auto") == "reference"
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
 

@@ -354,8 +354,10 @@ def test_the_engine_loads_the_model_in_the_dtype_auto_timed(make_tiny_model, tmp
     # ($JAXSERVE_MATRIX_UNITS) would otherwise take the rule by kind, untimed
     config = EngineConfig.from_kwargs(model=str(make_tiny_model("llama")), dtype="auto",
                                       max_num_seqs=4, max_model_len=64, matrix_units="auto")
-    config.finalize("cpu")
-    placed = place_model(config, None, "cpu", str(tmp_path))
+    from jaxserve.platforms import CpuPlatform
+
+    config = CpuPlatform().resolve_config(config)
+    placed = place_model(config, None, CpuPlatform(), str(tmp_path))
     assert len(chosen) == 1 and sorted(chosen[0].timings) == [1, 4]
     assert placed.dtype == jnp.dtype(chosen[0].dtype)
     assert placed.dtype_reason.startswith(chosen[0].dtype + ": the whole decode step timed")

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.aot_compile import build_abstract_engine, compile_bucket  # noqa: E402
 from jaxserve.models.execution_plan import LayerLoop  # noqa: E402
-from jaxserve.runner.gpu_targets import load_target, target_names, topology_mesh  # noqa: E402
+from jaxserve.platforms.gpu_targets import load_target, target_names, topology_mesh  # noqa: E402
 
 TRITON = "__gpu$xla.gpu.triton"
 SHAPES = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -202,7 +202,7 @@ def test_jaxserve_compile_reads_layer_weights_in_place_in_every_bucket(tmp_path)
     """The `jaxserve compile` path (compile_bucket for h200, no device) copies no layer weight,
     in the decode bucket or the widest one. The control, the same step with cuBLAS GEMMs (that
     path's choice before), copies all 7 projections of each of the 3 layers, every step."""
-    from jaxserve.runner.gpu_targets import CUBLAS_COMPILER_OPTIONS
+    from jaxserve.platforms.gpu_targets import CUBLAS_COMPILER_OPTIONS
 
     config = json.loads((SHAPES / "llama-3-8b" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))

@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, EngineConfig
+from jaxserve.platforms import CpuPlatform
 from jaxserve.quantization.kv import (
     FP8_SCALE_SEARCH,
     QuantizedKV,
@@ -152,7 +153,8 @@ def test_quantized_kv_engines_serve_on_the_cpu_kernel_close_to_float32(make_tiny
     f32_tokens = (1 << 20) // (2 * 2 * 2 * 16 * 4)
     del ref
     for kv in sorted(KV_DTYPES):
-        EngineConfig.from_kwargs(kv_cache_dtype=kv, attention_backend="cpu").finalize("cpu")
+        CpuPlatform().resolve_config(
+            EngineConfig.from_kwargs(kv_cache_dtype=kv, attention_backend="cpu"))
         llm = LLM(model, kv_cache_dtype=kv, **kwargs)
         setup = llm.llm_engine.engine_core.setup
         assert isinstance(setup.runner.k_cache, QuantizedKV)

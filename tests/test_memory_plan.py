@@ -88,7 +88,7 @@ def test_a_gpu_plan_keeps_room_for_the_autotuner_of_a_late_compile():
     """The cache is allocated after warm-up's compiles; a bucket compiled later autotunes
     its GEMMs on fresh operand copies, the largest the LM head (128256 x 4096 bf16, about
     1 GiB), beside a running step's activations: an H200 plan keeps that free."""
-    from jaxserve.runner.gpu_targets import load_target
+    from jaxserve.platforms.gpu_targets import load_target
 
     device_bytes = load_target("h200").device_memory_bytes
     weights, peak = 16 << 30, 805 << 20
@@ -124,7 +124,7 @@ def test_a_gpu_plan_stays_inside_the_limit_xla_compiles_the_step_for():
     device_memory_size): the step's arguments (weights, the aliased KV cache, its inputs) plus
     its temporaries over the 95 % slop factor. On an H200 at 90 % utilization that bound is
     the tighter one and decides; at 70 % the utilization share does. The source says which."""
-    from jaxserve.runner.gpu_targets import load_target
+    from jaxserve.platforms.gpu_targets import load_target
 
     device_bytes = load_target("h200").device_memory_bytes
     weights, peak = 16 << 30, 805 << 20

@@ -475,7 +475,9 @@ def _export_for_cuda(model_dir: str, tp: int, ep: bool) -> dict:
                                       enable_expert_parallel=ep, load_format="dummy",
                                       max_model_len=128, max_num_batched_tokens=4,
                                       max_num_seqs=4, kv_cache_memory_bytes=4 << 20)
-    runner = setup_model(config, target_platform="cuda").runner
+    from jaxserve.platforms import platform_named
+
+    runner = setup_model(config, target_platform=platform_named("cuda")).runner
     t, s = runner.buckets.all_shapes()[-1]
     exported = runner.export_step(t, s, "cuda")
     mlir = exported.mlir_module()

@@ -238,7 +238,7 @@ def _pallas_under_shard_map() -> dict:
 
     mesh = make_mesh(2, 1)
     heads_on, cache_on = NamedSharding(mesh, HEADS_SPEC), NamedSharding(mesh, KV_CACHE_SPEC)
-    sharded = shard_backend(get_attention_backend("pallas-interpret", "cpu"), mesh)
+    sharded = shard_backend(get_attention_backend("pallas-interpret"), mesh)
     out, cache = jax.jit(functools.partial(step, sharded))(
         jax.device_put(q, heads_on), jax.device_put(k_cache, cache_on),
         jax.device_put(v_cache, cache_on), jax.device_put(k_new, heads_on),
@@ -258,7 +258,9 @@ def _export_for_cuda(model_dir: str, tp: int) -> dict:
     config = EngineConfig.from_kwargs(model=model_dir, tensor_parallel_size=tp,
                                       load_format="dummy", kv_cache_memory_bytes=TINY_KV_BYTES,
                                       **ENGINE_KWARGS)
-    runner = setup_model(config, target_platform="cuda").runner
+    from jaxserve.platforms import platform_named
+
+    runner = setup_model(config, target_platform=platform_named("cuda")).runner
     t, s = runner.buckets.all_shapes()[-1]
     exported = runner.export_step(t, s, "cuda")
     mlir = exported.mlir_module()

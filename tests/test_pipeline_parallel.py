@@ -248,11 +248,12 @@ def test_bad_pipeline_splits_are_clear_errors(layers, pp, partition, words):
                              "num_speculative_tokens": 2}}, "speculative decoding by draft")])
 def test_unsupported_combinations_name_themselves(kwargs, words):
     from jaxserve.config import EngineConfig
+    from jaxserve.platforms import CpuPlatform
 
     config = EngineConfig.from_kwargs(model="m", pipeline_parallel_size=2, **kwargs)
     with pytest.raises(ValueError, match=f"pipeline_parallel_size=2 is not supported with.*"
                                          f"{words}"):
-        config.finalize("cpu")
+        CpuPlatform().resolve_config(config)
 
 
 @pytest.mark.fast

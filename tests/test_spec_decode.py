@@ -19,6 +19,7 @@ from scipy import stats
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
+from jaxserve.platforms import CpuPlatform
 from jaxserve.runner.rejection_sampler import num_emitted_tokens
 from jaxserve.spec_decode.ngram import NgramProposer
 from tests import precision
@@ -124,9 +125,9 @@ def test_speculative_config_is_validated_with_clear_errors():
                        ({**SPEC, "prompt_lookup_min": 5}, "prompt_lookup_min"),
                        ("{not json", "JSON")]:
         with pytest.raises(ValueError, match=match):
-            EngineConfig.from_kwargs(speculative_config=bad).finalize("cpu")
-    config = EngineConfig.from_kwargs(speculative_config='{"method": "ngram", '
-                                      '"num_speculative_tokens": 3}').finalize("cpu")
+            CpuPlatform().resolve_config(EngineConfig.from_kwargs(speculative_config=bad))
+    config = CpuPlatform().resolve_config(EngineConfig.from_kwargs(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}'))
     assert config.spec_decode.num_speculative_tokens == 3
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.attention.backend import get_attention_backend, resolve_backend_name
+from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.engine.model_setup import setup_model
+from jaxserve.platforms import platform_named
 
 TRITON = "__gpu$xla.gpu.triton"
 
@@ -21,7 +22,7 @@ def cuda_runner(model_dir, **overrides):
     config = EngineConfig.from_kwargs(model=str(model_dir), max_model_len=256, max_num_seqs=8,
                                       max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20,
                                       load_format="dummy", **overrides)
-    setup = setup_model(config, target_platform="cuda")
+    setup = setup_model(config, target_platform=platform_named("cuda"))
     return config, setup.runner
 
 
@@ -48,13 +49,14 @@ def test_reference_backend_step_exports_for_cuda_and_tpu(make_tiny_model):
 
 def test_pallas_needs_a_gpu_and_interpret_mode_is_only_on_request():
     with pytest.raises(ValueError, match="pallas-interpret"):
-        get_attention_backend("pallas", "cpu")
+        platform_named("cpu").attention_backend("pallas")
     with pytest.raises(ValueError, match="GPU"):
-        get_attention_backend("pallas", "tpu")
-    assert get_attention_backend("pallas-interpret", "cpu").name == "pallas-interpret"
+        platform_named("tpu").attention_backend("pallas")
+    assert platform_named("cpu").attention_backend("pallas-interpret").name == "pallas-interpret"
+    assert get_attention_backend("pallas-interpret").name == "pallas-interpret"
     for platform, expected in (("cpu", "cpu"), ("tpu", "reference"),
                                ("cuda", "pallas"), ("gpu", "pallas")):
-        assert resolve_backend_name("auto", platform) == expected, platform
+        assert platform_named(platform).attention_backend_name("auto") == expected, platform
 
 
 def test_speculative_verification_step_exports_for_cuda(make_tiny_model):

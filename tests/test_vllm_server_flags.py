@@ -16,6 +16,7 @@ except ImportError:
 
 from jaxserve.config import EngineConfig, ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.platforms import CpuPlatform
 
 pytestmark = pytest.mark.fast
 
@@ -83,4 +84,4 @@ def test_override_generation_config_wins_over_the_models_and_is_checked():
     assert _sampling_overrides(config, placed) == {"temperature": 0.2}
     bad = EngineConfig.from_kwargs(override_generation_config={"max_new_tokens": 5})
     with pytest.raises(ValueError, match="max_new_tokens"):
-        bad.finalize("cpu")
+        CpuPlatform().resolve_config(bad)

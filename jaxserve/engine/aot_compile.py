@@ -4,9 +4,10 @@ device is touched, and shipped as serialized executables (runner/aot_executables
     result = compile_for_target(config, "h200", "out/")      # or target=None: this CPU
 
 No weight is read or allocated: the params are ShapeDtypeStructs from the model's
-config.json (the family's weight shapes, int8 applied as shapes), placed by the same
-`ModelPlacement` rules as at startup, on a mesh of compile-only devices of the target
-(runner/gpu_targets.py). The KV cache is planned by the startup rule (runner/memory.py:
+config.json (engine/abstract_model.py), placed by the same `ModelPlacement` rules as at
+startup, on a mesh of compile-only devices of the target (platforms/gpu_targets.py); the
+runner is built by startup's own steps (engine/runner_setup.py) for the target's platform
+object (jaxserve/platforms/). The KV cache is planned by the startup rule (runner/memory.py:
 device memory x --gpu-memory-utilization - weights per device - the largest bucket's
 activation peak, or less where XLA's own limit for the step, 80 % of the device, leaves
 less), with the peak taken from the compiled program's `memory_analysis()`
@@ -27,28 +28,26 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
+from jaxserve.engine.abstract_model import place_abstract_model
 from jaxserve.engine.aot_manifest import (
     compiled_for_units,
     engine_fingerprint,
     expected_manifest,
     target_device_kind,
 )
-from jaxserve.engine.compute_dtype import DtypeWorkload, resolve_dtype
-from jaxserve.engine.model_setup import (
-    compilation_cache_path,
-    resolve_max_model_len,
-    settle_batch_limits,
+from jaxserve.engine.memory_plan import lora_targets_for, resident_bytes_per_device
+from jaxserve.engine.model_setup import compilation_cache_path
+from jaxserve.engine.runner_setup import (
+    build_runner,
+    gemv_rows,
+    lora_slots,
+    prepare_config,
+    step_shape,
 )
-from jaxserve.kernels.cpu.matmul import use_matrix_units
-from jaxserve.models import partition
-from jaxserve.models.registry import family_for, read_arch
-from jaxserve.quantization import check_mode
-from jaxserve.quantization.int8 import quantize_params_int8
-from jaxserve.quantization.kv import resolve_kv_cache_dtype
+from jaxserve.models.registry import family_for
+from jaxserve.platforms import Platform, platform_for_target
 from jaxserve.runner import aot_executables as aot
-from jaxserve.runner.gpu_targets import GPU_COMPILER_OPTIONS, load_target, topology_mesh
 from jaxserve.runner.memory import (
     KVCacheDoesNotFit,
     KVCachePlan,
@@ -56,7 +55,6 @@ from jaxserve.runner.memory import (
     xla_base_limit_bytes,
 )
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.penalty_state import PenaltyState
 
 logger = logging.getLogger(__name__)
 
@@ -73,116 +71,49 @@ class AbstractEngine:
     max_model_len: int
     fingerprint: str                # engine_fingerprint(...)
     devices: int
+    platform: Platform              # the target's
+    config: EngineConfig            # resolved for the target and the model (read-only)
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def abstract_params(family: Any, placement: Any, dtype: Any, quantization: str | None) -> Any:
-    """The params tree as ShapeDtypeStructs with their shardings: what loading the
-    checkpoint and placing it would produce, without a byte of it."""
-    weights = {name: jax.ShapeDtypeStruct(shape, dtype)
-               for name, shape in family.weight_shapes(placement.source_arch).items()}
-    params = family.params_from_weights(placement.prepare(weights), placement.arch)
-    if quantization == "int8":
-        params = quantize_params_int8(params)
-    if placement.mesh is None:
-        shardings = jax.tree.map(
-            lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), params)
-    else:
-        specs = partition.param_specs(params, placement.tp, family.param_spec_for(placement.arch))
-        shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(placement.mesh, s), specs,
-                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        params, shardings)
 
 
 def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: int | None
                           ) -> AbstractEngine:
-    """The engine's runner for `target` (None: this machine's CPU), abstract. num_blocks:
-    the KV cache's blocks per layer (None: the fewest one max_model_len sequence needs)."""
-    from jaxserve.loader import read_model_config
-    from jaxserve.models.placement import ModelPlacement
-
-    platform = "cuda" if target else "cpu"
-    config.finalize(platform)
-    if platform == "cpu":   # as the engine's setup: what dtype=auto and int8 assume
-        use_matrix_units(config.model_config.matrix_units)
-    mc, cc, sc, pc = (config.model_config, config.cache_config, config.scheduler_config,
-                      config.parallel_config)
+    """The engine's runner for `target` (None: this machine's CPU), abstract, built by
+    startup's own steps (engine/runner_setup.py) for the target's platform object.
+    num_blocks: the KV cache's blocks per layer (None: the fewest one max_model_len
+    sequence needs)."""
+    platform = platform_for_target(target)
+    config = prepare_config(config, platform)
     if config.spec_decode is not None and config.spec_decode.method == "draft_model":
         raise ValueError("jaxserve compile: speculative_config method 'draft_model' is not "
                          "supported yet (ngram is)")
-    quantization = check_mode(mc.quantization)
-    if quantization == "gguf":
-        raise ValueError("jaxserve compile: quantization='gguf' keeps packed GGUF tensors read "
-                         "from the file; use int8 or none")
-    from jaxserve.loader.hub_download import hub_options
-
-    hf_config, model_path = read_model_config(mc.model, hub_options(mc))
-    source_arch = read_arch(hf_config)
-    family = family_for(source_arch.architecture)
-    # as the engine on this machine will choose (a CPU's dtype=auto: timed, and stored)
-    dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units, DtypeWorkload.of(
-        config, source_arch, compilation_cache_path(config.runner_config.compilation_cache_dir))
-        if platform == "cpu" else None)
-    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
-    max_model_len = resolve_max_model_len(mc.max_model_len, source_arch)
-    settle_batch_limits(config, max_model_len)
-    tp = pc.tensor_parallel_size
-    if pc.pipeline_parallel_size > 1:
+    if config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("jaxserve compile does not plan pipeline_parallel_size > 1 yet; plan "
                          "with --tensor-parallel-size (pipeline parallel serves without "
                          "shipped executables)")
-    mesh = topology_mesh(load_target(target), tp) if target else None
-    placement = ModelPlacement.create(pc, source_arch, mesh)
-    params = abstract_params(family, placement, dtype, quantization)
-    weight_bytes = partition.per_device_bytes(params) if placement.mesh is not None else sum(
-        int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
-    spec = config.spec_decode
-    num_spec_tokens = spec.num_speculative_tokens if spec else 0
-    lora = None
-    if config.lora_config.enable_lora:
-        lora = _abstract_lora(config, family, placement, dtype)
-        weight_bytes += lora.nbytes      # as at startup (model_setup): the slots, whole
-    # The runner's penalty history tables, as at startup (model_setup): with the weights.
-    weight_bytes += PenaltyState.nbytes(sc.max_num_seqs + 1, placement.arch.vocab_size)
-    backend = placement.shard_backend(get_attention_backend(
-        config.runner_config.attention_backend, platform))
-    blocks = num_blocks or -(-max_model_len // cc.block_size)
-    runner = ModelRunner(
-        placement.arch, params, backend, dtype=dtype, num_blocks=blocks,
-        block_size=cc.block_size, max_model_len=max_model_len, kv_cache_dtype=kv_dtype,
-        max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-        max_logprobs=mc.max_logprobs, eos_token_ids=[0],
-        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step, num_spec_tokens=num_spec_tokens,
-        max_spec_rows=min(spec.disable_by_batch_size, sc.max_num_seqs) if spec else 0,
-        kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
-        logits_shardings=placement.logits_shardings, lora=lora, abstract=True)
+    tp = config.parallel_config.tensor_parallel_size
+    mesh = platform.compile_mesh(tp)
+    cache_dir = compilation_cache_path(config.runner_config.compilation_cache_dir)
+    placed = place_abstract_model(config, platform, mesh, cache_dir)
+    shape = step_shape(config, placed, platform)
+    config, placement, dtype = shape.config, placed.placement, placed.dtype
+    family = family_for(placed.source_arch.architecture)
+    lora_targets = lora_targets_for(config, family, placement.arch)
+    weight_bytes = resident_bytes_per_device(config, placed, lora_targets)
+    lora = None if lora_targets is None else lora_slots(config, family, placement, lora_targets,
+                                                        dtype, abstract=True)
+    blocks = num_blocks or -(-shape.max_model_len // config.cache_config.block_size)
+    runner = build_runner(shape, blocks, config.cache_config.block_size, eos=[0],
+                          lora_stacks=lora, gemv_rows=gemv_rows(shape, cache_dir))
     return AbstractEngine(
         runner=runner, arch=placement.arch, weight_bytes_per_device=int(weight_bytes),
-        kv_dtype=kv_dtype, dtype=dtype, max_model_len=max_model_len,
-        fingerprint=engine_fingerprint(config, source_arch, dtype, kv_dtype, max_model_len),
-        devices=tp, info={"model": model_path, "architecture": source_arch.architecture,
-                          "dtype": np.dtype(dtype).name, "kv_cache_dtype": np.dtype(kv_dtype).name,
-                          "quantization": quantization})
-
-
-def _abstract_lora(config: EngineConfig, family: Any, placement: Any, dtype: Any) -> Any:
-    from jax.sharding import PartitionSpec as P
-
-    from jaxserve.lora.peft_loader import supported_targets
-    from jaxserve.lora.stacks import LoRAStacks
-
-    lc = config.lora_config
-    targets = supported_targets(family, placement.arch)
-    specs = None
-    if placement.mesh is not None:
-        spec_fn = family.param_spec_for(placement.arch)
-        shapes = family.weight_shapes(placement.arch)
-        # tp = 1 on a one-device topology mesh: unsplit [L, in, out] (param_spec says P())
-        specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
-                            placement.tp) or P(None, None, None) for t in targets}
-    return LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
-                      dtype, placement.mesh, specs, abstract=True)
+        kv_dtype=shape.kv_dtype, dtype=dtype, max_model_len=shape.max_model_len,
+        fingerprint=engine_fingerprint(config, placed.source_arch, dtype, shape.kv_dtype,
+                                       shape.max_model_len),
+        devices=tp, platform=platform, config=config,
+        info={"model": placed.model_path, "architecture": placed.source_arch.architecture,
+              "dtype": np.dtype(dtype).name, "kv_cache_dtype": np.dtype(shape.kv_dtype).name,
+              "quantization": placed.quantization})
 
 
 @dataclass
@@ -204,7 +135,7 @@ def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | No
                    ) -> CompiledBucket:
     start = time.perf_counter()
     lowered = runner.lower_step(*shape)
-    executable = lowered.compile(dict(GPU_COMPILER_OPTIONS) if target else None)
+    executable = lowered.compile(platform_for_target(target).step_compiler_options())
     seconds = time.perf_counter() - start
     stats = executable.memory_analysis()
     temp = int(stats.temp_size_in_bytes) if stats is not None else 0
@@ -219,7 +150,7 @@ def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | No
 def plan_from_compiled(engine: AbstractEngine, config: EngineConfig, target: str | None,
                        activation_bytes: int) -> KVCachePlan:
     """The startup rule (runner/memory.py), for the target's memory when there is one."""
-    memory = load_target(target).device_memory_bytes if target else None
+    memory = engine.platform.device_memory_bytes
     return plan_kv_cache(config.cache_config, engine.arch, engine.kv_dtype,
                          engine.weight_bytes_per_device, activation_bytes,
                          engine.max_model_len, tp_size=engine.devices,
@@ -228,7 +159,7 @@ def plan_from_compiled(engine: AbstractEngine, config: EngineConfig, target: str
 
 def check_weights_fit(engine: AbstractEngine, config: EngineConfig, target: str) -> None:
     """Refuse before compiling anything when the weights alone exceed the memory share."""
-    memory = load_target(target).device_memory_bytes
+    memory = engine.platform.device_memory_bytes
     share = int(config.cache_config.gpu_memory_utilization * memory)
     usable = min(share, xla_base_limit_bytes(memory))
     excess = engine.weight_bytes_per_device - usable
@@ -272,7 +203,7 @@ def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
     flags = {k: v for k, v in config.to_flat_dict().items()
              if v != defaults[k] and k not in ("model", "aot_dir", "load_format", "hf_token", "download_dir")}
     probe = build_abstract_engine(config, target, None)
-    if target:
+    if probe.platform.device_memory_bytes:      # a named GPU: its memory is known now
         check_weights_fit(probe, config, target)
     wanted = sorted(shapes or probe.runner.buckets.all_shapes())
     # The largest bucket holds the most activations, but a one-sequence decode can need
@@ -326,12 +257,12 @@ def _compile_and_write(config: EngineConfig, target: str | None, plan: KVCachePl
 
 def _summary(engine: AbstractEngine, plan: KVCachePlan, target: str | None,
              buckets: list[dict[str, Any]], activation: int, output: Path) -> dict[str, Any]:
-    return {"target": target or "cpu", "platform": "cuda" if target else "cpu",
+    return {"target": target or "cpu", "platform": engine.platform.name,
             "topology": f"1x1x{engine.devices}", "devices": engine.devices,
             **engine.info, "max_model_len": engine.max_model_len,
             "weights_bytes_per_device": engine.weight_bytes_per_device,
             "activation_peak_bytes": activation,
-            "device_memory_bytes": load_target(target).device_memory_bytes if target else None,
+            "device_memory_bytes": engine.platform.device_memory_bytes,
             "kv_cache_bytes_per_device": plan.total_bytes,
             "kv_cache_blocks": plan.num_blocks, "block_size": plan.block_size,
             "kv_cache_tokens": plan.capacity_tokens, "plan_source": plan.source,

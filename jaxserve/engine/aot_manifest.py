@@ -15,17 +15,17 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.platforms.gpu_targets import load_target, plugin_version
 from jaxserve.quantization import check_mode
 from jaxserve.runner import aot_executables as aot
 from jaxserve.runner.executable_cache import source_fingerprint
-from jaxserve.runner.gpu_targets import load_target, plugin_version
 
 logger = logging.getLogger(__name__)
 
 
 def engine_fingerprint(config: EngineConfig, source_arch: Any, dtype: Any, kv_dtype: Any,
                        max_model_len: int) -> str:
-    """A hash of everything in a finalized config that shapes the compiled step (and the
+    """A hash of everything in a resolved config that shapes the compiled step (and the
     jaxserve source), the same at `jaxserve compile` and at a start with --aot-dir. The KV
     block count is not in it: a start with --aot-dir takes the manifest's."""
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.dtypes import dtype_by_name
+from jaxserve.platforms import Platform, platform_named
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def choose_by_step_times(timings: dict[int, tuple[float, float]]) -> DtypeChoice
                        bfloat16_worst, dict(timings))
 
 
-def resolve_dtype(name: str, platform: str, matrix_units: str = "auto",
+def resolve_dtype(name: str, platform: Platform | str, matrix_units: str = "auto",
                   workload: DtypeWorkload | None = None):
     """The jnp dtype for ``--dtype name`` on ``platform`` (``auto``: `auto_compute_dtype`)."""
     if name == "auto":
@@ -122,9 +123,11 @@ def resolve_dtype(name: str, platform: str, matrix_units: str = "auto",
     return dtype_by_name(name)
 
 
-def auto_compute_dtype(platform: str, matrix_units: str = "auto",
+def auto_compute_dtype(platform: Platform | str, matrix_units: str = "auto",
                        workload: DtypeWorkload | None = None) -> tuple[Any, str]:
-    """dtype="auto": (dtype, why). bfloat16 on every accelerator. On a CPU, given the model
+    """dtype="auto": (dtype, why); `platform` an object, or its name (looked up). Where the
+    platform fixes it (bfloat16 on every accelerator: `Platform.auto_dtype`), that. On a
+    CPU, given the model
     (`workload`), a CPU (or forced ``matrix_units`` kind) without bf16 units and float
     projections read in place: float32 or bfloat16 by `choose_by_step_times` from the whole
     decode step timed here once in both and stored (dtype_step_timing.py). Otherwise by the
@@ -132,8 +135,9 @@ def auto_compute_dtype(platform: str, matrix_units: str = "auto",
     bf16 products in hardware (AMX-BF16 or AVX512-BF16; or ``matrix_units`` names such a
     kind) and the oneDNN matmul library loads -- several times float32's speed at batch sizes
     above a few rows there; float32 elsewhere. vLLM's CPU build chooses by the kind alone."""
-    if platform != "cpu":
-        return jnp.bfloat16, f"{platform}: bfloat16"
+    platform = platform if isinstance(platform, Platform) else platform_named(platform)
+    if platform.auto_dtype is not None:      # one dtype for every model there
+        return platform.auto_dtype, f"{platform.name}: {jnp.dtype(platform.auto_dtype).name}"
     measured = _measured_cpu_dtype(matrix_units, workload)
     if measured is not None:
         return measured

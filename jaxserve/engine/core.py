@@ -73,8 +73,8 @@ class EngineCore:
         """mesh: this replica's (1, tp) sub-mesh under data parallelism (jaxserve/parallel)."""
         from jaxserve.engine.model_setup import setup_model
 
-        self.config = config
         self.setup = setup_model(config, mesh)       # loads weights, sizes the cache, warms up
+        self.config = self.setup.config      # resolved for the platform and model, read-only
         s = self.setup
         self.tokenizer = s.tokenizer
         self.max_model_len = s.max_model_len

@@ -34,18 +34,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from jaxserve.platforms import Platform, platform_named
+
 logger = logging.getLogger(__name__)
 
 
 def gguf_default_quantization(config: Any, model_path: str, mesh: Any,
-                              platform: str) -> tuple[str | None, str | None]:
+                              platform: Platform | str) -> tuple[str | None, str | None]:
     """(the quantization mode a model is loaded in, why -- None when the user chose it or
     the model is no GGUF file): ``"gguf"`` (packed) or None (dequantized) for a GGUF file
-    with quantization unset, by the rule in this module's docstring."""
+    with quantization unset, by the rule in this module's docstring. `platform`: an object,
+    or its name (looked up)."""
     mc = config.model_config
     if mc.quantization is not None or not str(model_path).endswith(".gguf") \
             or mc.load_format != "auto":
         return mc.quantization, None
+    platform = platform if isinstance(platform, Platform) else platform_named(platform)
     refused = _why_dequantized(config, mesh, platform)
     if refused is not None:
         return None, f"GGUF weights dequantized at load into --dtype: {refused}"
@@ -54,10 +58,10 @@ def gguf_default_quantization(config: Any, model_path: str, mesh: Any,
                     "dequantizes)")
 
 
-def _why_dequantized(config: Any, mesh: Any, platform: str) -> str | None:
+def _why_dequantized(config: Any, mesh: Any, platform: Platform) -> str | None:
     mc = config.model_config
-    if platform != "cpu":
-        return (f"the packed-block kernels are the CPU's (on {platform} XLA would dequantize "
+    if not platform.runs_gguf_block_kernels:
+        return (f"the packed-block kernels are the CPU's (on {platform.name} XLA would dequantize "
                 "them every step)")
     devices = getattr(mesh, "size", 1) if mesh is not None else 1
     pc = config.parallel_config

@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
+from jaxserve.platforms import Platform
 from jaxserve.quantization.cost import measured_cost
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 from jaxserve.runner.penalty_state import PenaltyState
@@ -33,16 +34,15 @@ class MemoryPlan:
 
 
 def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
-                 kv_dtype: Any, max_model_len: int, platform: str,
+                 kv_dtype: Any, max_model_len: int, platform: Platform,
                  spec_rows: Any) -> MemoryPlan:
     """Size the KV cache from what the weights, LoRA slots, a draft model and the widest
     step's activations leave of the budget (`cc`: the cache config, an --aot-dir's block
     count applied)."""
     sc = config.scheduler_config
     arch, dtype, placement = placed.arch, placed.dtype, placed.placement
-    # A RestoringParams (model_source.py) is still being read: plan from its shapes.
-    weight_bytes = placement.weight_bytes_per_device(
-        getattr(placed.params, "spec", placed.params), placed.resident_bytes)
+    lora_targets = lora_targets_for(config, family, arch)
+    weight_bytes = resident_bytes_per_device(config, placed, lora_targets)
     # Activations: the widest step holds a few [T, max(hidden, intermediate)] tensors and the
     # logits of S rows and of the prompt-logprobs positions; leave generous room for them.
     t_max = sc.max_num_batched_tokens
@@ -50,20 +50,8 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
         spec_rows.max_rows * (spec_rows.num_tokens + 1)
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
-    # The runner's device-resident penalty history lives as long as the weights (counted
-    # with them, as jaxserve compile's plan does: aot_compile.abstract_engine).
+    # Pipeline stages plan per stage: the penalty tables sit on the last one.
     penalty_bytes = PenaltyState.nbytes(sc.max_num_seqs + 1, arch.vocab_size)
-    weight_bytes += penalty_bytes
-    lora_targets = None
-    if config.lora_config.enable_lora:   # the adapter slots come out of the weights' share
-        from jaxserve.lora.peft_loader import supported_targets
-
-        lora_targets = supported_targets(family, arch)
-        lc = config.lora_config
-        lora_bytes = sum(arch.num_layers * (lc.max_loras + 1) * lc.max_lora_rank
-                         * (t.in_features + t.out_features) for t in lora_targets.values()
-                         ) * np.dtype(dtype).itemsize
-        weight_bytes += lora_bytes
     draft = None
     spec = config.spec_decode
     if spec is not None and spec.method == "draft_model":
@@ -104,7 +92,33 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
     return MemoryPlan(kv_plan, lora_targets, draft, plan)
 
 
-def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: str,
+def lora_targets_for(config: EngineConfig, family: Any, arch: ModelArch) -> dict | None:
+    """The projections LoRA adapters may target (None: LoRA off)."""
+    if not config.lora_config.enable_lora:
+        return None
+    from jaxserve.lora.peft_loader import supported_targets
+
+    return supported_targets(family, arch)
+
+
+def resident_bytes_per_device(config: EngineConfig, placed: Any, lora_targets: dict | None
+                              ) -> int:
+    """What lives as long as the weights, per device: the weights (a RestoringParams, still
+    being read: from its shapes), the runner's penalty history tables, and the LoRA slots
+    (whole). Startup and `jaxserve compile` plan the KV cache beside this."""
+    arch, placement = placed.arch, placed.placement
+    total = placement.weight_bytes_per_device(getattr(placed.params, "spec", placed.params),
+                                              placed.resident_bytes)
+    total += PenaltyState.nbytes(config.scheduler_config.max_num_seqs + 1, arch.vocab_size)
+    if lora_targets is not None:   # the adapter slots come out of the weights' share
+        lc = config.lora_config
+        total += sum(arch.num_layers * (lc.max_loras + 1) * lc.max_lora_rank
+                     * (t.in_features + t.out_features) for t in lora_targets.values()
+                     ) * np.dtype(placed.dtype).itemsize
+    return total
+
+
+def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: Platform,
                 max_model_len: int, max_rows: int) -> dict[str, Any]:
     """Speculative decoding's draft model: weights on the target's device, and the size of
     its KV cache (enough for max_rows sequences of max_model_len + k, plus one spare block

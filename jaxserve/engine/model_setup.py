@@ -18,14 +18,20 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve import load_progress
-from jaxserve.attention.backend import get_attention_backend
 from jaxserve.config import EngineConfig
 from jaxserve.engine.memory_plan import MemoryPlan, plan_memory
-from jaxserve.kernels.cpu.matmul import use_matrix_units
+from jaxserve.engine.runner_setup import (
+    StepShape,
+    build_runner,
+    gemv_rows,
+    lora_slots,
+    prepare_config,
+    step_shape,
+)
 from jaxserve.loader.hub_download import HubOptions
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
-from jaxserve.quantization.kv import resolve_kv_cache_dtype
+from jaxserve.platforms import Platform, current_platform
 from jaxserve.runner.host_malloc import keep_freed_memory_in_heap
 from jaxserve.runner.memory import KVCachePlan
 from jaxserve.runner.model_runner import ModelRunner
@@ -54,6 +60,9 @@ class ModelSetup:
     # waited for the restore_weights thread).
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     lora_registry: Any = None        # jaxserve.lora.registry.LoRARegistry (None: LoRA off)
+    # The config as resolved for the platform and the model (read-only): what the scheduler
+    # and every other part read.
+    config: EngineConfig | None = None
 
 
 def compilation_cache_path(directory: str | None) -> str | None:
@@ -81,16 +90,6 @@ def enable_compilation_cache(directory: str | None) -> str | None:
     return directory
 
 
-def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
-    # Sliding-window layers need no cap: attention bounds what they read per layer.
-    limit = arch.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested < 1 or requested > limit:
-        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
-    return requested
-
-
 def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
     """generation_config's EOS ids and the tokenizer's (None under skip_tokenizer_init)."""
     ids = generation_config.get("eos_token_id")
@@ -101,21 +100,11 @@ def eos_ids(tokenizer: Any, generation_config: dict) -> list[int]:
     return [int(i) for i in ids]
 
 
-def settle_batch_limits(config: EngineConfig, max_model_len: int) -> None:
-    """Without chunked prefill a prompt is never split: the step's token budget (and the
-    prompt-logprobs gather) must hold a whole max_model_len prompt."""
-    sc = config.scheduler_config
-    if not sc.enable_chunked_prefill:
-        sc.max_num_batched_tokens = max(sc.max_num_batched_tokens, max_model_len)
-        if sc.max_prompt_logprobs_per_step:
-            sc.max_prompt_logprobs_per_step = sc.max_num_batched_tokens
-
-
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str | None = None,
-                warmup: bool = True) -> ModelSetup:
+def setup_model(config: EngineConfig, mesh: Any = None, *,
+                target_platform: Platform | None = None, warmup: bool = True) -> ModelSetup:
     """mesh: a data-parallel replica's (1, tp) sub-mesh (jaxserve/parallel); default: one
     device, or a (1, tp) mesh when tensor_parallel_size > 1.
 
@@ -124,20 +113,19 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
     implies warmup=False."""
     from jaxserve.engine.model_source import place_model
 
-    platform = target_platform or jax.default_backend()
+    platform = target_platform or current_platform()
     warmup = warmup and target_platform is None
-    cache_dir = _prepare_process(config, platform)
-    mc, cc = config.model_config, config.cache_config
+    config = prepare_config(config, platform)
+    cache_dir = _prepare_process(config)
 
     t0 = time.perf_counter()
     load_progress.report("load")
     # Read + convert + place, or (a converted checkpoint) restore straight onto the devices.
     placed = place_model(config, mesh, platform, cache_dir)
     dtype, placement = placed.dtype, placed.placement
-    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, dtype)
     family = family_for(placed.source_arch.architecture)
-    max_model_len = resolve_max_model_len(mc.max_model_len, placed.source_arch)
-    settle_batch_limits(config, max_model_len)
+    shape = step_shape(config, placed, platform)
+    config, kv_dtype, max_model_len = shape.config, shape.kv_dtype, shape.max_model_len
     num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
     arch = placed.arch
     load_seconds = time.perf_counter() - t0
@@ -149,24 +137,23 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
         from jaxserve.engine.aot_manifest import aot_dir_for_engine
 
         aot_dir, cc = aot_dir_for_engine(config, placed, dtype, kv_dtype, max_model_len)
-    spec_rows = _spec_rows(config)
+    spec_rows = _spec_rows(shape)
     memory = plan_memory(config, cc, placed, family, kv_dtype, max_model_len, platform,
                           spec_rows)
     kv_plan = memory.kv_plan
 
     t_runner = time.perf_counter()
     eos = eos_ids(placed.tokenizer, placed.generation_config)
-    backend = placement.shard_backend(
-        get_attention_backend(config.runner_config.attention_backend, platform))
+    backend = shape.backend
     lora_stacks = lora_registry = None
     if memory.lora_targets is not None:
         lora_stacks, lora_registry = _setup_lora(config, family, placement, memory.lora_targets,
                                                  dtype)
-    gemv_rows = _cpu_gemv_rows(config, placed, backend, platform, cache_dir)
+    gemv = gemv_rows(shape, cache_dir)
 
     def build(kv_plan: KVCachePlan) -> ModelRunner:
-        runner = _build_runner(config, placed, backend, kv_plan, kv_dtype, max_model_len, eos,
-                               spec_rows, lora_stacks, gemv_rows)
+        runner = build_runner(shape, kv_plan.num_blocks, kv_plan.block_size, eos, lora_stacks,
+                              gemv)
         _attach_executable_cache(runner, placement, aot_dir, cache_dir)
         return runner
 
@@ -195,80 +182,16 @@ def setup_model(config: EngineConfig, mesh: Any = None, *, target_platform: str 
                       num_params=num_params, weight_bytes=placed.resident_bytes,
                       warmup_seconds=warmup_seconds,
                       load_seconds=load_seconds, draft_proposer=draft_proposer,
-                      lora_registry=lora_registry, phases=phases)
+                      lora_registry=lora_registry, phases=phases, config=config)
 
 
-def _prepare_process(config: EngineConfig, platform: str) -> str | None:
-    """Finalize the config for `platform`, turn on the compilation cache (returns its
-    directory, None when off) and, on CPU, keep freed memory in the heap."""
-    config.finalize(platform)
-    if platform == "cpu":   # what dtype=auto and the int8 path assume, before any trace
-        use_matrix_units(config.model_config.matrix_units)
+def _prepare_process(config: EngineConfig) -> str | None:
+    """Turn on the compilation cache (returns its directory, None when off) and, where the
+    devices' memory is host RAM, keep freed memory in the heap."""
     cache_dir = enable_compilation_cache(config.runner_config.compilation_cache_dir)
-    if jax.default_backend() == "cpu":
+    if current_platform().memory_is_host_ram:     # this process's devices, not a target's
         keep_freed_memory_in_heap()
     return cache_dir
-
-
-def _build_runner(config: EngineConfig, placed: Any, backend: Any, kv_plan: KVCachePlan,
-                  kv_dtype: Any, max_model_len: int, eos: list[int], spec_rows: Any,
-                  lora_stacks: Any, gemv_rows: int = 0) -> ModelRunner:
-    """The runner for the placed model, with the KV cache the memory plan sized."""
-    mc, sc, placement = config.model_config, config.scheduler_config, placed.placement
-    runner_class, stages = ModelRunner, {}
-    if getattr(placement, "stages", None):       # pipeline parallel (models/pipeline_placement)
-        from jaxserve.runner.pipeline_runner import PipelineModelRunner
-
-        runner_class, stages = PipelineModelRunner, {
-            "pipeline": placement,
-            "micro_batches": config.parallel_config.pipeline_micro_batches or 1}
-    return runner_class(
-        placed.arch, placed.params, backend, dtype=placed.dtype, num_blocks=kv_plan.num_blocks,
-        block_size=kv_plan.block_size, max_model_len=max_model_len,
-        kv_cache_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
-        max_num_batched_tokens=sc.max_num_batched_tokens,
-        max_logprobs=mc.max_logprobs, eos_token_ids=eos,
-        prompt_logprobs_cap=sc.max_prompt_logprobs_per_step,
-        num_spec_tokens=spec_rows.num_tokens, max_spec_rows=spec_rows.max_rows,
-        kv_sharding=placement.kv_sharding, input_sharding=placement.input_sharding,
-        logits_shardings=placement.logits_shardings, lora=lora_stacks, gemv_rows=gemv_rows,
-        **stages)
-
-
-def _cpu_gemv_rows(config: EngineConfig, placed: Any, backend: Any, platform: str,
-                   cache_dir: str | None) -> int:
-    """Up to how many rows float projections and a tied float LM head take the streaming GEMV
-    (CPU, one device, weights read in place: kernels/cpu/gemv_choice.py); 0 where that path
-    is not taken. A quantized model's projections do not use it (int8 streams at every
-    decode row count), but its tied table is float: the same choice serves it."""
-    from jaxserve.runner.execution_plan import choose_execution_plan
-
-    setting = config.model_config.cpu_gemv_rows
-    mesh = getattr(placed.placement, "mesh", None)
-    if not choose_execution_plan(platform, backend.name, 1 if mesh is None else mesh.size,
-                                 placed.dtype).cpu_matmul:
-        return 0
-    if setting != "auto":
-        logger.info("CPU projections (%s): streaming GEMV at <= %s rows (cpu_gemv_rows=%s)",
-                    np.dtype(placed.dtype).name, setting, setting)
-        return int(setting)
-    from jaxserve.kernels.cpu.gemv_choice import load_or_measure
-    from jaxserve.kernels.cpu.timings import projection_shapes, worth_measuring
-
-    shapes, num_layers = projection_shapes(placed.arch), placed.arch.num_layers
-    if not worth_measuring(placed.dtype, shapes, num_layers):
-        return 0                 # cache-resident weights: nothing to stream, oneDNN
-    start = time.perf_counter()
-    try:
-        choice, stored = load_or_measure(cache_dir, placed.dtype, shapes, num_layers)
-    except Exception as exc:     # a timing that cannot run must not stop the server
-        logger.warning("could not time the CPU GEMV against oneDNN (%r): oneDNN at every "
-                       "row count", exc)
-        return 0
-    logger.info("CPU projections (%s): %s [%s]", np.dtype(placed.dtype).name,
-                choice.describe(), "stored choice" if stored else
-                f"{time.perf_counter() - start:.1f} s")
-    return choice.rows
 
 
 def _attach_executable_cache(runner: ModelRunner, placement: Any, aot_dir: str | None,
@@ -319,26 +242,19 @@ def _warm_up(config: EngineConfig, runner: ModelRunner, kv_plan: KVCachePlan,
     return runner, kv_plan, time.perf_counter() - start
 
 
-def _log_model(config: EngineConfig, placed: Any, num_params: int, platform: str,
+def _log_model(config: EngineConfig, placed: Any, num_params: int, platform: Platform,
                load_seconds: float) -> None:
     mc = config.model_config
     dtype, resident_bytes = placed.dtype, placed.resident_bytes
     devices = jax.devices()
     if mc.dtype == "auto":
         logger.info("compute dtype (dtype=auto): %s", placed.dtype_reason)
-    if platform == "cpu" and mc.matrix_units != "auto":
-        from jaxserve.kernels.cpu.matmul import detect_matrix_units, matrix_units_for
-
-        wanted, found = matrix_units_for(mc.matrix_units), detect_matrix_units()
-        if (wanted.bf16 and not found.bf16) or (wanted.int8 and not found.int8):
-            logger.warning("matrix_units=%s on a CPU with %s: oneDNN emulates the missing "
-                           "units (the same numbers, slower)", mc.matrix_units, found.describe())
     logger.info("model %s: %s, %.1fM parameters, dtype %s, quantization %s (%.1f MiB of "
                 "weights, %.2fx %s), on %d %s device(s) (%s) [%.1f s]",
                 placed.model_path, placed.arch.architecture, num_params / 1e6,
                 np.dtype(dtype).name, placed.quantization, resident_bytes / 2**20,
                 resident_bytes / (num_params * np.dtype(dtype).itemsize), np.dtype(dtype).name,
-                len(devices), platform, devices[0].device_kind, load_seconds)
+                len(devices), platform.name, devices[0].device_kind, load_seconds)
 
 
 @dataclass(frozen=True)
@@ -348,12 +264,8 @@ class _SpecRows:
     max_rows: int        # sequences that carry drafts
 
 
-def _spec_rows(config: EngineConfig) -> _SpecRows:
-    spec, sc = config.spec_decode, config.scheduler_config
-    if spec is None:
-        return _SpecRows(0, 0)
-    return _SpecRows(spec.num_speculative_tokens, min(spec.disable_by_batch_size,
-                                                      sc.max_num_seqs))
+def _spec_rows(shape: StepShape) -> _SpecRows:
+    return _SpecRows(shape.num_spec_tokens, shape.max_spec_rows)
 
 
 def _draft_proposer(config: EngineConfig, draft: dict[str, Any], backend: Any, dtype: Any,
@@ -385,7 +297,7 @@ def _sampling_overrides(config: EngineConfig, placed: Any) -> dict[str, Any]:
         overrides = {k: v for k, v in placed.generation_config.items() if k in _GEN_CONFIG_KEYS}
     if overrides:
         logger.info("default sampling params from generation_config.json: %s", overrides)
-    forced = config.model_config.override_generation_config   # keys checked by finalize
+    forced = config.model_config.override_generation_config   # keys checked when resolved
     if forced:
         overrides.update(forced)
         logger.info("default sampling params after --override-generation-config: %s",
@@ -398,17 +310,9 @@ def _setup_lora(config: EngineConfig, family: Any, placement: Any, targets: dict
                 dtype: Any) -> tuple[Any, Any]:
     """The device adapter slots (split like their base kernels) and the adapter registry."""
     from jaxserve.lora.registry import LoRARegistry
-    from jaxserve.lora.stacks import LoRAStacks
 
     lc = config.lora_config
-    specs = None
-    if placement.mesh is not None:
-        spec_fn = family.param_spec_for(placement.arch)
-        shapes = family.weight_shapes(placement.arch)
-        specs = {t: spec_fn(("layers", t, "kernel"), shapes[f"layers.{t}.kernel"],
-                            placement.tp) for t in targets}
-    stacks = LoRAStacks(targets, placement.arch.num_layers, lc.max_loras, lc.max_lora_rank,
-                        dtype, placement.mesh, specs)
+    stacks = lora_slots(config, family, placement, targets, dtype)
     registry = LoRARegistry(family, placement.source_arch, max_lora_rank=lc.max_lora_rank,
                             max_cpu_loras=lc.max_cpu_loras, tp=placement.tp,
                             hub=HubOptions(cache_dir=config.model_config.download_dir,

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -32,6 +32,7 @@ from jaxserve.engine.gguf_packing import (
 )
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for, read_arch
+from jaxserve.platforms import Platform
 from jaxserve.quantization import check_mode
 from jaxserve.quantization.int8 import quantize_params_int8
 
@@ -83,9 +84,10 @@ class RestoringParams:
         return self._out["params"]
 
 
-def place_model(config: EngineConfig, mesh: Any, platform: str,
+def place_model(config: EngineConfig, mesh: Any, platform: Platform,
                 cache_dir: str | None = None) -> PlacedModel:
-    """cache_dir: where a measured dtype=auto stores its CPU timings (compute_dtype.py)."""
+    """config: resolved for `platform` (Platform.resolve_config); cache_dir: where a
+    measured dtype=auto stores its CPU timings (compute_dtype.py)."""
     from jaxserve.loader.hub_download import hub_options
     from jaxserve.loader.resolve import resolve_model
 
@@ -103,21 +105,28 @@ def _placement(config: EngineConfig, arch: ModelArch, mesh: Any) -> Any:
     return ModelPlacement.create(config.parallel_config, arch, mesh)
 
 
-def _load_and_place(config: EngineConfig, model_path: str, mesh: Any, platform: str,
+def compute_dtype(config: EngineConfig, platform: Platform, arch: Callable[[], ModelArch],
+                  cache_dir: str | None) -> tuple[Any, str | None]:
+    """(dtype, why dtype=auto chose it, None when not auto) of the model whose ModelArch
+    `arch()` reads: what startup and `jaxserve compile` both serve in."""
+    mc = config.model_config
+    if mc.dtype != "auto":
+        return resolve_dtype(mc.dtype, platform, mc.matrix_units), None
+    # Only where auto depends on the model (a CPU times its shapes: compute_dtype.py) is its
+    # config read ahead of the weights.
+    workload = DtypeWorkload.of(config, arch(), cache_dir) \
+        if platform.auto_dtype is None else None
+    return auto_compute_dtype(platform, mc.matrix_units, workload)
+
+
+def _load_and_place(config: EngineConfig, model_path: str, mesh: Any, platform: Platform,
                     cache_dir: str | None) -> PlacedModel:
     from jaxserve.loader import load_model, read_model_config
     from jaxserve.loader.hub_download import hub_options
 
     mc = config.model_config
-    dtype_reason = None
-    if mc.dtype == "auto":
-        # Only a CPU times the model's shapes (compute_dtype.py): only there is its config
-        # read ahead of the weights.
-        workload = DtypeWorkload.of(config, read_arch(read_model_config(model_path)[0]),
-                                    cache_dir) if platform == "cpu" else None
-        dtype, dtype_reason = auto_compute_dtype(platform, mc.matrix_units, workload)
-    else:
-        dtype = resolve_dtype(mc.dtype, platform, mc.matrix_units)
+    dtype, dtype_reason = compute_dtype(
+        config, platform, lambda: read_arch(read_model_config(model_path)[0]), cache_dir)
     quantization, packing = gguf_default_quantization(config, model_path, mesh, platform)
     quantization = check_mode(quantization)
     if packing:
@@ -156,7 +165,7 @@ def _load_and_place(config: EngineConfig, model_path: str, mesh: Any, platform: 
                        source_format="gguf" if loaded.model_path.endswith(".gguf") else "hf")
 
 
-def _restored_dtype(config: EngineConfig, info: Any, platform: str,
+def _restored_dtype(config: EngineConfig, info: Any, platform: Platform,
                     cache_dir: str | None) -> tuple[Any, str]:
     """(dtype, why) a converted checkpoint is served in. A float checkpoint is a file
     format: ``--dtype`` (``auto`` decided here, on the serving machine, as for any model)
@@ -171,18 +180,14 @@ def _restored_dtype(config: EngineConfig, info: Any, platform: str,
                              f"{info.quantization!r}; dtype={mc.dtype!r} needs "
                              f"`jaxserve convert --dtype {mc.dtype}`")
         return stored, f"{info.dtype}: the converted checkpoint's ({info.quantization})"
-    if mc.dtype == "auto":
-        workload = DtypeWorkload.of(config, read_arch(info.hf_config), cache_dir) \
-            if platform == "cpu" else None
-        dtype, why = auto_compute_dtype(platform, mc.matrix_units, workload)
-    else:
-        dtype, why = resolve_dtype(mc.dtype, platform, mc.matrix_units), f"dtype={mc.dtype}"
+    dtype, why = compute_dtype(config, platform, lambda: read_arch(info.hf_config), cache_dir)
+    why = why or f"dtype={mc.dtype}"
     if dtype != stored:
         why += f" (the checkpoint's {info.dtype} arrays cast while restored)"
     return dtype, why
 
 
-def _restore(config: EngineConfig, path: str, mesh: Any, platform: str,
+def _restore(config: EngineConfig, path: str, mesh: Any, platform: Platform,
              cache_dir: str | None) -> PlacedModel:
     from jaxserve.loader.hub_download import hub_options
     from jaxserve.loader.orbax_checkpoint import (

@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxserve.config import CacheConfig
 from jaxserve.models.partition import per_device_bytes
+from jaxserve.platforms import platform_of_device
 from jaxserve.runner.memory import KVCachePlan, plan_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ def plan_pipeline_kv_cache(cc: CacheConfig, placement: Any, params: Any, kv_dtyp
     structs); last_stage_bytes: what only the last stage holds beside its weights (the
     sampler's penalty tables)."""
     pp = placement.pp
-    shared_pool = placement.device is not None and placement.device.platform == "cpu"
+    shared_pool = placement.device is not None and \
+        platform_of_device(placement.device).memory_is_host_ram
     total_layers = sum(layers.num_layers for layers in placement.layers)
     plans = []
     for index, (stage, stage_params) in enumerate(zip(placement.stages, params)):

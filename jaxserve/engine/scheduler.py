@@ -69,7 +69,7 @@ class Scheduler:
         budget = scheduler_config.max_num_batched_tokens
         if budget is None or budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget} "
-                             "(call EngineConfig.finalize first)")
+                             "(resolve the config first: Platform.resolve_config)")
         if not scheduler_config.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "

@@ -13,7 +13,10 @@ def run_compile(config: EngineConfig, target: str, output: str, *, as_json: bool
                 plan_only: bool = False) -> int:
     import jax
 
-    gpu_target = None if target == "cpu" else target
+    from jaxserve.platforms import platform_for_target
+
+    platform = platform_for_target(target)       # an unknown target: ValueError, no jax yet
+    gpu_target = target if platform.device_memory_bytes is not None else None
     if gpu_target:
         # The CUDA plugin builds compile-only devices only while no GPU backend is set up.
         jax.config.update("jax_platforms", "cpu")

@@ -56,6 +56,7 @@ def convert_model(model: str | None, out: str, *, quantization: str | None = Non
     from jaxserve.loader.orbax_checkpoint import remove_incomplete, save_checkpoint
     from jaxserve.loader.resolve import resolve_model
     from jaxserve.models.partition import kv_replication
+    from jaxserve.platforms import current_platform
 
     if Path(out).exists() and any(Path(out).iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory")
@@ -73,7 +74,8 @@ def convert_model(model: str | None, out: str, *, quantization: str | None = Non
     if own_dtype:
         config.model_config.dtype = model_dtype(read_model_config(resolved.path)[0])
     start = time.perf_counter()
-    placed = place_model(config, None, jax.default_backend())
+    platform = current_platform()
+    placed = place_model(platform.resolve_config(config), None, platform)
     loaded_at = time.perf_counter()
     try:
         path = save_checkpoint(

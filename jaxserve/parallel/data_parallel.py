@@ -51,14 +51,14 @@ class DataParallelEngineCore:
         self.replicas = [EngineCore(config, log_stats=log_stats, mesh=sub_mesh)
                          for sub_mesh in replica_meshes(mesh)]
         first = self.replicas[0]
-        self.config = config
+        self.config = first.config      # resolved (read-only), as each replica's
         self.mesh = mesh
         self.setup = first.setup
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
         self.model_path = first.model_path
-        self.lora_registry = None                      # config.finalize refuses LoRA with dp > 1
+        self.lora_registry = None                      # config resolution refuses LoRA with dp > 1
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")

@@ -82,12 +82,12 @@ def _aval_description(tree: Any) -> list[str]:
 def executable_key(settings: dict[str, Any], params: Any) -> str:
     import jaxlib
 
-    from jaxserve.kernels.cpu.build import cpu_identity
+    from jaxserve.platforms import current_platform
 
+    host = current_platform()
     devices = [f"{d.platform}:{d.id}:{d.device_kind}" for d in jax.devices()]
     parts = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-             "backend": jax.default_backend(), "devices": devices,
-             "cpu": cpu_identity() if jax.default_backend() == "cpu" else "",
+             "backend": host.name, "devices": devices, "cpu": host.machine_identity(),
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_fingerprint(),
              "settings": {k: repr(v) for k, v in sorted(settings.items())},
              "params": _aval_description(params)}

@@ -16,14 +16,16 @@ import jax.numpy as jnp
 
 from jaxserve.models.execution_plan import ExecutionPlan, LayerLoop
 from jaxserve.models.layer_matmul import IN_PLACE_DTYPES
+from jaxserve.platforms import Platform, platform_named
 
 
-def choose_execution_plan(platform: str, backend_name: str, num_devices: int, dtype: Any,
+def choose_execution_plan(platform: Platform | str, backend_name: str, num_devices: int, dtype: Any,
                           gemv_rows: int = 0) -> ExecutionPlan:
     """The plan for a model whose parameters live on ``platform`` ("cpu", "gpu"/"cuda",
     "tpu"), attended by backend ``backend_name`` over ``num_devices`` devices, computing in
     ``dtype``; gemv_rows: the measured streaming-GEMV row limit (kernels/cpu/gemv_choice.py)."""
-    if platform != "cpu":
+    platform = platform if isinstance(platform, Platform) else platform_named(platform)
+    if platform.unroll_layers:          # the platform's layer loop (jaxserve/platforms/)
         return ExecutionPlan(LayerLoop.UNROLLED)
     if backend_name == "cpu" and num_devices == 1 and jnp.dtype(dtype) in IN_PLACE_DTYPES \
             and _library_loads():

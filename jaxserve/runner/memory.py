@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import CacheConfig
 from jaxserve.models.arch import ModelArch
+from jaxserve.platforms import platform_of_device
 from jaxserve.quantization.kv import bytes_per_head_token
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class KVCachePlan:
 def devices_per_pool(device: jax.Device, tp_size: int) -> int:
     """How many of one engine's devices draw on the same memory: on CPU every (simulated)
     device is host RAM, so all tp of them share one budget; a GPU has its own memory."""
-    return tp_size if device.platform == "cpu" else 1
+    return tp_size if platform_of_device(device).memory_is_host_ram else 1
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype, tp_size: int = 1) -> int:
@@ -198,6 +199,8 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
     autotune. An explicit kv_cache_memory_bytes / num_gpu_blocks_override is taken as
     given."""
     device = device or jax.devices()[0]
+    # A target's memory (`jaxserve compile`) is a GPU's, whatever the devices here are.
+    host_ram = platform_of_device(device).memory_is_host_ram and not device_memory_bytes
     per_block = bytes_per_block(arch, cache.block_size, dtype, tp_size)
     pool_devices = 1 if device_memory_bytes else devices_per_pool(device, tp_size)
     split = f", split over {pool_devices} devices sharing host RAM" if pool_devices > 1 else ""
@@ -207,7 +210,7 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
     elif cache.kv_cache_memory_bytes:
         budget = int(cache.kv_cache_memory_bytes) // pool_devices
         source = "kv_cache_memory_bytes" + split
-    elif device.platform == "cpu" and not device_memory_bytes:
+    elif host_ram:
         avail = pool_bytes = available_host_memory()
         budget = int(cache.gpu_memory_utilization * avail) - \
             (weight_bytes + activation_bytes) * pool_devices
@@ -236,7 +239,7 @@ def plan_kv_cache(cache: CacheConfig, arch: ModelArch, dtype, weight_bytes: int,
                   f"{in_use / 2**30:.2f} GiB in use, {headroom / 2**30:.2f} GiB kept for "
                   "compiles")
     if source.startswith(("num_gpu_blocks_override", "kv_cache_memory_bytes")) and \
-            (device_memory_bytes or device.platform != "cpu"):
+            not host_ram:
         over = budget - xla_kv_budget_bytes(_gpu_memory(device, device_memory_bytes,
                                                         weight_bytes)[0],
                                             weight_bytes, activation_bytes)

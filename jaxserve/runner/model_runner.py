@@ -28,6 +28,7 @@ from jaxserve.mesh import put_replicated
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
 from jaxserve.models.tracing import apply_model
+from jaxserve.platforms import Platform, platform_of_device
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.buckets import BucketPolicy
 from jaxserve.runner.execution_plan import choose_execution_plan
@@ -143,14 +144,14 @@ class ModelRunner(StepCompilation):
         constants = family.constants(self.arch)
         self.model_constants = constants if self.abstract else self._put(constants)
 
-    def _params_platform(self) -> str:
-        """The platform the parameters live on ("cpu", "gpu"/"cuda", "tpu"): an abstract
-        runner's target devices, not this machine's."""
+    def _params_platform(self) -> Platform:
+        """The platform the parameters live on: an abstract runner's target devices, not
+        this machine's."""
         for leaf in jax.tree.leaves(self._param_specs):
             sharding = getattr(leaf, "sharding", None)
             if sharding is not None:
-                return next(iter(sharding.device_set)).platform
-        return jax.default_backend()
+                return platform_of_device(next(iter(sharding.device_set)))
+        return platform_of_device(None)
 
     def _init_kv_cache(self, cache_shape: tuple[int, ...], kv_dtype: Any,
                        kv_sharding: Any) -> Any:

@@ -33,7 +33,6 @@ from jaxserve.models.pipeline_stage import stage_constants, stage_model
 from jaxserve.models.registry import family_for
 from jaxserve.quantization.kv import empty_cache
 from jaxserve.runner.execution_plan import choose_execution_plan
-from jaxserve.runner.gpu_targets import GPU_STEP_COMPILER_OPTIONS
 from jaxserve.runner.input_batch import StepInputs
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_function import StepOutputs, stage_forward
@@ -175,8 +174,7 @@ class PipelineModelRunner(ModelRunner):
                     "compilation cache still applies)")
 
     def _compile(self, num_tokens: int, num_seqs: int) -> PipelineExecutables:
-        on_gpu = self._params_platform() in ("gpu", "cuda", "rocm")
-        options = dict(GPU_STEP_COMPILER_OPTIONS) if on_gpu else None
+        options = self._params_platform().step_compiler_options()
         return PipelineExecutables([lowered.compile(options)
                                     for lowered in self.lower_step(num_tokens, num_seqs)])
 

@@ -25,7 +25,6 @@ import jax
 
 from jaxserve import load_progress
 from jaxserve.runner.execution_plan import choose_execution_plan
-from jaxserve.runner.gpu_targets import GPU_STEP_COMPILER_OPTIONS
 from jaxserve.runner.step_function import step
 from jaxserve.step_inputs import StepLayout
 
@@ -98,9 +97,8 @@ class StepCompilation:
             if executable is not None:
                 return executable
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
-            on_gpu = self._params_platform() in ("gpu", "cuda", "rocm")
             executable = self.lower_step(num_tokens, num_seqs).compile(
-                dict(GPU_STEP_COMPILER_OPTIONS) if on_gpu else None)
+                self._params_platform().step_compiler_options())
             if cache is not None and not hit():
                 cache.store((num_tokens, num_seqs), executable)
         return executable
