@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup serve chat generate test test-fast test-gpu-compile bench image test-image clean
+.PHONY: setup serve chat generate test test-fast test-engine test-gpu-compile bench image test-image clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ test: setup           ## the whole suite (what CI runs)
 
 test-fast: setup      ## the pre-commit tier: unit tests marked `fast`, under 2 minutes
 	$(PY) -m pytest -q -m fast tests $(ARGS)
+
+test-engine: setup    ## before a commit touching the engine: one tiny model per family, engine and server end to end, under 8 minutes
+	$(PY) -m pytest -q -m engine tests $(ARGS)
 
 # Compile-only GPU work (jaxserve compile --target h200, the gpu_compile tier) in its own
 # venv: the CUDA plugin in .venv would make every CPU-only process try (and fail, loudly) to

@@ -35,7 +35,7 @@ def worker(model: str | None, kwargs: dict) -> None:
     before = len(compiles)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                         use_tqdm=False)
-    cache = llm.llm_engine.runner.executable_cache
+    cache = llm.llm_engine.engine_core.runner.executable_cache
     print(json.dumps({"ready_seconds": round(ready, 2),
                       "loaded": getattr(cache, "hits", 0), "compiled": getattr(cache, "misses", 0),
                       "compiles_at_startup": before, "compiles_while_serving": len(compiles) - before,

@@ -41,7 +41,7 @@ def engine(manifest: dict, aot_dir: str | None, batches: list[int], output_len: 
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(
         [[11, 23, 98], [7, 8, 9, 10]], SamplingParams(temperature=0.0, max_tokens=32,
                                                      ignore_eos=True), use_tqdm=False)]
-    cache = llm.llm_engine.runner.executable_cache
+    cache = llm.llm_engine.engine_core.runner.executable_cache
     rates = {b: decode_rate(llm, b, output_len) for b in batches}
     weights = manifest["weights_bytes_per_device"]
     kv_per_token = manifest["kv_cache_bytes_per_device"] / max(1, manifest["kv_cache_tokens"])

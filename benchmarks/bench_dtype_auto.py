@@ -75,7 +75,7 @@ def main() -> None:
                             kv_cache_memory_bytes=768 << 20, skip_tokenizer_init=True,
                             compilation_cache_dir=cache, compile_in_background=False)
         startup[name] = time.perf_counter() - start
-    chosen = str(np.dtype(engines["auto"].llm_engine.setup.dtype))
+    chosen = str(np.dtype(engines["auto"].llm_engine.engine_core.setup.dtype))
     print(f"auto chose {chosen}: {reasons.lines[-1] if reasons.lines else '?'}", flush=True)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(1, 40000, 32).tolist()}

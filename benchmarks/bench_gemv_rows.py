@@ -42,7 +42,7 @@ def main() -> None:
     engines = {setting: LLM(args.model, dtype=args.dtype, matrix_units=args.matrix_units,
                             max_model_len=512, max_num_seqs=max(8, *args.streams),
                             cpu_gemv_rows=setting) for setting in ("0", "auto")}
-    chosen = engines["auto"].llm_engine.runner.plan.gemv_rows
+    chosen = engines["auto"].llm_engine.engine_core.runner.plan.gemv_rows
     prompts = random_prompts(max(args.streams))
     for llm in engines.values():
         warm(llm, prompts, args.streams)

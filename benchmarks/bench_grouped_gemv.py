@@ -63,7 +63,7 @@ def main() -> None:
             wait_for_background_compiles()
         finally:
             layers.grouped_gemv = saved
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.engine_core.runner
         texts = [runner._steps[key].as_text() for key in runner._steps if key[0] <= 8]
         holds = [GROUP_TARGET in text for text in texts]
         if not texts or any(h != grouped for h in holds):

@@ -7,10 +7,10 @@ output processing on the engine thread (token append, stop tokens, token deltas)
 end's share (detokenization, stop strings, RequestOutputs: the server runs it on its asyncio
 side, LLM.generate on the same thread) is timed separately. Printed per component (p50 and
 mean over the measured steps) at several batch sizes, in steady decode, and written to
-benchmarks/results/host-<tag>.json. "engine thread" is `step_core` (what the server's
-engine thread runs); "total" adds the front end. The CPU-time line is the engine thread's
-`step_core` CPU time: on a busy box (other processes on the cores) it is the figure that
-still means something.
+benchmarks/results/host-<tag>.json. "engine thread" is `EngineCore.step` (what the
+server's engine thread runs; its key keeps the name `step_core` the earlier results used);
+"total" adds the front end. The CPU-time line is the engine thread's CPU time: on a busy
+box (other processes on the cores) it is the figure that still means something.
 
     python benchmarks/bench_host.py                       # 1, 64 and 256 running sequences
     python benchmarks/bench_host.py --sizes 64 --steps 400 --sync
@@ -103,8 +103,9 @@ def measure(engine, num_seqs: int, steps: int, prompt_len: int, output_kind: str
     for i in range(num_seqs):
         engine.add_request(f"host-{num_seqs}-{i}", None, params,
                            prompt_token_ids=rng.integers(100, 20000, prompt_len).tolist())
-    while engine.scheduler.num_waiting or any(
-            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    scheduler = engine.engine_core.scheduler
+    while scheduler.num_waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running):
         engine.step()                          # admit and prefill everything first
     for _ in range(4):
         engine.step()
@@ -137,14 +138,15 @@ ENGINE_OUTPUT_PROCESSING = ["update_from_output (append tokens)",
 
 
 def start_timers(engine) -> dict:
-    return {"schedule": Timed(engine.scheduler, "schedule"),
-            "execute (apply diffs, pack, put, dispatch)": Timed(engine.runner, "execute"),
-            "collect (wait for the step, then the three below)": Timed(engine, "_collect"),
-            ENGINE_OUTPUT_PROCESSING[0]: Timed(engine.scheduler, "update_from_output"),
-            ENGINE_OUTPUT_PROCESSING[1]: Timed(engine.outputs, "process_token"),
-            ENGINE_OUTPUT_PROCESSING[2]: Timed(engine.outputs, "drain"),
-            "front end (text, stop strings, RequestOutputs)": Timed(engine.frontend, "process"),
-            "front end CPU time": Timed(engine.frontend, "process", cpu=True)}
+    core, front = engine.engine_core, engine.output_processor
+    return {"schedule": Timed(core.scheduler, "schedule"),
+            "execute (apply diffs, pack, put, dispatch)": Timed(core.runner, "execute"),
+            "collect (wait for the step, then the three below)": Timed(core, "_collect"),
+            ENGINE_OUTPUT_PROCESSING[0]: Timed(core.scheduler, "update_from_output"),
+            ENGINE_OUTPUT_PROCESSING[1]: Timed(core.requests, "process_token"),
+            ENGINE_OUTPUT_PROCESSING[2]: Timed(core.requests, "drain"),
+            "front end (text, stop strings, RequestOutputs)": Timed(front, "process_outputs"),
+            "front end CPU time": Timed(front, "process_outputs", cpu=True)}
 
 
 def stop_timers(timers: dict) -> None:
@@ -155,12 +157,12 @@ def stop_timers(timers: dict) -> None:
 def timed_step(engine, timers: dict, per_step: dict) -> None:
     """One `engine.step()`; appends each component's time (and the totals) to per_step."""
     before = {name: t.total for name, t in timers.items()}
-    core = Timed(engine, "step_core")
-    core_cpu = Timed(engine, "step_core", cpu=True)      # wraps the wall-time wrapper
+    core = Timed(engine.engine_core, "step")
+    core_cpu = Timed(engine.engine_core, "step", cpu=True)      # wraps the wall-time wrapper
     start = time.perf_counter()
     engine.step()
     per_step["total"].append(time.perf_counter() - start)
-    setattr(engine, "step_core", core.fn)       # core_cpu wraps core: drop both
+    setattr(engine.engine_core, "step", core.fn)       # core_cpu wraps core: drop both
     per_step["engine thread (step_core)"].append(core.total)
     per_step["engine thread CPU time"].append(core_cpu.total)
     for name, t in timers.items():
@@ -187,8 +189,8 @@ def measure_by_position(engine, num_seqs: int, positions: list[int], window: int
     names = [*timers, "engine thread (step_core)", "total", "engine thread CPU time"]
     results = {}
     for position in sorted(positions):
-        while engine.scheduler.num_waiting or min(
-                s.num_output_tokens for s in engine.scheduler.running) < position:
+        while engine.engine_core.scheduler.num_waiting or min(
+                s.num_output_tokens for s in engine.engine_core.scheduler.running) < position:
             engine.step()
         per_step = {name: [] for name in names}
         for _ in range(window):
@@ -226,6 +228,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxserve.config import EngineConfig
+    from jaxserve.engine.core import EngineCore
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.runner.model_runner import ModelRunner
 
@@ -238,8 +241,8 @@ def main() -> None:
         disable_log_stats=True,
         kv_cache_memory_bytes=(max_seqs * (args.prompt_len + steps + 96)) * 30 * 1536,
         async_scheduling=not args.sync)
-    engine = LLMEngine(config)
-    no_op_device(engine.runner, len(engine.tokenizer), np.random.default_rng(0))
+    engine = LLMEngine(EngineCore(config))
+    no_op_device(engine.engine_core.runner, len(engine.tokenizer), np.random.default_rng(0))
     results = {"machine": {"platform": platform.platform(), "python": platform.python_version()},
                "async_scheduling": not args.sync, "steps": args.steps,
                "output_kind": args.output_kind, "penalties": args.penalties, "sizes": {}}
@@ -285,7 +288,7 @@ def print_by_position(engine, args) -> None:
                           f"{'-penalties' if args.penalties else ''}.json")
         path.write_text(json.dumps({
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
-            "max_model_len": engine.runner.max_model_len,
+            "max_model_len": engine.engine_core.runner.max_model_len,
             "penalties": args.penalties, "output_kind": args.output_kind, "window": args.window,
             "positions": results}, indent=2) + "\n")
         print(f"  wrote {path}")

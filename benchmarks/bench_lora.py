@@ -120,7 +120,7 @@ def main() -> None:
     tok = base.get_tokenizer()
     prompts = [tok.encode(f"Request {i}: tell me about the number {i * 7}.") for i in range(BATCH)]
     llm = LLM(None, enable_lora=True, max_loras=4, max_lora_rank=RANK, **engine_kwargs)
-    setup = llm.llm_engine.setup
+    setup = llm.llm_engine.engine_core.setup
     from jaxserve.lora.peft_loader import supported_targets
     from jaxserve.models.registry import family_for
 

@@ -57,7 +57,7 @@ def bench_jaxserve(llm, prompts, output_len: int, batch: int) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:batch], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    stats = llm.llm_engine.stats
+    stats = llm.llm_engine.engine_core.stats
     steps0, time0, busy0 = stats.num_steps, stats.step_time_total, stats.busy_time_total
     start = time.perf_counter()
     outs = llm.generate(prompts[:batch], params, use_tqdm=False)
@@ -103,8 +103,8 @@ jax.devices()                       # what LLM() would do first: import jax, sta
 jax_ready = time.perf_counter()
 llm = LLM({model!r}, compilation_cache_dir={cache!r})
 ready = time.perf_counter()
-setup = llm.llm_engine.setup
-cache = llm.llm_engine.runner.executable_cache
+setup = llm.llm_engine.engine_core.setup
+cache = llm.llm_engine.engine_core.runner.executable_cache
 phases = {{"import_jaxserve": imported - start, "import_jax_and_backend": jax_ready - imported,
           **setup.phases}}
 # Sequential phases: load (restore_weights + the tokenizer in a thread alongside), runner,
@@ -210,7 +210,7 @@ def main() -> None:
               async_scheduling=not args.no_async_scheduling,
               skip_tokenizer_init=args.skip_tokenizer_init, **limits,
               compile_in_background=False)   # time the steady state, never a padded step
-    setup = llm.llm_engine.setup
+    setup = llm.llm_engine.engine_core.setup
     results["startup"] = {"seconds": time.perf_counter() - start,
                           "phases_s": {k: round(v, 3) for k, v in setup.phases.items()},
                           "kv_cache_blocks": setup.kv_plan.num_blocks,
@@ -219,10 +219,10 @@ def main() -> None:
                           "engine_config": llm.llm_engine.config.to_flat_dict()}
     results["engine"] = {"model": args.model or "SmolLM2-135M-Instruct (embedded)",
                          "load_format": args.load_format,
-                         "attention_backend": llm.llm_engine.runner.model.backend.name,
+                         "attention_backend": llm.llm_engine.engine_core.runner.model.backend.name,
                          "async_scheduling": not args.no_async_scheduling}
     prompts = make_prompts(llm.get_tokenizer(), max(args.batch_sizes),
-                           llm.llm_engine.runner.arch.vocab_size)
+                           llm.llm_engine.engine_core.runner.arch.vocab_size)
     results["mean_prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
     for batch in args.batch_sizes:
         run = bench_jaxserve(llm, prompts, args.output_len, batch)

@@ -97,7 +97,7 @@ def run_config(args: argparse.Namespace) -> dict:
               kv_cache_memory_bytes=args.kv_cache_mib << 20, disable_log_stats=True,
               compile_in_background=False)
     build_seconds = time.perf_counter() - start
-    engine = llm.llm_engine
+    engine = llm.llm_engine.engine_core
     replicas = getattr(engine, "replicas", [engine])
     rng = np.random.default_rng(0)
     vocab = replicas[0].setup.arch.vocab_size

@@ -55,7 +55,7 @@ def run_one(model: str, pp: int, micro: int, num_prompts: int, max_tokens: int) 
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     result = {"pp": pp, "micro_batches": micro, "tok_s": tokens / seconds,
               "seconds": seconds, "tokens": tokens, "bubble": 0.0, "traced_stage_calls": 0}
     if pp > 1:

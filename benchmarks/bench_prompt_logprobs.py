@@ -34,7 +34,7 @@ def decode_step_ms(llm: LLM, num_seqs: int, num_steps: int) -> float:
     for i in range(num_seqs):
         engine.add_request(f"d{i}", None, params,
                            prompt_token_ids=rng.integers(100, 40000, 24).tolist())
-    scheduler = engine.scheduler
+    scheduler = engine.engine_core.scheduler
     while scheduler.num_running < num_seqs or any(
             s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running):
         engine.step()

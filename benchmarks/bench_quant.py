@@ -61,7 +61,7 @@ def measure(model: str | None, quantization: str | None, kv: str, windows, promp
                   compile_in_background=False)
     finally:
         int8.GROUP_SIZES = groups
-    setup = llm.llm_engine.setup
+    setup = llm.llm_engine.engine_core.setup
     logprobs = [log_softmax(llm.llm_engine.prompt_logits(w)) for w in windows]
     greedy = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]

@@ -38,7 +38,7 @@ for quant, dtype, kv in modes:
     if base is None:
         base = (lp, cont)
     r = compare(windows, base[0], lp, base[1], cont)
-    setup = llm.llm_engine.setup
+    setup = llm.llm_engine.engine_core.setup
     r |= {"mode": mode_name(quant, kv) + ("" if dtype == "float32" else f" ({dtype})"),
           "dtype": dtype, "quantization": quant, "kv_cache_dtype": kv,
           "kv_bytes_per_token": setup.kv_plan.bytes_per_block // setup.kv_plan.block_size,

@@ -121,7 +121,7 @@ def main() -> None:
                 "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2, "disable_by_batch_size": 8}
     off, on = build(None), build(spec)
-    engine = on.llm_engine
+    engine = on.llm_engine.engine_core
     default_cut = dataclasses.replace(engine.spec, disable_by_batch_size=4)
     forced_cut = engine.spec
     cases = []

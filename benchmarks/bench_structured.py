@@ -6,7 +6,7 @@
    interleaved A B A B ... and the median kept, since the box may be shared.
 2. 25% of the batch under a JSON schema against the same batch all free, on this build.
    While a constrained sequence lives the engine keeps one step in flight (see
-   LLMEngine._max_in_flight); the run "json25-skipping" keeps two and lets the scheduler
+   EngineCore._max_in_flight); the run "json25-skipping" keeps two and lets the scheduler
    skip constrained rows whose token is pending, for comparison.
 
 Throughput counts every output token; a constrained request may finish early (its JSON
@@ -65,7 +65,7 @@ def run(llm, prompts, json_prompts, output_len: int, json_fraction: float) -> di
     num_json = int(len(prompts) * json_fraction)
     batch = json_prompts[:quarter] + prompts[quarter:]
     params = [constrained] * num_json + [free] * (len(prompts) - num_json)
-    stats = llm.llm_engine.stats
+    stats = llm.llm_engine.engine_core.stats
     steps0 = stats.num_steps
     start = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
@@ -169,7 +169,7 @@ def main() -> None:
         samples["json25"].append(run(with_mask, prompts, json_prompts, args.output_len, 0.25))
         print(f"repeat {i}: " + ", ".join(f"{k} {v[-1]['tok_s']:.1f} tok/s"
                                           for k, v in samples.items() if v), flush=True)
-    engine = with_mask.llm_engine
+    engine = with_mask.llm_engine.engine_core
     engine._max_in_flight = lambda: engine.max_steps_in_flight
     samples["json25-skipping"].append(run(with_mask, prompts, json_prompts, args.output_len,
                                           0.25))

@@ -48,7 +48,7 @@ def run(ps, n):
 run(prompts[:batch], 4); run(prompts[:1], 4)
 bt, bs = run(prompts[:batch], out_len); st, ss = run(prompts[:1], out_len)
 print(json.dumps({"batch_tok_s": bt / bs, "single_tok_s": st / ss,
-                  "dtype": str(llm.llm_engine.setup.dtype)}))
+                  "dtype": str(llm.llm_engine.engine_core.setup.dtype)}))
 """
 
 _VLLM = """

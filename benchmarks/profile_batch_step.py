@@ -91,7 +91,7 @@ def capture_step(llm, rows: int, context: int, tokens_before: int):
     """The inputs of one decode step of exactly `rows` rows, with contexts near `context`."""
     from jaxserve import SamplingParams
 
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     run_step = runner.run_step
     seen = []
 
@@ -167,7 +167,7 @@ def profile_rows(llm, rows: int, context: int, traces: int = 7) -> dict:
     import jax
     from profile_one_row_step import instruction_labels
 
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     inputs = capture_step(llm, rows, context, 32)
     run = lambda: jax.block_until_ready(runner.run_step(inputs))  # noqa: E731
     run()
@@ -275,10 +275,10 @@ def main() -> None:
     llm = LLM(None, dtype=args.dtype, matrix_units=args.matrix_units,
               max_num_seqs=max(args.rows), max_model_len=args.context + 64,
               skip_tokenizer_init=True, compile_in_background=False)
-    dtype = jnp.dtype(llm.llm_engine.runner.dtype)
+    dtype = jnp.dtype(llm.llm_engine.engine_core.runner.dtype)
     read_gbs, gflops = rates(dtype)
     results, floor_by_rows = [], {}
-    arch = llm.llm_engine.runner.arch
+    arch = llm.llm_engine.engine_core.runner.arch
     for rows in args.rows:
         results.append(profile_rows(llm, rows, args.context))
         floor_by_rows[rows] = floors(arch, dtype.itemsize, rows, args.context, read_gbs,

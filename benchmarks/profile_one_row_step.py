@@ -162,7 +162,7 @@ def main() -> None:
     if args.quantization:
         kwargs["quantization"] = args.quantization
     llm = LLM(args.model, **kwargs)
-    engine = llm.llm_engine
+    engine = llm.llm_engine.engine_core
     runner = engine.runner
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 20000, 32).tolist()

@@ -1,5 +1,5 @@
-"""A fake LLMEngine (same surface, no JAX, no model) and a byte-level tokenizer, for tests
-of the HTTP layer, the async engine and the terminal chat."""
+"""A fake engine core (EngineCore's interface, no JAX, no model) and a byte-level tokenizer,
+for tests of the HTTP layer, the async engine and the terminal chat."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import time
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest, SeqDelta
-from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.snapshot import EngineSnapshot
-from jaxserve.outputs import RequestMetrics, RequestOutput
+from jaxserve.outputs import RequestMetrics
 from jaxserve.sampling_params import SamplingParams
 
 CYCLE = "the quick brown fox jumps over the lazy dog. "
@@ -40,16 +39,17 @@ class ByteTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-class FakeEngine:
-    """LLMEngine's surface; each step appends one character of CYCLE to every sequence
+class FakeEngineCore:
+    """EngineCore's interface; each step appends one character of CYCLE to every sequence
     (of ``script`` instead, when set: then the sequence stops at the script's end). Stop
-    strings, text and RequestOutputs come from the real front end (`Frontend`,
-    AsyncLLMEngine's asyncio side), as with LLMEngine."""
+    strings, text and RequestOutputs come from the real front ends (`LLMEngine`,
+    `AsyncLLMEngine`), as with EngineCore."""
 
     def __init__(self, max_model_len: int = 128, step_delay: float = 0.0) -> None:
         self.config = EngineConfig()
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
+        self.vocab_size = len(self.tokenizer)
         self.step_delay = step_delay
         # When set: a step with requests blocks until the test sets this event (a step that
         # runs exactly as long as the test needs, whatever the machine's speed).
@@ -65,20 +65,11 @@ class FakeEngine:
         self.script: str | None = None
         self.num_steps = 0
         self.first_token_step: dict[str, int] = {}     # request id -> step of its first token
-        self.frontend = Frontend(self, self.tokenizer, max_model_len,
-                                 self.config.model_config.max_logprobs)
         self.fault_hook = None
         self.num_recoveries = 0
         self.last_prompt_ids: list[int] = []       # what the latest request was given
 
-    def add_request(self, request_id, prompt, params: SamplingParams | None = None,
-                    **kwargs) -> None:
-        self.frontend.add_request(request_id, prompt, params, **kwargs)
-
-    def step(self) -> list[RequestOutput]:
-        return self.frontend.step()
-
-    def add_core_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         ids, n = request.prompt_token_ids, request.params.n
@@ -123,7 +114,7 @@ class FakeEngine:
         self.requests.clear()
         self.num_recoveries += 1
 
-    def step_core(self) -> list[EngineCoreOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         now = time.time()
         for state in self.requests.values():      # every request is in every step
             m = state["metrics"]

@@ -53,7 +53,7 @@ def worker(model: str, kwargs: dict) -> None:
     before = len(compiles)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                 ignore_eos=True), use_tqdm=False)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     cache = runner.executable_cache
     print(json.dumps({
         "tokens": [list(o.outputs[0].token_ids) for o in outs], "ready_seconds": ready,

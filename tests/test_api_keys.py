@@ -16,10 +16,10 @@ import openai
 import pytest
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
     from tests.test_server_fake_engine import free_port
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
     from test_server_fake_engine import free_port
 
 from jaxserve.config import ServeConfig
@@ -35,7 +35,7 @@ class Server:
 
         from jaxserve.entrypoints.openai.api_server import build_app, uvicorn_options
 
-        self.engine = AsyncLLMEngine(FakeEngine())
+        self.engine = AsyncLLMEngine(FakeEngineCore())
         config = ServeConfig()
         config.engine.model_config.served_model_name = ["smol"]
         for name, value in server_options.items():

@@ -215,7 +215,7 @@ def test_checkpoint_is_served_packed_and_matches_hf_on_the_dequantized_weights(c
     from tests.hf_reference import hf_greedy, hf_logits
 
     llm = LLM(str(checkpoints[name] / "quantized"), **ENGINE)    # quant_method picks the mode
-    setup = llm.llm_engine.setup
+    setup = llm.llm_engine.engine_core.setup
     layers = setup.runner.params["params"]["layers"]
     assert "kernel" not in layers["q_proj"] and layers["q_proj"]["qweight"].dtype == jnp.int32
     assert ("g_idx" in layers["down_proj"]) == VARIANTS[name]["act_order"]

@@ -35,8 +35,8 @@ def _chat_prompts(llm: LLM) -> list[list[int]]:
 
 
 def test_bf16_default_model_agrees_with_float32_teacher_forced(default_llm, default_llm_bf16):
-    assert np.dtype(default_llm.llm_engine.setup.dtype).name == "float32"
-    assert np.dtype(default_llm_bf16.llm_engine.setup.dtype).name == "bfloat16"
+    assert np.dtype(default_llm.llm_engine.engine_core.setup.dtype).name == "float32"
+    assert np.dtype(default_llm_bf16.llm_engine.engine_core.setup.dtype).name == "bfloat16"
     agree = total = 0
     worst = 0.0
     for ids in _chat_prompts(default_llm):

@@ -13,11 +13,12 @@ import yaml
 pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
 
 from jaxserve.config import ServeConfig, iter_leaf_fields
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.chat import run_chat
 from jaxserve.entrypoints.cli import build_parser, config_to_yaml, main, parse_serve_args
 from jaxserve.entrypoints.openai.api_server import api_key_from
@@ -140,7 +141,7 @@ def test_chat_command_parses_engine_flags_only():
 
 
 def test_terminal_chat_streams_replies_and_keeps_history():
-    engine = FakeEngine()
+    engine = LLMEngine(FakeEngineCore())
     lines = iter(["hello", "/reset", "again", "/exit"])
     out = io.StringIO()
     assert run_chat(engine, system="be brief", max_tokens=5, read=lambda _: next(lines),

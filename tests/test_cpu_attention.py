@@ -291,7 +291,7 @@ def test_engine_cpu_backend_gives_the_reference_backends_greedy_tokens(make_tiny
     for backend in ("reference", "cpu"):
         llm = LLM(model, attention_backend=backend, max_model_len=64, max_num_seqs=4,
                   max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, **precision.EXACT)
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.engine_core.runner
         assert runner.model.backend.name == backend
         # The CPU backend's steps (all of them here: <= the plan's max_library_rows) also
         # read each layer's projection weights in place through the oneDNN library

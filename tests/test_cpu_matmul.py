@@ -394,7 +394,7 @@ def test_bf16_and_int8_engines_agree_with_float32_and_use_the_library(make_tiny_
                          ("int8", dict(quantization="int8", matrix_units="none"))):
         llm = LLM(model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                   kv_cache_memory_bytes=1 << 20, **kwargs)
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.engine_core.runner
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                      use_tqdm=False)]
         runner.wait_until_compiled()
@@ -472,7 +472,7 @@ def test_gemv_and_onednn_steps_give_the_same_greedy_tokens(make_tiny_model):
     for rows in ("0", "8"):
         llm = LLM(model, dtype="float32", max_model_len=64, max_num_seqs=4,
                   max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, cpu_gemv_rows=rows)
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.engine_core.runner
         assert runner.plan.gemv_rows == int(rows)
         outs[rows] = llm.generate(prompts, params, use_tqdm=False)
         runner.wait_until_compiled()
@@ -502,5 +502,5 @@ def test_a_gemv_timing_that_fails_leaves_onednn_and_the_engine_starts(make_tiny_
     with caplog.at_level(logging.WARNING, logger="jaxserve.engine.model_setup"):
         llm = LLM(str(make_tiny_model("llama")), dtype="float32", max_model_len=64,
                   max_num_seqs=2, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
-    assert llm.llm_engine.runner.plan.gemv_rows == 0
+    assert llm.llm_engine.engine_core.runner.plan.gemv_rows == 0
     assert "could not time the CPU GEMV" in caplog.text and "no timer here" in caplog.text

@@ -9,6 +9,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from tests import precision
 
+pytestmark = pytest.mark.engine      # the engine tier: every test here (make test-engine)
+
 PROMPT = [11, 23, 98, 421, 77, 310, 248, 9, 150, 42, 61, 331, 88, 12, 7, 91, 64, 5]
 
 
@@ -59,19 +61,19 @@ def test_preempted_request_resumes_with_identical_tokens(make_tiny_model, llm):
     for i, prompt in enumerate(_others(5, seed=3)):
         engine.add_request(f"other-{i}", None, _greedy(40), prompt_token_ids=prompt)
     engine.add_request("target", None, _greedy(40), prompt_token_ids=PROMPT)
-    target_seq = engine.outputs.requests["target"].seqs[0]
+    target_seq = engine.engine_core.requests.states["target"].seqs[0]
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == "target" and out.finished:
                 final = out
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.engine_core.scheduler.num_preemptions > 0
     assert target_seq.num_preemptions > 0, "the newest request should have been preempted"
     tokens, lps = _tokens_and_logprobs(final)
     ref_tokens, ref_lps = _tokens_and_logprobs(reference)
     assert tokens == ref_tokens
     assert np.max(np.abs(lps - ref_lps)) <= 1e-4
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.engine_core.block_manager.num_free_blocks == engine.engine_core.block_manager.num_blocks
 
 
 def test_serving_a_varied_workload_compiles_nothing_after_warmup(llm):
@@ -117,7 +119,7 @@ def test_abort_frees_blocks_and_reports_abort(llm):
     outs = engine.step()
     assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.engine_core.block_manager.num_free_blocks == engine.engine_core.block_manager.num_blocks
 
 
 def test_generate_accepts_every_prompt_form_and_keeps_input_order(llm):
@@ -156,7 +158,7 @@ def test_n_children_prefill_a_long_shared_prompt_once(wide_llm):
     exactly what a lone n=1 request with that child's seed samples."""
     llm = wide_llm
     prompt = np.random.default_rng(2024).integers(5, 500, size=200).tolist()  # nothing cached
-    seed, block = 77, llm.llm_engine.block_manager.block_size
+    seed, block = 77, llm.llm_engine.engine_core.block_manager.block_size
     params = SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True)
     before = llm.llm_engine.snapshot()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -281,8 +283,9 @@ def _mixed_workload(engine) -> dict:
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     return {"finished": finished, "compiles": compiles,
-            "preemptions": engine.scheduler.num_preemptions,
-            "free": (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks)}
+            "preemptions": engine.engine_core.scheduler.num_preemptions,
+            "free": (engine.engine_core.block_manager.num_free_blocks,
+                     engine.engine_core.block_manager.num_blocks)}
 
 
 def test_async_and_sync_scheduling_give_identical_tokens_on_a_mixed_workload(make_tiny_model):
@@ -291,7 +294,7 @@ def test_async_and_sync_scheduling_give_identical_tokens_on_a_mixed_workload(mak
         llm = LLM(str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=8,
                   max_num_batched_tokens=64, num_gpu_blocks_override=14, async_scheduling=mode,
                   **precision.EXACT)
-        assert llm.llm_engine.max_steps_in_flight == (2 if mode else 1)
+        assert llm.llm_engine.engine_core.max_steps_in_flight == (2 if mode else 1)
         runs[mode] = _mixed_workload(llm.llm_engine)
     on, off = runs[True], runs[False]
     for run in (on, off):
@@ -380,7 +383,7 @@ def test_penalized_greedy_tokens_match_references_across_row_reuse_and_preemptio
     small = LLM(str(path), max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64,
                 num_gpu_blocks_override=10, **precision.EXACT)     # against a float32 torch loop
     outs = small.generate(prompts, params, use_tqdm=False)
-    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)        # tiny forwards: threads cost more than they give
@@ -397,7 +400,7 @@ def test_the_engine_learns_what_its_steps_cost(llm):
     engine = llm.llm_engine
     prompts = [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(4)]
     llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
-    measured = engine.step_costs.snapshot()
+    measured = engine.engine_core.step_costs.snapshot()
     assert 4 in measured, measured                 # four streams decoding: bucket 4
     assert all(seconds > 0 for seconds in measured.values())
-    assert engine.scheduler.step_costs is engine.step_costs
+    assert engine.engine_core.scheduler.step_costs is engine.engine_core.step_costs

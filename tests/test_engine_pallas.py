@@ -15,7 +15,7 @@ def test_pallas_backend_greedy_outputs_equal_reference_backend(make_tiny_model):
         # Few buckets: interpret mode makes every compiled shape slow.
         llm = LLM(model, attention_backend=backend, max_model_len=64, max_num_seqs=4,
                   max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
-        assert llm.llm_engine.runner.model.backend.name.startswith(backend)
+        assert llm.llm_engine.engine_core.runner.model.backend.name.startswith(backend)
         outputs[backend] = [o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["pallas-interpret"] == outputs["reference"]

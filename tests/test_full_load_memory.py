@@ -51,8 +51,8 @@ def worker(model: str) -> dict:
     llm = LLM(model, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS, max_num_batched_tokens=32,
               kv_cache_memory_bytes=blocks * bytes_per_block, enable_prefix_caching=False,
               dtype="float32")     # bytes_per_block above counts float32 K and V
-    engine, runner = llm.llm_engine, llm.llm_engine.runner
-    plan = engine.setup.kv_plan
+    engine, runner = llm.llm_engine, llm.llm_engine.engine_core.runner
+    plan = engine.engine_core.setup.kv_plan
     calls = {shape: 0 for shape in runner.buckets.all_shapes()}
 
     def counting(shape, fn):
@@ -65,7 +65,7 @@ def worker(model: str) -> dict:
     for shape, fn in list(runner._steps.items()):
         runner._steps[shape] = counting(shape, fn)
     rng = np.random.default_rng(0)
-    vocab = engine.setup.arch.vocab_size
+    vocab = engine.engine_core.setup.arch.vocab_size
 
     def prompt(n):
         return [int(t) for t in rng.integers(3, vocab, n)]

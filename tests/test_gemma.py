@@ -48,10 +48,11 @@ def gemma(request, make_tiny_model):
     return request.param, model_dir, hf, llm
 
 
+@pytest.mark.engine
 def test_gemma_logits_and_greedy_tokens_match_hf(gemma):
     name, _, hf, llm = gemma
     assert type(hf).__name__ in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-    assert llm.llm_engine.setup.arch.layer_windows == (WINDOW, 0, WINDOW)
+    assert llm.llm_engine.engine_core.setup.arch.layer_windows == (WINDOW, 0, WINDOW)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
     assert sum(len(p) > WINDOW for p in prompts) >= 3

@@ -104,17 +104,17 @@ def test_k_quant_gguf_serves_with_and_without_packed_blocks(k_quant_gguf):
     tokens = {}
     for quantization in ("none", "gguf"):
         llm = LLM(str(path), quantization=quantization, dtype="float32", **kwargs)
-        layers = llm.llm_engine.setup.runner.params["params"]["layers"]
+        layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
         if quantization == "gguf":
             assert layers["v_proj"]["q8_0"].dtype == jnp.uint8
             assert layers["o_proj"]["q4_k"].dtype == jnp.uint8
             assert layers["gate_proj"]["q5_k"].dtype == jnp.uint8
             assert layers["down_proj"]["q6_k"].dtype == jnp.uint8
-            assert llm.llm_engine.setup.runner.params["params"]["embed_tokens"]["q6_k"].dtype \
+            assert llm.llm_engine.engine_core.setup.runner.params["params"]["embed_tokens"]["q6_k"].dtype \
                 == jnp.uint8
         tokens[quantization] = [o.outputs[0].token_ids
                                 for o in llm.generate(prompts, params, use_tqdm=False)]
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.engine_core.runner
         runner.wait_until_compiled()
         decode = runner._steps[min(runner._steps)].as_text()
         assert (GGUF_TARGET in decode) == (quantization == "gguf")   # the block kernel

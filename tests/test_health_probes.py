@@ -23,9 +23,9 @@ import pytest
 import uvicorn
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
 
 from jaxserve import load_progress
 from jaxserve.config import ServeConfig
@@ -76,7 +76,7 @@ def wait_for(condition: Callable[[], object], message: str) -> None:
         time.sleep(0.01)
 
 
-def loaded_server(fake: FakeEngine, **options: object) -> ShellServer:
+def loaded_server(fake: FakeEngineCore, **options: object) -> ShellServer:
     srv = ShellServer(**options)
     srv.load(lambda: AsyncLLMEngine(fake))
     wait_for(srv.shell.loaded.is_set, "the fake engine did not load")
@@ -108,7 +108,7 @@ def test_listens_while_loading_reports_phase_and_progress_then_becomes_ready():
         load_progress.report("load")
         load_progress.report("compile", 0.43)
         assert release.wait(DEADLINE_S)
-        return AsyncLLMEngine(FakeEngine())
+        return AsyncLLMEngine(FakeEngineCore())
 
     srv = ShellServer()
     try:
@@ -165,7 +165,7 @@ def test_a_failed_load_is_neither_alive_nor_ready():
 def test_busy_at_twice_capacity_stays_alive_and_ready_while_the_queue_has_room():
     """8 streams on a batch of 4: every iteration is short, so the loop is alive even though
     it has been busy for longer than the liveness threshold in total."""
-    srv = loaded_server(FakeEngine(step_delay=0.01), max_num_seqs=4,
+    srv = loaded_server(FakeEngineCore(step_delay=0.01), max_num_seqs=4,
                         liveness_stall_timeout=0.3, max_queued_requests=64)
     try:
         async def run() -> None:
@@ -197,7 +197,7 @@ def test_busy_at_twice_capacity_stays_alive_and_ready_while_the_queue_has_room()
 def test_full_admission_is_alive_but_not_ready_until_a_sequence_finishes():
     """Capacity 4 running + 4 queued, 8 in flight: a new request would get 503 at once, so
     the replica says it is saturated; it is still alive."""
-    srv = loaded_server(FakeEngine(step_delay=0.01), max_num_seqs=4, max_queued_requests=4)
+    srv = loaded_server(FakeEngineCore(step_delay=0.01), max_num_seqs=4, max_queued_requests=4)
     try:
         async def run() -> None:
             streams = [asyncio.create_task(stream_tokens(srv.url, 60)) for _ in range(8)]
@@ -221,7 +221,7 @@ def test_full_admission_is_alive_but_not_ready_until_a_sequence_finishes():
 
 @pytest.mark.fast
 def test_draining_is_alive_but_not_ready_and_in_flight_requests_finish():
-    fake = FakeEngine(step_delay=0.01)
+    fake = FakeEngineCore(step_delay=0.01)
     srv = loaded_server(fake)
     try:
         async def run() -> None:
@@ -246,7 +246,7 @@ def test_draining_is_alive_but_not_ready_and_in_flight_requests_finish():
 
 @pytest.mark.fast
 def test_a_stuck_engine_loop_is_not_alive_and_comes_back_when_it_moves():
-    fake = FakeEngine()
+    fake = FakeEngineCore()
     fake.step_gate = threading.Event()              # the next step blocks until set
     srv = loaded_server(fake, liveness_stall_timeout=0.3, step_stall_timeout=0.1)
     try:
@@ -269,7 +269,7 @@ def test_a_stuck_engine_loop_is_not_alive_and_comes_back_when_it_moves():
 
 @pytest.mark.fast
 def test_a_dead_engine_is_not_alive():
-    fake = FakeEngine()
+    fake = FakeEngineCore()
     srv = loaded_server(fake, max_engine_restarts=0)
     try:
         fake.fail_next_step = True

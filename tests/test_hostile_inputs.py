@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from jaxserve.sampling_params import INT32_MAX, MAX_STOP_STRINGS, SamplingParams
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
     from tests.test_server import MODEL_NAME, ServerProcess
     from tests.test_server_fake_engine import ServerThread
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
     from test_server import MODEL_NAME, ServerProcess
     from test_server_fake_engine import ServerThread
 
@@ -98,7 +98,7 @@ def test_sampling_params_accept_or_raise_value_error_and_accepted_values_fit_the
 # -- hypothesis: the HTTP request models, through a server on the fake engine ------------------
 @pytest.fixture(scope="module")
 def fake_server():
-    srv = ServerThread(FakeEngine(max_model_len=64), enable_log_requests=True)
+    srv = ServerThread(FakeEngineCore(max_model_len=64), enable_log_requests=True)
     yield srv
     srv.stop()
 
@@ -341,7 +341,7 @@ def test_json_nested_10k_levels_and_10k_chat_turns_are_400s(live):
 def test_health_reports_a_stalled_step_while_it_is_still_running():
     """The watchdog's verdict comes from the running step, not its end: the step is held
     (an event) until /health has said 503, so no machine is too slow for the check."""
-    fake = FakeEngine()
+    fake = FakeEngineCore()
     fake.step_gate = threading.Event()
     srv = ServerThread(fake, step_stall_timeout=0.5)
     try:

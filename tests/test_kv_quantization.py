@@ -156,7 +156,7 @@ def test_quantized_kv_engines_serve_on_the_cpu_kernel_close_to_float32(make_tiny
         CpuPlatform().resolve_config(
             EngineConfig.from_kwargs(kv_cache_dtype=kv, attention_backend="cpu"))
         llm = LLM(model, kv_cache_dtype=kv, **kwargs)
-        setup = llm.llm_engine.setup
+        setup = llm.llm_engine.engine_core.setup
         assert isinstance(setup.runner.k_cache, QuantizedKV)
         assert setup.runner.k_cache.dtype == KV_DTYPES[kv]
         assert setup.runner.model.backend.name == "cpu"          # auto: the C++ kernel

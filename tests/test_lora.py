@@ -90,7 +90,7 @@ def test_logits_and_greedy_tokens_match_hf_peft_for_each_family(family_case):
     for (ids, _, hf), out in zip(jobs, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, NEW_TOKENS)
     from jaxserve.kernels.cpu import matmul
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     if jax.default_backend() == "cpu" and matmul.available():   # the grouped GEMV was the path
         decode = runner._steps[min(runner._steps)].as_text()
         assert matmul.GROUP_TARGET in decode, name
@@ -181,7 +181,7 @@ def test_batch_mixing_base_and_three_adapters_equals_each_alone(served):
     loras = [None, adapters["sql"], adapters["chat"], adapters["poem"]]
     alone = [llm.generate([p], _greedy(16), use_tqdm=False, lora_request=[lora])[0]
              for p, lora in zip(prompts, loras)]
-    recorder = _SlotRecorder(llm.llm_engine.runner)
+    recorder = _SlotRecorder(llm.llm_engine.engine_core.runner)
     try:
         with compile_events() as compiles:
             mixed = llm.generate(prompts * 2, _greedy(16), use_tqdm=False,
@@ -198,7 +198,7 @@ def test_batch_mixing_base_and_three_adapters_equals_each_alone(served):
 
 def test_prefix_cache_never_shares_kv_across_adapters(served):
     llm, _, adapters, _ = served
-    blocks = llm.llm_engine.block_manager
+    blocks = llm.llm_engine.engine_core.block_manager
     prompt = list(range(40, 40 + 3 * blocks.block_size + 1))
 
     def hits(lora) -> int:
@@ -275,7 +275,7 @@ def _tp_worker(spec: dict) -> None:
     adapters = {n: LoRARequest(n, i, p) for n, (i, p) in spec["adapters"].items()}
     outs = llm.generate(spec["prompts"], _greedy(12), use_tqdm=False,
                         lora_request=[adapters[n] if n else None for n in spec["names"]])
-    stacks = llm.llm_engine.runner.lora.arrays
+    stacks = llm.llm_engine.engine_core.runner.lora.arrays
     with open(spec["out"], "w") as f:
         json.dump({"tokens": [o.outputs[0].token_ids for o in outs],
                    "lora_b_q_spec": list(stacks["q_proj"]["lora_b"].sharding.spec),
@@ -286,7 +286,7 @@ def test_unloading_an_adapter_lets_its_running_requests_finish(served):
     """vLLM's unload: the name leaves the registry at once; a request already running under
     it keeps its weights (it holds them) and finishes with the same tokens."""
     llm, _, adapters, root = served
-    engine, registry = llm.llm_engine, llm.llm_engine.lora_registry
+    engine, registry = llm.llm_engine, llm.llm_engine.engine_core.lora_registry
     prompt = llm.get_tokenizer().encode(MIXED_TEXTS[2])
     expected = llm.generate([prompt], _greedy(12), use_tqdm=False,
                             lora_request=adapters["chat"])[0].outputs[0].token_ids
@@ -335,7 +335,7 @@ def test_server_loads_serves_unloads_and_reuses_slots_without_compiles(served, t
                 for name, lora in [("base", None), *adapters.items()]}
     make_peft_adapter(model_dir, tmp_path / "r32", rank=32, alpha=32)
     with compile_events() as compiles:
-        server = ServerThread(llm.llm_engine, lora_modules=[f"sql={root / 'sql'}"],
+        server = ServerThread(llm.llm_engine.engine_core, lora_modules=[f"sql={root / 'sql'}"],
                               allow_runtime_lora_updating=True)
         try:
             _serve_and_swap(server, httpx, prompt, expected, root, tmp_path)

@@ -62,7 +62,7 @@ def test_engine_runs_at_most_the_cap_with_the_same_tokens_and_compiles_lazily(
     capped = LLM(str(make_tiny_model("llama")), max_num_active_seqs=2, enforce_eager=True,
                  **common)
     engine = capped.llm_engine
-    runner = engine.runner
+    runner = engine.engine_core.runner
     # --enforce-eager: the largest and the one-token buckets only, the rest on first use.
     assert len(runner.buckets.all_shapes()) > 2
     assert runner.compiled_shapes == sorted({runner.buckets.all_shapes()[0],

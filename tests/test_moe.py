@@ -126,9 +126,10 @@ def moe_model(request, make_tiny_model):
     return request.param, hf, llm
 
 
+@pytest.mark.engine
 def test_moe_logits_and_greedy_tokens_match_hf(moe_model):
     name, hf, llm = moe_model
-    arch = llm.llm_engine.setup.arch
+    arch = llm.llm_engine.engine_core.setup.arch
     assert (arch.options.moe.num_experts, arch.options.moe.top_k) == (4, 2)
     tok = llm.get_tokenizer()
     worst = _check_parity(llm, hf, [tok.encode(t) for t in TEXTS], logits_tol=1e-4)
@@ -355,7 +356,7 @@ def test_mixtral_gguf_logits_and_greedy_tokens_match_hf(mixtral_gguf):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     llm = LLM(str(path), tokenizer=str(model_dir), max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=8, kv_cache_memory_bytes=2 << 20, **precision.EXACT)
-    arch = llm.llm_engine.setup.arch
+    arch = llm.llm_engine.engine_core.setup.arch
     assert arch.architecture == "MixtralForCausalLM"
     assert (arch.options.moe.num_experts, arch.options.moe.top_k) == (4, 2)
     assert arch.options.moe.renormalize and arch.intermediate_size == 64
@@ -409,7 +410,7 @@ def test_mixtral_gguf_with_quantized_experts_matches_hf_on_the_dequantized_weigh
     llm = LLM(str(path), tokenizer=str(model_dir), quantization=quantization,
               max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8,
               kv_cache_memory_bytes=2 << 20, **precision.EXACT)
-    assert llm.llm_engine.setup.arch.architecture == "MixtralForCausalLM"
+    assert llm.llm_engine.engine_core.setup.arch.architecture == "MixtralForCausalLM"
     tok = llm.get_tokenizer()
     worst = _check_parity(llm, hf, [tok.encode(t) for t in TEXTS], logits_tol=1e-4)
     logger.warning("mixtral GGUF, %s experts (%s): max |logits - HF| = %.2e", fmt,
@@ -456,10 +457,10 @@ def _run(model_dir: str, tp: int, ep: bool) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             logprobs=1)
     outputs, compiles = _generate_counting_compiles(llm, PROMPTS, params)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     result = {**_results(outputs), **_expert_facts(runner), "compiles": compiles,
-              "build_seconds": built, "hidden_size": llm.llm_engine.setup.arch.hidden_size,
-              "vocab_size": llm.llm_engine.setup.arch.vocab_size}
+              "build_seconds": built, "hidden_size": llm.llm_engine.engine_core.setup.arch.hidden_size,
+              "vocab_size": llm.llm_engine.engine_core.setup.arch.vocab_size}
     if tp > 1:
         result["collectives"] = _collectives(runner)
     return result

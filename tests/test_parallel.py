@@ -97,7 +97,7 @@ def _placement_facts(llm) -> dict:
 
     from jaxserve.models.partition import per_device_bytes
 
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     values = getattr(runner.k_cache, "data", runner.k_cache)    # QuantizedKV: its values
     scales = getattr(runner.k_cache, "scale", None)
     return {"per_device_param_bytes": per_device_bytes(runner.params),
@@ -107,7 +107,7 @@ def _placement_facts(llm) -> dict:
             else list(scales.addressable_shards[0].data.shape),
             "kv_shape": list(runner.k_cache.shape),
             "num_blocks": runner.num_blocks,
-            "kv_capacity_tokens": llm.llm_engine.setup.kv_plan.capacity_tokens,
+            "kv_capacity_tokens": llm.llm_engine.engine_core.setup.kv_plan.capacity_tokens,
             "backend": runner.model.backend.name}
 
 
@@ -145,9 +145,9 @@ def _run_tp(model: str | None, tp: int, prompts, max_tokens: int, kv_bytes: int,
     result["compiles_while_serving"] = compiles
     result.update(_placement_facts(llm), build_seconds=built)
     if tp > 1:
-        result["collectives"] = _collectives(llm.llm_engine.runner)
-    result["hidden_size"] = llm.llm_engine.setup.arch.hidden_size
-    result["vocab_size"] = llm.llm_engine.setup.arch.vocab_size
+        result["collectives"] = _collectives(llm.llm_engine.engine_core.runner)
+    result["hidden_size"] = llm.llm_engine.engine_core.setup.arch.hidden_size
+    result["vocab_size"] = llm.llm_engine.engine_core.setup.arch.vocab_size
     if model is not None and tp == 1:
         result["multihost_reference"] = _results(llm.generate(
             [MULTIHOST_PROMPT], _greedy(TINY_MAX_TOKENS), use_tqdm=False))["texts"][0]
@@ -165,7 +165,7 @@ def _run_dp(model: str) -> dict:
     from jaxserve.entrypoints.openai.api_server import build_app
 
     llm = LLM(model, data_parallel_size=2, kv_cache_memory_bytes=TINY_KV_BYTES, **ENGINE_KWARGS)
-    engine = llm.llm_engine
+    engine = llm.llm_engine.engine_core
     outputs, compiles = _generate_counting_compiles(llm, TINY_PROMPTS, _greedy(TINY_MAX_TOKENS))
     result = {"offline": _results(outputs), "compiles_while_serving": compiles,
               "devices": [[d.id for d in r.runner.params["params"]["norm"]["weight"].devices()]

@@ -14,7 +14,7 @@ from jaxserve.mesh import make_mesh
 from jaxserve.models import partition
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.llama import FAMILY as LLAMA
-from jaxserve.parallel.data_parallel import DataParallelEngine
+from jaxserve.parallel.data_parallel import DataParallelEngineCore
 
 pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
@@ -96,7 +96,7 @@ class _FakeReplica:
     def block_manager(self):
         return self
 
-    def add_core_request(self, request):
+    def add_request(self, request):
         self.added.append(request.request_id)
         self.unfinished += 1
 
@@ -109,20 +109,20 @@ def _request(request_id):
 
 
 def test_requests_go_to_the_least_loaded_replica():
-    front = DataParallelEngine.__new__(DataParallelEngine)
+    front = DataParallelEngineCore.__new__(DataParallelEngineCore)
     front.replicas = [_FakeReplica(2, 0.1), _FakeReplica(1, 0.9), _FakeReplica(1, 0.2)]
     front.num_routed, front._owner = [0, 0, 0], {}
     for request_id in "abcd":
-        front.add_core_request(_request(request_id))
+        front.add_request(_request(request_id))
     # fewest unfinished first, then the emptiest KV cache, then the lowest index
     assert [r.added for r in front.replicas] == [["c"], ["b"], ["a", "d"]]
     assert front.num_routed == [1, 1, 2]
     with pytest.raises(ValueError, match="already in use"):
-        front.add_core_request(_request("a"))
+        front.add_request(_request("a"))
 
 
 def test_snapshot_sums_the_replicas():
-    front = DataParallelEngine.__new__(DataParallelEngine)
+    front = DataParallelEngineCore.__new__(DataParallelEngineCore)
     front.replicas = [
         SimpleNamespace(snapshot=lambda: EngineSnapshot(
             num_running=1, kv_cache_usage=0.5, num_blocks=100, num_steps=3,

@@ -46,8 +46,11 @@ SLIDING = [("mistral", {"sliding_window": 8}),
            ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})]
 
 
-@pytest.mark.parametrize("arch, overrides", [*((a, {}) for a in TINY_ARCHS),
-                                             ("llama", {"attention_bias": True}), *SLIDING])
+# The llama family's engine-tier check is the plain tiny Llama (make test-engine).
+@pytest.mark.parametrize("arch, overrides", [
+    *(pytest.param(a, {}, marks=pytest.mark.engine) if a == "llama" else (a, {})
+      for a in TINY_ARCHS),
+    ("llama", {"attention_bias": True}), *SLIDING])
 def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch, overrides):
     model_dir = make_tiny_model(arch, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
@@ -55,9 +58,9 @@ def test_tiny_model_logits_and_greedy_tokens_match_hf(make_tiny_model, arch, ove
               kv_cache_memory_bytes=2 << 20, **precision.EXACT)
     window = overrides.get("sliding_window")
     if window:
-        windows = llm.llm_engine.setup.arch.layer_windows
+        windows = llm.llm_engine.engine_core.setup.arch.layer_windows
         assert windows == ((8, 8) if arch == "mistral" else (0, 8))
-        assert llm.llm_engine.setup.max_model_len == 128
+        assert llm.llm_engine.engine_core.setup.max_model_len == 128
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
     worst = _check_parity(llm, hf, prompts, logits_tol=precision.LOGITS_TOL_TINY)

@@ -62,7 +62,7 @@ def _run(model: str, pp: int, tp: int, kv_bytes: int, mixed_batch: bool = True,
     mixed_out = llm.generate([LONG, [5, 6, 7], [9, 10]], mixed, use_tqdm=False) \
         if mixed_batch else []
     engine = llm.llm_engine
-    runner = engine.runner
+    runner = engine.engine_core.runner
     snapshot = engine.snapshot()
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
               "mixed": [list(o.outputs[0].token_ids) for o in mixed_out],
@@ -99,11 +99,11 @@ def _run_dp(model: str, kv_bytes: int) -> dict:
               kv_cache_memory_bytes=kv_bytes, **ENGINE_KWARGS)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-    replicas = llm.llm_engine.replicas
+    replicas = llm.llm_engine.engine_core.replicas
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "param_devices": [[sorted({d.id for leaf in _leaves(p) for d in leaf.devices()})
                                for p in replica.runner.params] for replica in replicas],
-            "requests_per_replica": list(llm.llm_engine.num_routed)}
+            "requests_per_replica": list(llm.llm_engine.engine_core.num_routed)}
 
 
 def _leaves(tree):

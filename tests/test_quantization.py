@@ -148,10 +148,10 @@ def test_int8_engine_stores_int8_kernels_and_keeps_tiny_model_greedy_tokens(make
                   kv_cache_memory_bytes=2 << 20)
     ref = LLM(str(model_dir), **kwargs)
     llm = LLM(str(model_dir), quantization="int8", **kwargs)
-    layers = llm.llm_engine.setup.runner.params["params"]["layers"]
+    layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["kernel"].dtype == jnp.int8
     assert layers["down_proj"]["scale"].shape == (2, 128 // 32, 64)   # [L, in / 32, out]
-    assert llm.llm_engine.setup.runner.params["params"]["lm_head"]["kernel"].dtype == jnp.int8
+    assert llm.llm_engine.engine_core.setup.runner.params["params"]["lm_head"]["kernel"].dtype == jnp.int8
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in ("Hello, world!", "The quick brown fox",
                                        "def add(a, b):", "Paged attention stores")]
@@ -190,7 +190,7 @@ def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(defaul
                   kv_cache_memory_bytes=32 << 20)
     assert "GGUF weights kept packed" in caplog.text
     assert "measured cost of weights=gguf" in caplog.text and "top-1 agreement" in caplog.text
-    setup = llm.llm_engine.setup
+    setup = llm.llm_engine.engine_core.setup
     layers = setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["q4_1"].dtype == jnp.uint8
     assert "q8_0" in setup.runner.params["params"]["embed_tokens"]
@@ -201,7 +201,7 @@ def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(defaul
     # GGUF_BLOCK_ROWS rows read the blocks (the scan's q/k/v, o, gate/up, down calls), more
     # rows the copy through oneDNN (at most the tied LM head's call on the blocks remains)
     assert layers["q_proj"]["kernel"].dtype == setup.runner.dtype
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     runner.wait_until_compiled()
     few, many = min(runner._steps), max(runner._steps)
     assert many[0] > GGUF_BLOCK_ROWS

@@ -20,11 +20,11 @@ import pytest
 from jaxserve.reasoning import get_reasoning_parser
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
     from tests.test_server_fake_engine import ServerThread, sse_events
     from tests.test_tool_calling import TOOLS, USER, reassemble
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
     from test_server_fake_engine import ServerThread, sse_events
     from test_tool_calling import TOOLS, USER, reassemble
 
@@ -33,7 +33,7 @@ THOUGHT = "<think>\nThe user wants the weather. <tool_call> is how I call.\n</th
 
 @pytest.fixture(scope="module")
 def qwen3_server():
-    srv = ServerThread(FakeEngine(max_model_len=4096), enable_auto_tool_choice=True,
+    srv = ServerThread(FakeEngineCore(max_model_len=4096), enable_auto_tool_choice=True,
                        tool_call_parser="hermes", reasoning_parser="qwen3")
     yield srv
     srv.stop()

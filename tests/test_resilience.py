@@ -24,7 +24,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.errors import EngineDeadError, QueueTimeoutError, StepFailedError
 from jaxserve.engine.fault_injection import InjectedStepFault, StepFaultInjector
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngineCore
 from tests.test_server import ServerProcess, metric, wait_for
 from tests.test_server_fake_engine import ServerThread, assert_openai_error
 
@@ -66,6 +66,7 @@ class OneShotFault:
             raise InjectedStepFault("injected once")
 
 
+@pytest.mark.engine      # in-process recovery: the engine tier
 def test_step_fault_fails_scheduled_requests_and_reruns_queued_ones(llm):
     """The long prompt is in the faulted step and fails; the one queued behind it (the step
     budget is full) is re-run after the in-process restart, with a fresh engine's tokens;
@@ -74,7 +75,7 @@ def test_step_fault_fails_scheduled_requests_and_reruns_queued_ones(llm):
     ref_queued = reference_tokens(llm, QUEUED_PROMPT, 12)
     queued_alone = time.monotonic() - started     # the re-run's own work, on this box now
     ref_short = reference_tokens(llm, SHORT_PROMPT, 8)
-    core = llm.llm_engine
+    core = llm.llm_engine.engine_core
     tokens_before = core.snapshot().num_prompt_tokens
     fault = OneShotFault()
     core.fault_hook = fault
@@ -114,31 +115,34 @@ def test_step_fault_fails_scheduled_requests_and_reruns_queued_ones(llm):
         core.fault_hook = None
 
 
+@pytest.mark.engine      # in-process recovery: the engine tier
 def test_a_requests_own_output_fault_ends_it_alone(llm):
     """Output processing (here: the detokenizer) failing for one request ends that request
     with finish_reason "error"; its neighbour in the same steps is untouched."""
     ref = reference_tokens(llm, SHORT_PROMPT, 10)
-    core = llm.llm_engine
-    core.add_request("victim", None, greedy(10), prompt_token_ids=[9, 8, 7, 6])
-    core.add_request("bystander", None, greedy(10), prompt_token_ids=SHORT_PROMPT)
+    engine = llm.llm_engine
+    engine.add_request("victim", None, greedy(10), prompt_token_ids=[9, 8, 7, 6])
+    engine.add_request("bystander", None, greedy(10), prompt_token_ids=SHORT_PROMPT)
 
     def broken(token):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
 
-    core.frontend.requests["victim"].seqs[0].detok.decode_next = broken
+    engine.output_processor.requests["victim"].seqs[0].detok.decode_next = broken
     finals = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
+    while engine.has_unfinished_requests():
+        for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
     assert finals["victim"].outputs[0].finish_reason == "error"
     assert list(finals["bystander"].outputs[0].token_ids) == ref
     assert finals["bystander"].outputs[0].finish_reason == "length"
+    core = engine.engine_core
     assert core.scheduler.num_running == 0 and core.block_manager.usage == 0.0
 
 
+@pytest.mark.engine      # in-process recovery: the engine tier
 def test_queue_time_limit_ends_a_request_still_waiting(llm):
-    core = llm.llm_engine
+    core = llm.llm_engine.engine_core
     engine = AsyncLLMEngine(core, start=False)
     engine.max_queue_time = 0.0
     engine.max_unfinished_seqs = 10
@@ -167,7 +171,7 @@ def test_queue_time_limit_ends_a_request_still_waiting(llm):
 
 
 def test_consecutive_step_faults_kill_the_engine_and_call_on_fatal():
-    fake = FakeEngine()
+    fake = FakeEngineCore()
     fake.fault_hook = StepFaultInjector(1)          # every step fails
     engine = AsyncLLMEngine(fake, start=False)
     engine.max_restarts = 2
@@ -193,7 +197,7 @@ def test_consecutive_step_faults_kill_the_engine_and_call_on_fatal():
 
 # -- the HTTP side, over the fake engine ---------------------------------------------------------
 def test_step_fault_over_http_stream_errors_nonstream_503_then_recovers():
-    srv = ServerThread(FakeEngine(step_delay=0.02))
+    srv = ServerThread(FakeEngineCore(step_delay=0.02))
     try:
         body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 100,
                 "stream": True}
@@ -231,7 +235,7 @@ def test_step_fault_over_http_stream_errors_nonstream_503_then_recovers():
 
 
 def test_health_reports_a_dead_engine_and_requests_get_503():
-    srv = ServerThread(FakeEngine(), max_engine_restarts=0)
+    srv = ServerThread(FakeEngineCore(), max_engine_restarts=0)
     try:
         srv.fake.fail_next_step = True
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3},
@@ -245,7 +249,7 @@ def test_health_reports_a_dead_engine_and_requests_get_503():
 
 
 def test_a_request_larger_than_the_admission_limit_is_a_400():
-    srv = ServerThread(FakeEngine(), max_queued_requests=4)     # 256 running + 4
+    srv = ServerThread(FakeEngineCore(), max_queued_requests=4)     # 256 running + 4
     try:
         r = httpx.post(srv.url + "/v1/completions",
                        json={"prompt": ["a"] * 200, "n": 2, "max_tokens": 1}, timeout=30)

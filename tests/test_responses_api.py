@@ -18,11 +18,11 @@ import openai
 import pytest
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
     from tests.test_server_fake_engine import ServerThread, assert_openai_error
     from tests.test_tool_calling import SCHEMAS
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
     from test_server_fake_engine import ServerThread, assert_openai_error
     from test_tool_calling import SCHEMAS
 
@@ -34,7 +34,7 @@ HERMES_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pari
 
 @pytest.fixture(scope="module")
 def fake_server():
-    srv = ServerThread(FakeEngine(max_model_len=4096), enable_auto_tool_choice=True,
+    srv = ServerThread(FakeEngineCore(max_model_len=4096), enable_auto_tool_choice=True,
                        tool_call_parser="hermes")
     yield srv
     srv.stop()

@@ -55,7 +55,7 @@ def _generate_with(model: str, engine_kwargs: dict, stats: dict | None = None
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     if stats is not None:
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.engine_core.runner
         cache = runner.executable_cache
         stats.update(shapes=len(runner.compiled_shapes), hits=cache.hits, misses=cache.misses,
                      dtype=np.dtype(runner.dtype).name)

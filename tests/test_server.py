@@ -136,6 +136,7 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
 
 
 # -- the openai client ------------------------------------------------------------------------------
+@pytest.mark.engine
 def test_models_lists_the_served_name_and_max_model_len(client, http):
     [model] = client.models.list().data
     assert model.id == MODEL_NAME
@@ -143,6 +144,7 @@ def test_models_lists_the_served_name_and_max_model_len(client, http):
     assert http.get("/version").json()["version"]
 
 
+@pytest.mark.engine
 def test_completion_and_its_stream_agree(client):
     kwargs = {"model": MODEL_NAME, "prompt": prompt_of(0, 6), "max_tokens": 12, "temperature": 0}
     full = client.completions.create(**kwargs)
@@ -155,6 +157,7 @@ def test_completion_and_its_stream_agree(client):
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
+@pytest.mark.engine
 def test_chat_and_its_stream_agree_and_the_stream_starts_with_the_role(client):
     kwargs = {"model": MODEL_NAME, "messages": [{"role": "system", "content": "be brief"},
                                               {"role": "user", "content": prompt_of(1, 5)}],
@@ -173,6 +176,7 @@ def test_chat_and_its_stream_agree_and_the_stream_starts_with_the_role(client):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+@pytest.mark.engine
 def test_n_2_returns_two_choices(client):
     out = client.completions.create(model=MODEL_NAME, prompt=prompt_of(2, 4), max_tokens=6,
                                     n=2, temperature=1.0, seed=7,
@@ -184,6 +188,7 @@ def test_n_2_returns_two_choices(client):
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
+@pytest.mark.engine
 def test_logprobs_in_both_formats(client):
     out = client.completions.create(model=MODEL_NAME, prompt=prompt_of(3, 5), max_tokens=5,
                                     temperature=0, logprobs=2, extra_body={"ignore_eos": True})
@@ -203,6 +208,7 @@ def test_logprobs_in_both_formats(client):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
 
 
+@pytest.mark.engine
 def test_stop_string_truncates_the_output(client):
     kwargs = {"model": MODEL_NAME, "prompt": prompt_of(4, 6), "max_tokens": 24, "temperature": 0,
                   "extra_body": {"ignore_eos": True}}
@@ -217,6 +223,7 @@ def test_stop_string_truncates_the_output(client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.text
 
 
+@pytest.mark.engine
 def test_seed_makes_sampling_reproducible(client):
     kwargs = {"model": MODEL_NAME, "prompt": prompt_of(5, 5), "max_tokens": 16, "temperature": 1.0,
                   "extra_body": {"ignore_eos": True}}
@@ -227,6 +234,7 @@ def test_seed_makes_sampling_reproducible(client):
     assert len(others | {a}) > 1, "different seeds should sample differently"
 
 
+@pytest.mark.engine
 def test_usage_reports_cached_prompt_tokens_on_a_repeated_prompt(client):
     prompt = prompt_of(6, 40)
     client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
@@ -235,6 +243,7 @@ def test_usage_reports_cached_prompt_tokens_on_a_repeated_prompt(client):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
+@pytest.mark.engine
 def test_prompt_as_token_ids_and_echo(client, http):
     ids = http.post("/tokenize", json={"prompt": prompt_of(7, 4)}).json()["tokens"]
     out = client.completions.create(model=MODEL_NAME, prompt=[ids, ids], max_tokens=3,
@@ -266,6 +275,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("path, body, status", BAD_REQUESTS)
 def test_invalid_request_gets_an_openai_error_and_the_server_keeps_serving(
         http, path, body, status):
@@ -280,6 +290,7 @@ def test_invalid_request_gets_an_openai_error_and_the_server_keeps_serving(
     assert ok.status_code == 200
 
 
+@pytest.mark.engine
 def test_context_length_error_has_vllm_wording(http):
     ids = http.post("/tokenize", json={"prompt": "fox jumps"}).json()["tokens"]
     r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 300})
@@ -291,6 +302,7 @@ def test_context_length_error_has_vllm_wording(http):
         "length of the prompt or completion.")
 
 
+@pytest.mark.engine
 def test_openai_client_raises_bad_request_and_not_found(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL_NAME, prompt="a", max_tokens=100000)
@@ -299,6 +311,7 @@ def test_openai_client_raises_bad_request_and_not_found(client):
 
 
 # -- concurrency, metrics, disconnects ---------------------------------------------------------------
+@pytest.mark.engine
 def test_32_concurrent_streams_complete_and_match_offline_generate(server, model_dir, http):
     prompts = [prompt_of(i, 3 + (i * 5) % 23) for i in range(32)]
     max_tokens = 32
@@ -354,6 +367,7 @@ def test_32_concurrent_streams_complete_and_match_offline_generate(server, model
     assert texts == [o.outputs[0].text for o in offline]
 
 
+@pytest.mark.engine
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, http):
     before = metric(http.get("/metrics").text, "jaxserve:request_success_total",
                     finished_reason="abort")

@@ -24,9 +24,9 @@ import pytest
 pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import CYCLE, FakeEngine
+    from tests.fake_engine import CYCLE, FakeEngineCore
 except ImportError:
-    from fake_engine import CYCLE, FakeEngine
+    from fake_engine import CYCLE, FakeEngineCore
 
 from jaxserve.config import ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
@@ -43,7 +43,7 @@ def free_port() -> int:
 class ServerThread:
     """build_app + uvicorn in a thread, on a free port."""
 
-    def __init__(self, engine: FakeEngine, api_key: str | None = None,
+    def __init__(self, engine: FakeEngineCore, api_key: str | None = None,
                  **server_options) -> None:
         import uvicorn
 
@@ -75,7 +75,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(FakeEngine())
+    srv = ServerThread(FakeEngineCore())
     yield srv
     srv.stop()
 
@@ -330,7 +330,7 @@ def test_cors_flags_restrict_origins():
     config = ServeConfig()
     config.server.allowed_origins = ['["https://good.example"]']    # vLLM's JSON form
     config.server.allow_credentials = True
-    engine = AsyncLLMEngine(FakeEngine())
+    engine = AsyncLLMEngine(FakeEngineCore())
     try:
         from starlette.testclient import TestClient
 
@@ -352,7 +352,7 @@ def test_request_log_line_per_request_with_enable_log_requests(caplog):
     for disabled in (False, True):
         config = ServeConfig()
         config.server.enable_log_requests = not disabled
-        engine = AsyncLLMEngine(FakeEngine())
+        engine = AsyncLLMEngine(FakeEngineCore())
         try:
             from starlette.testclient import TestClient
 
@@ -380,7 +380,7 @@ def metric_value(text: str, name: str, **labels) -> float:
 def test_a_16_prompt_completion_gets_every_first_token_within_one_step():
     """A k-prompt completion queues all k engine requests before waiting once for their
     acceptance, so no prompt waits behind the others' engine steps."""
-    srv = ServerThread(FakeEngine(step_delay=0.02))
+    srv = ServerThread(FakeEngineCore(step_delay=0.02))
     try:
         prompts = [f"prompt {i}" for i in range(16)]
         r = post(srv, "/v1/completions", {"prompt": prompts, "max_tokens": 4, "stream": True})
@@ -399,7 +399,7 @@ def test_a_16_prompt_completion_gets_every_first_token_within_one_step():
 
 
 def test_client_disconnect_mid_stream_aborts_the_request():
-    srv = ServerThread(FakeEngine(step_delay=0.02))
+    srv = ServerThread(FakeEngineCore(step_delay=0.02))
     try:
         body = {"prompt": "a", "max_tokens": 100, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
@@ -452,7 +452,7 @@ def test_a_client_gone_halfway_through_its_body_is_a_499_not_an_error(caplog):
     race) ends that request quietly: a 499, no 'unhandled error' traceback in the log."""
     from jaxserve.entrypoints.openai.api_server import build_app
 
-    engine = AsyncLLMEngine(FakeEngine())
+    engine = AsyncLLMEngine(FakeEngineCore())
     try:
         app = build_app(engine, ServeConfig())
         arriving = iter([{"type": "http.request", "body": b'{"prompt": "a", ', "more_body": True},
@@ -480,7 +480,7 @@ def test_a_client_gone_halfway_through_its_body_is_a_499_not_an_error(caplog):
 
 
 def test_non_streamed_request_is_aborted_when_the_client_goes_away():
-    srv = ServerThread(FakeEngine(step_delay=0.02))
+    srv = ServerThread(FakeEngineCore(step_delay=0.02))
     try:
         with pytest.raises(httpx.ReadTimeout):
             post(srv, "/v1/completions", {"prompt": "a", "max_tokens": 100}, timeout=0.3)
@@ -505,7 +505,7 @@ def test_metrics_move_with_requests(server):
 
 
 def test_api_key_guards_everything_but_health_and_metrics():
-    srv = ServerThread(FakeEngine(), api_key="sekret")
+    srv = ServerThread(FakeEngineCore(), api_key="sekret")
     try:
         assert_openai_error(httpx.get(srv.url + "/v1/models"), 401)
         assert_openai_error(post(srv, "/v1/completions", b"{bad json"), 401)
@@ -520,7 +520,7 @@ def test_api_key_guards_everything_but_health_and_metrics():
 
 
 def test_shutdown_aborts_in_flight_requests_and_refuses_new_ones():
-    engine = AsyncLLMEngine(FakeEngine(step_delay=0.01))
+    engine = AsyncLLMEngine(FakeEngineCore(step_delay=0.01))
 
     async def scenario():
         params = SamplingParams(max_tokens=10_000)
@@ -534,11 +534,36 @@ def test_shutdown_aborts_in_flight_requests_and_refuses_new_ones():
             await engine.add_request("r2", "a", params)
 
     asyncio.run(scenario())
-    assert not engine._thread.is_alive()
+    assert not engine.engine_thread.alive
+
+
+def test_an_llm_engine_is_served_through_its_core_with_the_same_text():
+    """AsyncLLMEngine(llm.llm_engine), as the quickstart notebook once wrote it, serves the
+    LLMEngine's core; its text equals the offline front end's for the same request."""
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    params = SamplingParams(max_tokens=7, temperature=0.0)
+    offline = LLMEngine(FakeEngineCore())
+    offline.add_request("r", "abc", params)
+    finals = []
+    while offline.has_unfinished_requests():
+        finals += [out for out in offline.step() if out.finished]
+    core = FakeEngineCore()
+    engine = AsyncLLMEngine(LLMEngine(core))
+    assert engine.engine_core is core
+
+    async def served():
+        return [out async for out in engine.generate("r", "abc", params)][-1]
+
+    try:
+        final = asyncio.run(served())
+    finally:
+        engine.shutdown()
+    assert final.outputs[0].text == finals[0].outputs[0].text and len(final.outputs[0].text) == 7
 
 
 def test_engine_rejection_is_a_value_error_and_changes_nothing():
-    fake = FakeEngine()
+    fake = FakeEngineCore()
     engine = AsyncLLMEngine(fake)
 
     async def scenario():

@@ -58,7 +58,7 @@ def _run(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]]) -> dic
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-    bm = engine.block_manager
+    bm = engine.engine_core.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "every block came back"
     bm.check_invariants()
     return finished
@@ -164,9 +164,9 @@ def test_greedy_outputs_and_logprobs_are_identical_with_speculation(engines):
         requests[f"long{i}"] = (prompt * 3, _greedy(90, ignore_eos=True))
     runs = {}
     for name, llm in (("off", off), ("on", on)):
-        before = llm.llm_engine.scheduler.num_preemptions
+        before = llm.llm_engine.engine_core.scheduler.num_preemptions
         runs[name] = _run(llm, requests)
-        runs[name + "_preempted"] = llm.llm_engine.scheduler.num_preemptions - before
+        runs[name + "_preempted"] = llm.llm_engine.engine_core.scheduler.num_preemptions - before
     snap = on.llm_engine.snapshot()
     assert snap.spec_decode_num_drafts > 20
     assert 0 < snap.spec_decode_num_accepted_tokens < snap.spec_decode_num_draft_tokens
@@ -203,7 +203,7 @@ def test_seeded_sampling_reproduces_and_matches_no_speculation(engines):
         # Same schedule each time: a prefix hit would chunk the prompts differently, and
         # XLA's CPU results differ in the last bits between chunkings (enough to move a
         # token across the top-p edge now and then).
-        assert llm.llm_engine.block_manager.reset_prefix_cache()
+        assert llm.llm_engine.engine_core.block_manager.reset_prefix_cache()
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     a, b, c = run(on), run(on), run(off)
@@ -344,7 +344,7 @@ def test_draft_model_greedy_and_seeded_outputs_equal_no_speculation(engines, dra
     params = [_greedy(int(5 + 9 * (i % 4)), ignore_eos=i % 2 == 0) for i in range(9)]
     params[3] = SamplingParams(temperature=0.7, top_p=0.9, seed=4, max_tokens=30, logprobs=2)
     for llm in (off, draft_engine):
-        assert llm.llm_engine.block_manager.reset_prefix_cache()
+        assert llm.llm_engine.engine_core.block_manager.reset_prefix_cache()
     before = draft_engine.llm_engine.snapshot()
     want = off.generate(prompts, params, use_tqdm=False)
     got = draft_engine.generate(prompts, params, use_tqdm=False)
@@ -359,7 +359,7 @@ def test_draft_model_greedy_and_seeded_outputs_equal_no_speculation(engines, dra
         lp_a = [e[t].logprob for t, e in zip(a.token_ids, a.logprobs)]
         lp_b = [e[t].logprob for t, e in zip(b.token_ids, b.logprobs)]
         assert np.max(np.abs(np.subtract(lp_a, lp_b)), initial=0) <= 1e-4
-    proposer = draft_engine.llm_engine._proposer
+    proposer = draft_engine.llm_engine.engine_core._proposer
     proposer.block_manager.check_invariants([])
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
 

@@ -31,7 +31,7 @@ def _tokens(outs) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(make_tiny_model) -> list[list[int]]:
     llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **ENGINE_KWARGS)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     assert runner.all_compiled.is_set() and runner.compiled_shapes == \
         [(1, 1), (2, 2), (4, 4), (8, 4)]
     return _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
@@ -48,7 +48,7 @@ def test_steps_run_padded_until_their_bucket_compiles_then_nothing_compiles(
 
     monkeypatch.setattr(ModelRunner, "_compile_in_background", held)
     llm = LLM(str(make_tiny_model("llama")), **ENGINE_KWARGS)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     assert runner.compiled_shapes == [(1, 1), (8, 4)] and not runner.all_compiled.is_set()
     assert runner.bucket_for(1, 1) == (1, 1)
     assert runner.bucket_for(3, 3) == (8, 4)       # (4, 4) is not compiled yet: padded
@@ -113,14 +113,14 @@ def test_the_kv_cache_is_allocated_only_after_every_warmup_bucket_compiled(make_
     monkeypatch.setattr(ModelRunner, "_compile", compiling)
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocating)
     llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **ENGINE_KWARGS)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     assert [kind for kind, _, _ in events] == ["compile"] * 4 + ["allocate"]
     assert not any(allocated for _, _, allocated in events)
     assert events[-1][1] == ((1, 1), (2, 2), (4, 4), (8, 4))
     assert runner.kv_cache_allocated and set(runner.startup_timings) == {"kv_fill"}
     # Zeros, not uninitialized memory (no request has written a block yet).
     assert float(abs(runner.k_cache).max()) == 0.0 == float(abs(runner.v_cache).max())
-    assert {"load", "runner", "warmup", "kv_fill"} <= set(llm.llm_engine.setup.phases)
+    assert {"load", "runner", "warmup", "kv_fill"} <= set(llm.llm_engine.engine_core.setup.phases)
 
 
 def test_steps_needing_more_than_the_planned_activations_shrink_the_cache_before_it_exists(
@@ -143,8 +143,8 @@ def test_steps_needing_more_than_the_planned_activations_shrink_the_cache_before
     kwargs = {k: v for k, v in ENGINE_KWARGS.items() if k != "kv_cache_memory_bytes"}
     with caplog.at_level("WARNING", logger="jaxserve.engine.model_setup"):
         llm = LLM(str(make_tiny_model("llama")), compile_in_background=False, **kwargs)
-    setup = llm.llm_engine.setup
-    runner = llm.llm_engine.runner
+    setup = llm.llm_engine.engine_core.setup
+    runner = llm.llm_engine.engine_core.runner
     warnings = [r.getMessage() for r in caplog.records if "compiling again" in r.getMessage()]
     assert len(warnings) == 1
     replanned, planned = map(int, re.search(r"(\d+) KV blocks, not (\d+)", warnings[0]).groups())

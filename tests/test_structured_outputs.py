@@ -66,7 +66,7 @@ def _accepts_prefix(llm, constraint: StructuredOutputsParams, token_ids: list[in
     """A fresh matcher accepts every token (the output is a valid, maybe unfinished prefix)."""
     import xgrammar as xgr
 
-    compiled = llm.llm_engine.grammars.grammar_for(constraint).result()
+    compiled = llm.llm_engine.engine_core.grammars.grammar_for(constraint).result()
     matcher = xgr.GrammarMatcher(compiled)
     return all(matcher.accept_token(t) for t in token_ids)
 
@@ -148,7 +148,7 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(llm, monkey
     def fail(grammar):
         raise RuntimeError("injected compile failure")
 
-    monkeypatch.setattr(llm.llm_engine.grammars, "_compiler",
+    monkeypatch.setattr(llm.llm_engine.engine_core.grammars, "_compiler",
                         SimpleNamespace(compile_grammar=fail))
     broken = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
         regex="never-compiled-[0-9]"))
@@ -171,12 +171,12 @@ def test_one_requests_matcher_fault_ends_it_alone_without_an_engine_restart(llm,
                             structured_outputs=StructuredOutputsParams(choice=CHOICES))
     [ref_constrained, ref_free] = llm.generate([PROMPTS[1], PROMPTS[2]], [choice, _free(12)],
                                                use_tqdm=False)
-    core = llm.llm_engine
+    core = llm.llm_engine.engine_core
     original = getattr(SeqGrammar, method)
     faults = []
 
     def faulty(self, *args):
-        victim = core.outputs.requests.get("victim")
+        victim = core.requests.states.get("victim")
         if victim is not None and self is victim.seqs[0].grammar:
             faults.append(method)
             raise RuntimeError(f"injected {method} fault")
@@ -251,7 +251,7 @@ def _constrained_workload(engine) -> tuple[dict, list]:
                     finished[out.request_id] = out
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    return finished, compiles, engine.scheduler.num_preemptions
+    return finished, compiles, engine.engine_core.scheduler.num_preemptions
 
 
 def test_async_and_sync_scheduling_give_identical_constrained_tokens_and_compile_nothing(
@@ -264,12 +264,12 @@ def test_async_and_sync_scheduling_give_identical_constrained_tokens_and_compile
         llm = LLM(str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=8,
                   max_num_batched_tokens=64, num_gpu_blocks_override=14, async_scheduling=mode)
         engine = llm.llm_engine
-        assert engine.max_steps_in_flight == (2 if mode else 1)
+        assert engine.engine_core.max_steps_in_flight == (2 if mode else 1)
         runs[mode] = _constrained_workload(engine)
         if mode:
             # Two steps in flight even with constrained rows: the scheduler then skips a
             # constrained row while its token is pending. Same tokens.
-            engine._max_in_flight = lambda: 2
+            engine.engine_core._max_in_flight = lambda: 2
             runs["skipping"] = _constrained_workload(engine)
     validators = _validators()
     for mode, (finished, compiles, preemptions) in runs.items():
@@ -421,7 +421,7 @@ def test_a_grammar_that_finishes_compiling_while_checked_is_not_a_failure():
     import time
     from types import SimpleNamespace
 
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.core import EngineCore
 
     class FinishesWhileChecked:
         looks = 0
@@ -437,8 +437,8 @@ def test_a_grammar_that_finishes_compiling_while_checked_is_not_a_failure():
     engine = SimpleNamespace(
         _compiling={"req": (FinishesWhileChecked(), time.monotonic())},
         scheduler=SimpleNamespace(abort_request=lambda *a: failed.append(a)),
-        outputs=SimpleNamespace(finish=lambda *a: failed.append(a)))
-    LLMEngine._fail_unbuildable_grammars(engine)
+        requests=SimpleNamespace(finish=lambda *a: failed.append(a)))
+    EngineCore._fail_unbuildable_grammars(engine)
     assert failed == [] and "req" in engine._compiling
-    LLMEngine._fail_unbuildable_grammars(engine)     # now done, no exception: dropped
+    EngineCore._fail_unbuildable_grammars(engine)     # now done, no exception: dropped
     assert failed == [] and engine._compiling == {}

@@ -19,10 +19,10 @@ import openai
 import pytest
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
     from tests.test_server_fake_engine import ServerThread, assert_openai_error, sse_events
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
     from test_server_fake_engine import ServerThread, assert_openai_error, sse_events
 
 WEATHER = {"type": "function", "function": {
@@ -70,7 +70,7 @@ def flat_calls(message: dict) -> list[dict]:
 # -- tool_choice "auto" with the hermes parser, on a scripted fake engine ---------------------------
 @pytest.fixture(scope="module")
 def hermes_server():
-    srv = ServerThread(FakeEngine(max_model_len=4096), enable_auto_tool_choice=True,
+    srv = ServerThread(FakeEngineCore(max_model_len=4096), enable_auto_tool_choice=True,
                        tool_call_parser="hermes")
     yield srv
     srv.stop()
@@ -165,7 +165,7 @@ def test_bad_tool_and_format_requests_are_openai_400s(hermes_server, body, param
 
 
 def test_auto_tool_choice_without_the_flags_is_a_400_naming_them():
-    srv = ServerThread(FakeEngine())
+    srv = ServerThread(FakeEngineCore())
     try:
         for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
             error = assert_openai_error(chat(srv, {"messages": USER, **body}), 400)

@@ -14,11 +14,11 @@ from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
     from tests.test_server_fake_engine import ServerThread, sse_events
     from tests.test_tool_calling import reassemble
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
     from test_server_fake_engine import ServerThread, sse_events
     from test_tool_calling import reassemble
 
@@ -150,7 +150,7 @@ PLUGIN = textwrap.dedent('''
 def plugin_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("plugin") / "my_parser.py"
     path.write_text(PLUGIN)
-    srv = ServerThread(FakeEngine(max_model_len=4096), enable_auto_tool_choice=True,
+    srv = ServerThread(FakeEngineCore(max_model_len=4096), enable_auto_tool_choice=True,
                        tool_parser_plugin=str(path), tool_call_parser="call_colon")
     yield srv
     srv.stop()
@@ -176,7 +176,7 @@ def test_a_plugin_parser_loads_from_a_path_and_parses_streamed_and_not(plugin_se
 
 def test_a_bad_plugin_path_or_unknown_parser_fails_at_startup(tmp_path):
     with pytest.raises(ValueError, match="is not a file"):
-        ServerThread(FakeEngine(), tool_parser_plugin=str(tmp_path / "missing.py"),
+        ServerThread(FakeEngineCore(), tool_parser_plugin=str(tmp_path / "missing.py"),
                      tool_call_parser="hermes")
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
-        ServerThread(FakeEngine(), enable_auto_tool_choice=True, tool_call_parser="nope")
+        ServerThread(FakeEngineCore(), enable_auto_tool_choice=True, tool_call_parser="nope")

@@ -14,11 +14,11 @@ from jaxserve.chat_templates import SMOLLM2_TEMPLATE, bundled_names, tool_aware_
 from jaxserve.loader.tokenizer import apply_chat_template, read_chat_template
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
     from tests.test_server_fake_engine import ServerThread
     from tests.test_tool_calling import TOOLS, USER, WEATHER
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
     from test_server_fake_engine import ServerThread
     from test_tool_calling import TOOLS, USER, WEATHER
 
@@ -95,7 +95,7 @@ def test_auto_on_the_default_model_sees_the_tools_and_completes_a_tool_loop(smol
 
 
 def test_a_template_that_ignores_tools_is_flagged():
-    server = ServerThread(FakeEngine(max_model_len=4096), enable_auto_tool_choice=True,
+    server = ServerThread(FakeEngineCore(max_model_len=4096), enable_auto_tool_choice=True,
                           tool_call_parser="hermes")      # the fake template drops tools
     try:
         server.fake.script = "ok"

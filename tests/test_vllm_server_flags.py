@@ -10,9 +10,9 @@ import pytest
 from starlette.testclient import TestClient
 
 try:                                    # tests/ as a package or as a plain directory
-    from tests.fake_engine import FakeEngine
+    from tests.fake_engine import FakeEngineCore
 except ImportError:
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngineCore
 
 from jaxserve.config import EngineConfig, ServeConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
@@ -28,7 +28,7 @@ def serve(**server_options):
     config.engine.model_config.served_model_name = ["smol"]
     for name, value in server_options.items():
         setattr(config.server, name, value)
-    engine = AsyncLLMEngine(FakeEngine())
+    engine = AsyncLLMEngine(FakeEngineCore())
     return engine, TestClient(build_app(engine, config))
 
 

@@ -1,22 +1,24 @@
-"""The server side of the engine: one background thread owns `LLMEngine` and steps it.
+"""The server's front end: one background thread owns the engine core and steps it.
 
-`LLMEngine` is synchronous and not thread-safe, so exactly one thread (the
-engine thread) ever calls it. The asyncio side talks to it through a
+The engine core (`EngineCore`) is synchronous and not thread-safe, so exactly one thread
+(the engine thread) ever calls it. The asyncio side talks to it through a
 thread-safe inbox of commands (add, abort, stop) guarded by a condition
 variable; the engine thread sleeps on that condition while there is no work
 and steps back to back while there is. Outputs travel the other way through
 `loop.call_soon_threadsafe`, one call per step, into a per-request
 `asyncio.Queue`: token deltas only (`EngineCoreOutput`). The text -- detokenization, stop
 strings, logprob token text -- is built on the asyncio side as the consumer reads
-(`RequestText`), so the engine thread's cost per step does not grow with what requests
-have produced; a stop string found there finishes its sequence in the engine (a
-"finish" command), which frees its KV blocks.
+(`OutputProcessor.apply`, the output processing `LLMEngine` runs too), so the engine
+thread's cost per step does not grow with what requests have produced; a stop string
+found there finishes its sequence in the core (a "finish" command), which frees its KV
+blocks.
 
-This module is the asyncio-facing half (submit, streams, admission, lifecycle); the
-engine thread's loop, recovery and output dispatch are `engine_thread.py`, and a
-request's stream `request_stream.py`.
+This module is the asyncio-facing front (submit, streams, lifecycle); it composes parts
+that each own their state: the engine thread's loop, inbox, recovery and output dispatch
+(`EngineThread`, engine_thread.py), admission control (`Admission`, admission.py), a
+request's stream (request_stream.py), and the processors shared with `LLMEngine`.
 
-    engine = AsyncLLMEngine(LLMEngine(config))    # starts the engine thread
+    engine = AsyncLLMEngine(EngineCore(config))   # starts the engine thread
     async for out in engine.generate(request_id, None, params, prompt_token_ids=ids):
         ...                       # RequestOutputs, as params.output_kind says
     engine.shutdown()
@@ -29,7 +31,7 @@ Leaving the `async for` early (client disconnect, cancellation, an exception)
 aborts the request, so its KV blocks return to the pool.
 
 Faults. A request's own data failing in output processing ends that request alone
-(finish_reason "error", LLMEngine). A failing `step()` (a device error, a bug) fails
+(finish_reason "error", EngineCore). A failing `step()` (a device error, a bug) fails
 the requests that had been scheduled with `StepFailedError`, then the engine
 recovers in-process: `EngineCore.recover()` rebuilds the scheduler, block manager
 and KV cache, and requests that were still queued are added again and run from
@@ -47,23 +49,18 @@ seconds ends with `QueueTimeoutError`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.engine_io import EngineCoreOutput, InputProcessor
-from jaxserve.engine.engine_thread import EngineThreadLoop
-from jaxserve.engine.errors import (
-    EngineDeadError,
-    QueueFullError,
-    ShuttingDownError,
-)
-from jaxserve.engine.protocol import SteppedEngine
+from jaxserve.engine.admission import Admission
+from jaxserve.engine.engine_thread import EngineThread, OutputObserver
+from jaxserve.engine.errors import EngineDeadError, ShuttingDownError
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.protocol import EngineCoreInterface
 from jaxserve.engine.request_stream import RequestStream
-from jaxserve.engine.request_text import RequestText, TokenTexts
 from jaxserve.engine.snapshot import EngineSnapshot
 from jaxserve.engine.watchdog import StepWatchdog
 from jaxserve.outputs import RequestOutput
@@ -72,63 +69,36 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OutputObserver"]
 
-# Observer of every step's outputs, called on the engine thread: (outputs, wall time).
-OutputObserver = Callable[[list[EngineCoreOutput], float], None]
 
+class AsyncLLMEngine:
+    """Runs an engine core on its own thread and serves many asyncio callers."""
 
-class AsyncLLMEngine(EngineThreadLoop):
-    """Runs an `LLMEngine` on its own thread and serves many asyncio callers."""
-
-    def __init__(self, engine: SteppedEngine, *, start: bool = True) -> None:
-        self.engine = engine
-        self._cond = threading.Condition()
-        self._inbox: collections.deque = collections.deque()
-        self._streams: dict[str, RequestStream] = {}     # touched by the engine thread only
-        self._accepting = True
-        self._stopping = False
-        self._dead: BaseException | None = None
-        self._observers: list[OutputObserver] = []
-        self._failure_observers: list[Callable[[list[str]], None]] = []
-        self.snapshot: EngineSnapshot = engine.snapshot()
-        self.inputs = InputProcessor(engine.tokenizer, engine.max_model_len,
-                                     engine.config.model_config.max_logprobs,
-                                     # the model's: bounds prompt ids when no tokenizer is loaded
-                                     None if engine.tokenizer is not None
-                                     else engine.setup.arch.vocab_size)
-        self._token_texts = TokenTexts(engine.tokenizer)
-        self.last_step_time = time.monotonic()
-        self.watchdog = StepWatchdog()       # how long the current iteration has run (/health)
-        # Fault recovery (module docstring): restarts allowed in a row, and who to tell
-        # when the engine is dead for good (the server exits non-zero).
-        self.max_restarts = 3
-        self.on_fatal: Callable[[BaseException], None] | None = None
-        self.num_restarts = 0                 # in-process restarts since start
-        self._consecutive_failures = 0
-        self._recovering: str | None = None   # why, while a restart is under way
-        # Admission control: unfinished sequences admitted (guarded by _cond), their cap
-        # (None: no cap), and seconds a request may stay unscheduled (None: forever).
-        self.max_unfinished_seqs: int | None = None
-        self.max_queue_time: float | None = None
-        self._num_seqs = 0
-        self._next_queue_check = 0.0
-        self.num_rejected: collections.Counter[str] = collections.Counter()  # by reason
-        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+    def __init__(self, engine_core: EngineCoreInterface | LLMEngine, *,
+                 start: bool = True) -> None:
+        """engine_core: the core to serve; an `LLMEngine` (`LLM(...).llm_engine`) is served
+        through its core, which then belongs to this engine (do not step it elsewhere)."""
+        if isinstance(engine_core, LLMEngine):
+            engine_core = engine_core.engine_core
+        self.engine_core = engine_core
+        self.input_processor = InputProcessor.for_core(engine_core)
+        self.output_processor = OutputProcessor(engine_core.tokenizer)
+        self.admission = Admission()
+        self.engine_thread = EngineThread(engine_core, self.admission)
         if start:
             self.start()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        self._publish_snapshot()
-        self._thread.start()
+        self.engine_thread.start()
 
     def add_output_observer(self, observer: OutputObserver) -> None:
         """Call `observer(outputs, now)` on the engine thread after every step (metrics)."""
-        self._observers.append(observer)
+        self.engine_thread.add_output_observer(observer)
 
     def add_failure_observer(self, observer: Callable[[list[str]], None]) -> None:
         """Call `observer(request_ids)` on the engine thread for requests that end with an
         error instead of a final output (a failed step, a queue timeout)."""
-        self._failure_observers.append(observer)
+        self.engine_thread.add_failure_observer(observer)
 
     @property
     def is_healthy(self) -> bool:
@@ -137,106 +107,145 @@ class AsyncLLMEngine(EngineThreadLoop):
     @property
     def health_problem(self) -> str | None:
         """None while serving normally; else why not (recovering, shutting down, dead)."""
-        if self._dead is not None:
-            return f"engine dead: {self._dead!r}"
-        if not self._thread.is_alive() or self._stopping:
+        thread = self.engine_thread
+        if thread.dead_error is not None:
+            return f"engine dead: {thread.dead_error!r}"
+        if not thread.alive or thread.stopping:
             return "engine stopped"
-        if not self._accepting:
+        if not thread.accepting:
             return "shutting down"
-        return self._recovering
+        return thread.recovering
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._dead
+        return self.engine_thread.dead_error
 
     @property
     def loop_running(self) -> bool:
         """The engine thread is alive and the engine not dead (it may be idle or draining)."""
-        return self._dead is None and self._thread.is_alive()
+        return self.engine_thread.dead_error is None and self.engine_thread.alive
 
     @property
     def accepting(self) -> bool:
         """New requests are taken (False once a drain or shutdown began)."""
-        return self._accepting and not self._stopping
+        return self.engine_thread.accepting
 
     @property
     def recovery_reason(self) -> str | None:
         """Why the engine is restarting in-process after a failed step; None otherwise."""
-        return self._recovering
+        return self.engine_thread.recovering
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The core's gauges and counters as of the engine thread's last step."""
+        return self.engine_thread.snapshot
+
+    @property
+    def watchdog(self) -> StepWatchdog:
+        return self.engine_thread.watchdog
+
+    @property
+    def last_step_time(self) -> float:
+        return self.engine_thread.last_step_time
+
+    @property
+    def num_restarts(self) -> int:
+        return self.engine_thread.num_restarts
+
+    # Fault recovery and admission limits (module docstring), set by the server from its flags.
+    @property
+    def max_restarts(self) -> int:
+        return self.engine_thread.max_restarts
+
+    @max_restarts.setter
+    def max_restarts(self, value: int) -> None:
+        self.engine_thread.max_restarts = value
+
+    @property
+    def on_fatal(self) -> Callable[[BaseException], None] | None:
+        return self.engine_thread.on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, callback: Callable[[BaseException], None] | None) -> None:
+        self.engine_thread.on_fatal = callback
+
+    @property
+    def max_queue_time(self) -> float | None:
+        return self.engine_thread.max_queue_time
+
+    @max_queue_time.setter
+    def max_queue_time(self, seconds: float | None) -> None:
+        self.engine_thread.max_queue_time = seconds
+
+    @property
+    def max_unfinished_seqs(self) -> int | None:
+        return self.admission.max_unfinished_seqs
+
+    @max_unfinished_seqs.setter
+    def max_unfinished_seqs(self, cap: int | None) -> None:
+        self.admission.max_unfinished_seqs = cap
+
+    @property
+    def num_rejected(self) -> Any:
+        """Requests refused, by error code (a Counter)."""
+        return self.admission.num_rejected
+
+    @property
+    def num_unfinished_seqs(self) -> int:
+        return self.admission.num_unfinished_seqs
 
     def has_room(self, num_seqs: int = 1) -> bool:
         """Admission control would admit `num_seqs` more sequences now."""
-        cap = self.max_unfinished_seqs
-        return cap is None or self._num_seqs + num_seqs <= cap
+        return self.admission.has_room(num_seqs)
+
+    def reserve(self, num_seqs: int) -> None:
+        """Admit `num_seqs` sequences, or raise QueueFullError (counted) at the cap."""
+        self.admission.reserve(num_seqs)
+
+    def release(self, num_seqs: int) -> None:
+        """Give back admitted sequences (thread-safe)."""
+        self.admission.release(num_seqs)
 
     def admission_error(self) -> BaseException | None:
         """Why a new request would be refused now (dead, shutting down), or None. A
         restart under way refuses nothing: new requests wait in the inbox."""
-        if self._dead is not None or not self._thread.is_alive() or self._stopping:
-            return EngineDeadError(f"the engine is not running: {self._dead!r}"
-                                   if self._dead else "the engine is not running")
-        if not self._accepting:
+        thread = self.engine_thread
+        dead = thread.dead_error
+        if dead is not None or not thread.alive or thread.stopping:
+            return EngineDeadError(f"the engine is not running: {dead!r}"
+                                   if dead else "the engine is not running")
+        if not thread.accepting:
             return ShuttingDownError("the server is shutting down")
         return None
 
-    @property
-    def num_unfinished_seqs(self) -> int:
-        return self._num_seqs
-
-    def reserve(self, num_seqs: int) -> None:
-        """Admit `num_seqs` sequences, or raise QueueFullError (counted) at the cap."""
-        with self._cond:
-            cap = self.max_unfinished_seqs
-            if cap is not None and self._num_seqs + num_seqs > cap:
-                self.num_rejected[QueueFullError.code] += 1
-                raise QueueFullError(
-                    f"the server is at capacity ({self._num_seqs} sequences in flight or "
-                    f"queued; the limit is {cap}): retry later")
-            self._num_seqs += num_seqs
-
-    def release(self, num_seqs: int) -> None:
-        """Give back admitted sequences (thread-safe)."""
-        if num_seqs:
-            with self._cond:
-                self._num_seqs -= num_seqs
-
     def stop_accepting(self) -> None:
         """Refuse new requests (ShuttingDownError); in-flight ones go on."""
-        with self._cond:
-            self._accepting = False
-            self._cond.notify()
+        self.engine_thread.stop_accepting()
 
     def wait_until_idle(self, timeout: float) -> bool:
         """Block until no request is in flight (True) or `timeout` s passed (False)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._streams and self._dead is None and self._thread.is_alive():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        return self.engine_thread.wait_until_idle(timeout)
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine_core.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.engine_core.max_model_len
 
     @property
     def config(self) -> Any:
-        return self.engine.config
+        return self.engine_core.config
 
     @property
     def model_path(self) -> str:
-        return self.engine.model_path
+        return self.engine_core.model_path
 
     @property
     def lora_registry(self) -> Any:
-        """The engine's LoRARegistry; None when LoRA is off (always under data parallelism)."""
-        return self.engine.lora_registry
+        """The core's LoRARegistry; None when LoRA is off (always under data parallelism)."""
+        return self.engine_core.lora_registry
 
     def shutdown(self, drain_timeout: float = 0.0, join_timeout: float = 30.0) -> None:
         """Stop accepting; let in-flight requests run up to `drain_timeout` s; abort the rest.
@@ -246,13 +255,7 @@ class AsyncLLMEngine(EngineThreadLoop):
         self.stop_accepting()
         if drain_timeout > 0:
             self.wait_until_idle(drain_timeout)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(join_timeout)
-            if self._thread.is_alive():
-                logger.warning("engine thread did not stop within %.0f s", join_timeout)
+        self.engine_thread.stop(join_timeout)
 
     # -- the asyncio side ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int] | None, sampling_params: Any,
@@ -266,13 +269,13 @@ class AsyncLLMEngine(EngineThreadLoop):
         reserved_seqs: sequences this request holds from `reserve`; from this call on the
         stream owns them: given back when it ends, is refused, or (here) fails to queue."""
         try:
-            request = self.inputs.process(request_id, prompt, sampling_params,
-                                          prompt_token_ids=prompt_token_ids,
-                                          arrival_time=arrival_time, lora_request=lora_request)
+            request = self.input_processor.process(
+                request_id, prompt, sampling_params, prompt_token_ids=prompt_token_ids,
+                arrival_time=arrival_time, lora_request=lora_request)
             stream = RequestStream(request_id, asyncio.get_running_loop(),
-                                    RequestText(request, self.tokenizer, self._token_texts),
-                                    request, reserved_seqs)
-            self._submit(("add", stream, request))
+                                   self.output_processor.new_request_text(request),
+                                   request, reserved_seqs)
+            self.engine_thread.send(("add", stream, request))
         except BaseException:
             self.release(reserved_seqs)
             raise
@@ -324,20 +327,19 @@ class AsyncLLMEngine(EngineThreadLoop):
                 self.abort(stream.request_id)
 
     def _apply(self, stream: RequestStream, items: list[Any]) -> RequestOutput | None:
-        """Feed engine outputs to the request's text state; tell the engine which sequences
-        a stop string finished. Raises an engine error that arrived instead."""
-        text = stream.text
-        to_stop: list[int] = []
+        """Feed core outputs to the request's text state (`OutputProcessor.apply`); tell the
+        core which sequences a stop string finished. Raises an engine error that arrived
+        instead."""
         for item in items:
             if isinstance(item, BaseException):
                 stream.finished = True
                 raise item
-            if not text.finished:
-                to_stop += text.apply(item)
+        output, to_stop = self.output_processor.apply(stream.text, items)
         if to_stop:
-            self._submit(("finish", [(stream.request_id, i) for i in to_stop]), force=True)
-        stream.finished = text.finished
-        return text.make_output()
+            self.engine_thread.send(("finish", [(stream.request_id, i) for i in to_stop]),
+                                   force=True)
+        stream.finished = stream.text.finished
+        return output
 
     async def generate(self, request_id: str, prompt: str | None, sampling_params: Any, *,
                        prompt_token_ids: list[int] | None = None,
@@ -352,19 +354,10 @@ class AsyncLLMEngine(EngineThreadLoop):
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, idempotent; unknown ids are ignored)."""
-        if self._dead is None and self._thread.is_alive():
-            self._submit(("abort", request_id), force=True)
+        if self.loop_running:
+            self.engine_thread.send(("abort", request_id), force=True)
 
     def abort_all(self) -> None:
         """Abort every in-flight request (thread-safe); each stream ends with "abort"."""
-        if self._dead is None and self._thread.is_alive():
-            self._submit(("abort_all",), force=True)
-
-    def _submit(self, command: tuple, force: bool = False) -> None:
-        with self._cond:
-            if self._dead is not None:
-                raise EngineDeadError(f"the engine is dead: {self._dead!r}")
-            if not force and not self._accepting:
-                raise ShuttingDownError("the server is shutting down")
-            self._inbox.append(command)
-            self._cond.notify()
+        if self.loop_running:
+            self.engine_thread.send(("abort_all",), force=True)

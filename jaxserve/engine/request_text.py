@@ -1,11 +1,12 @@
 """The front end's side of a request's outputs: token deltas → text, stop strings, RequestOutputs.
 
-vLLM v1's OutputProcessor, per request. It runs where the request's consumer runs (the
-asyncio side of AsyncLLMEngine, or the caller of LLMEngine.step), never on the engine
-thread: the engine reports token ids and numeric logprobs (`EngineCoreOutput`), and this
-builds, once, the text (incremental detokenization), the stop-string matches and the
-logprobs' token text. A stop string ends a sequence here; the caller then tells the engine
-to finish it (`LLMEngine.finish_sequences`) so its KV blocks are freed.
+One request's state in vLLM v1's OutputProcessor (jaxserve/engine/output_processor.py). It
+runs where the request's consumer runs (the asyncio side of AsyncLLMEngine, or the caller
+of LLMEngine.step), never on the engine thread: the engine core reports token ids and
+numeric logprobs (`EngineCoreOutput`), and this builds, once, the text (incremental
+detokenization), the stop-string matches and the logprobs' token text. A stop string ends a
+sequence here; the caller then tells the core to finish it (`EngineCore.finish_sequences`)
+so its KV blocks are freed.
 
 Per new token the cost is O(1) plus, when the token's text may complete a stop string,
 a `str.find` over the last ``max(len(stop)) - 1`` characters and the new text: text is

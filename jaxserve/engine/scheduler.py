@@ -102,7 +102,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_constrained = 0              # unfinished sequences with a grammar
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
-        # Measured step times, fed by the engine (LLMEngine._collect); None: the auto prefill
+        # Measured step times, fed by the engine (EngineCore._collect); None: the auto prefill
         # cap falls back to its token rule.
         self.step_costs: StepCosts | None = None
         # Pipeline parallel: micro-batches in flight (engine/micro_batches.py); None: off.

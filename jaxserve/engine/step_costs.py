@@ -18,7 +18,7 @@ see from now on: a wave of 64 prompts arriving behind 4 streams is admitted in s
 2.5 decode steps of 64 rows, not trickled in at 2.5 steps of 4 (a wave's last first
 token waited 60 s that way; benchmarks/results/vs-vllm-probe-policy.json).
 
-`StepCosts` learns costs from the steps themselves (`LLMEngine._collect`: the time
+`StepCosts` learns costs from the steps themselves (`EngineCore._collect`: the time
 between consecutive step results, which is what a stream's client sees), a short median
 per bucket, the first sample of each dropped (cold caches, a late compile). A bucket not
 measured yet is estimated from its measured neighbours. Before anything is measured the

@@ -440,11 +440,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.model_positional is not None:
         config.model_config.model = args.model_positional
     setup_logging(args.log_level if args.log_level != "info" else "warning")
+    from jaxserve.engine.core import EngineCore
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.entrypoints.chat import run_chat
 
     print("loading the model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(config, log_stats=False)
+    engine = LLMEngine(EngineCore(config, log_stats=False))
     return run_chat(engine, system=args.system, max_tokens=args.max_tokens,
                     temperature=args.temperature)
 

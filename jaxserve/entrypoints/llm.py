@@ -16,7 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
-from jaxserve.parallel.launch import create_engine
+from jaxserve.parallel.launch import create_engine_core
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -30,8 +30,9 @@ class LLM:
                 raise TypeError("pass either config= or engine kwargs, not both")
         else:
             config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-        # An LLMEngine, or the data-parallel front / multi-host leader (jaxserve/parallel).
-        self.llm_engine: LLMEngine = create_engine(config)
+        # The front end on this thread, over an EngineCore, the data-parallel core or a
+        # multi-host leader's core (jaxserve/parallel).
+        self.llm_engine = LLMEngine(create_engine_core(config))
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -46,9 +46,9 @@ class ModelPlacement:
         one, tp > 1 (or a multi-process run) builds a (1, tp) mesh over the first devices.
         pipeline_parallel_size > 1: a PipelinePlacement (a placement per stage)."""
         if mesh is None and parallel.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 runs one engine per replica behind "
-                             "jaxserve.parallel.launch.create_engine (LLM and `jaxserve serve` "
-                             "use it); LLMEngine alone holds one replica")
+            raise ValueError("data_parallel_size > 1 runs one engine core per replica behind "
+                             "jaxserve.parallel.launch.create_engine_core (LLM and `jaxserve "
+                             "serve` use it); EngineCore alone holds one replica")
         if parallel.pipeline_parallel_size > 1:    # a data-parallel replica's row, or none
             from jaxserve.models.pipeline_placement import PipelinePlacement
 

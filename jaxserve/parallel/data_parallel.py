@@ -1,18 +1,18 @@
-"""Data parallelism: N engine replicas on sub-meshes behind one LLMEngine-shaped front.
+"""Data parallelism: N engine-core replicas on sub-meshes behind one engine core's interface.
 
-Each replica is a whole `LLMEngine` (weights, KV cache, scheduler, runner) on
+Each replica is a whole `EngineCore` (weights, KV cache, scheduler, runner) on
 its own (1, tp) row of the ``('data', 'model')`` mesh. The front routes every
 new request to the least-loaded replica (fewest unfinished requests, then the
 emptiest KV cache) and steps all replicas that have work at once, on one
 thread each: XLA releases the GIL while a replica's step runs, so replicas on
 different devices overlap.
 
-    engine = DataParallelEngine(EngineConfig.from_kwargs(model=..., data_parallel_size=2))
-    engine.add_request("a", "Hello", SamplingParams())      # -> the idle replica
-    engine.step()                                           # steps both replicas
-    engine.replica_stats()                                  # per-replica counters
+    core = DataParallelEngineCore(EngineConfig.from_kwargs(model=..., data_parallel_size=2))
+    core.add_request(request)                               # -> the idle replica
+    core.step()                                             # steps both replicas
+    core.replica_stats()                                    # per-replica counters
 
-It is a `SteppedEngine` like one `LLMEngine`: `snapshot` sums the replicas' gauges and
+It is an `EngineCoreInterface` like one `EngineCore`: `snapshot` sums the replicas' gauges and
 counters, and `add_metrics` adds the per-replica series
 (``jaxserve:replica_*{replica="0"}``).
 """
@@ -26,20 +26,19 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine_io import EngineCoreOutput, EngineRequest
-from jaxserve.engine.frontend import Frontend
 from jaxserve.engine.snapshot import EngineSnapshot, combine_snapshots
 from jaxserve.mesh import describe, make_mesh, replica_meshes
-from jaxserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 
-class DataParallelEngine:
-    """`data_parallel_size` LLMEngine replicas behind LLMEngine's interface (one caller thread)."""
+class DataParallelEngineCore:
+    """`data_parallel_size` EngineCore replicas behind EngineCore's interface (one caller
+    thread)."""
 
     def __init__(self, config: EngineConfig, *, log_stats: bool | None = None,
                  mesh: Any = None) -> None:
-        from jaxserve.engine.llm_engine import LLMEngine
+        from jaxserve.engine.core import EngineCore
 
         pc = config.parallel_config
         # A replica's row holds its pipeline stages side by side (pp x tp devices; each
@@ -49,7 +48,7 @@ class DataParallelEngine:
         logger.info("data parallel %d: one engine per row of a %s", pc.data_parallel_size,
                     describe(mesh))
         # Each replica loads the checkpoint itself (host memory x dp during startup).
-        self.replicas = [LLMEngine(config, log_stats=log_stats, mesh=sub_mesh)
+        self.replicas = [EngineCore(config, log_stats=log_stats, mesh=sub_mesh)
                          for sub_mesh in replica_meshes(mesh)]
         first = self.replicas[0]
         self.config = first.config      # resolved (read-only), as each replica's
@@ -57,14 +56,13 @@ class DataParallelEngine:
         self.setup = first.setup
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
+        self.vocab_size = first.vocab_size
         self.model_path = first.model_path
         self.lora_registry = None                      # config resolution refuses LoRA with dp > 1
         self.num_routed = [0] * len(self.replicas)     # requests sent to each replica
-        self.frontend = Frontend(self, self.tokenizer, self.max_model_len,
-                                 config.model_config.max_logprobs, first.setup.arch.vocab_size)
         self._owner: dict[str, int] = {}                # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-dp")
-        self.fault_hook: Any = None       # tests only: a step fault (engine/protocol.EngineCore)
+        self.fault_hook: Any = None       # tests only: a step fault (engine/protocol.py)
 
     # -- requests ------------------------------------------------------------------------------
     def least_loaded(self) -> int:
@@ -77,17 +75,12 @@ class DataParallelEngine:
         """The replicas' gauges and counters, summed (KV usage: over all replicas' blocks)."""
         return combine_snapshots([replica.snapshot() for replica in self.replicas])
 
-    def add_request(self, request_id: str, prompt: str | list[int] | None,
-                    sampling_params: Any = None, **kwargs: Any) -> None:
-        """Validate and queue a request (ValueError if it can never run)."""
-        self.frontend.add_request(request_id, prompt, sampling_params, **kwargs)
-
-    def add_core_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Queue a validated request on the least-loaded replica."""
         if request.request_id in self._owner:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         index = self.least_loaded()
-        self.replicas[index].add_core_request(request)
+        self.replicas[index].add_request(request)
         self._owner[request.request_id] = index
         self.num_routed[index] += 1
 
@@ -122,27 +115,23 @@ class DataParallelEngine:
         self._owner.clear()
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """`step_core` plus the front end (jaxserve/engine/frontend.py)."""
-        return self.frontend.step()
-
-    def step_core(self) -> list[EngineCoreOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         """Step every replica that has work, concurrently; their outputs, replica order."""
         if self.fault_hook is not None:
             self.fault_hook()
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         if len(busy) <= 1:
-            results = [r.step_core() for r in busy]
+            results = [r.step() for r in busy]
         else:
-            results = list(self._pool.map(lambda replica: replica.step_core(), busy))
+            results = list(self._pool.map(lambda replica: replica.step(), busy))
         outputs = [out for result in results for out in result]
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return outputs
 
-    def prompt_logits(self, prompt_token_ids: list[int]) -> Any:
-        return self.replicas[0].prompt_logits(prompt_token_ids)
+    def prompt_logits(self, prompt_token_ids: list[int], lora_request: Any = None) -> Any:
+        return self.replicas[0].prompt_logits(prompt_token_ids, lora_request)
 
     # -- per-replica metrics -------------------------------------------------------------------
     def replica_stats(self) -> list[dict[str, float]]:
@@ -186,7 +175,7 @@ _SERIES = {   # replica_stats key -> (metric name, kind, help)
 class ReplicaCollector:
     """Prometheus collector: each `replica_stats` entry as a series labelled by replica."""
 
-    def __init__(self, engine: DataParallelEngine, model_name: str) -> None:
+    def __init__(self, engine: DataParallelEngineCore, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 

@@ -1,8 +1,8 @@
-"""`create_engine(config)`: the right engine for the parallel config (LLM and `serve` use it).
+"""`create_engine_core(config)`: the engine core for the parallel config (LLM and `serve`).
 
-    one process, dp = 1   LLMEngine (tensor parallel over a (1, tp) mesh when tp > 1)
-    one process, dp > 1   DataParallelEngine: dp LLMEngines on the rows of a (dp, tp) mesh
-    several processes     jax.distributed first; process 0 gets an LLMEngine whose runner
+    one process, dp = 1   EngineCore (tensor parallel over a (1, tp) mesh when tp > 1)
+    one process, dp > 1   DataParallelEngineCore: dp EngineCores on the rows of a (dp, tp) mesh
+    several processes     jax.distributed first; process 0 gets an EngineCore whose runner
                           broadcasts each step's inputs; every other process follows the
                           leader's steps until it stops and then exits (SystemExit(0))
 """
@@ -29,21 +29,22 @@ def prepare_process(config: EngineConfig) -> bool:
     return distributed.initialize(config.parallel_config)
 
 
-def create_engine(config: EngineConfig, *, log_stats: bool | None = None) -> Any:
-    """Build the engine `config.parallel_config` asks for. On a multi-host follower this
-    never returns: the process serves the leader's steps, then raises SystemExit."""
-    from jaxserve.engine.llm_engine import LLMEngine
+def create_engine_core(config: EngineConfig, *, log_stats: bool | None = None) -> Any:
+    """Build the engine core `config.parallel_config` asks for (an `EngineCoreInterface`).
+    On a multi-host follower this never returns: the process serves the leader's steps, then
+    raises SystemExit."""
+    from jaxserve.engine.core import EngineCore
     from jaxserve.parallel import distributed
 
     parallel = config.parallel_config
     if prepare_process(config):
         if not distributed.is_leader():
             distributed.run_follower(config)
-        engine = LLMEngine(config, log_stats=log_stats)
-        distributed.lead(engine.runner)
-        return engine
+        core = EngineCore(config, log_stats=log_stats)
+        distributed.lead(core.runner)
+        return core
     if parallel.data_parallel_size > 1:
-        from jaxserve.parallel.data_parallel import DataParallelEngine
+        from jaxserve.parallel.data_parallel import DataParallelEngineCore
 
-        return DataParallelEngine(config, log_stats=log_stats)
-    return LLMEngine(config, log_stats=log_stats)
+        return DataParallelEngineCore(config, log_stats=log_stats)
+    return EngineCore(config, log_stats=log_stats)

@@ -23,6 +23,9 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
+    def reset(self) -> None:
+        """Nothing to drop: proposals read only the histories they are given."""
+
     def propose(self, histories: Sequence[Sequence[int]], max_drafts: Sequence[int]
                 ) -> list[list[int]]:
         """Per sequence, up to min(k, max_drafts[i]) draft tokens (empty: no match)."""

@@ -29,7 +29,7 @@ class SeqGrammar:
     @property
     def is_ready(self) -> bool:
         """The grammar compiled (the sequence may be scheduled). A failed one never is: the
-        engine ends its request (LLMEngine._fail_unbuildable_grammars)."""
+        engine ends its request (EngineCore._fail_unbuildable_grammars)."""
         return self._future.done() and self._future.exception() is None
 
     @property

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: the app factory and the process that serves it.
 
-    engine = AsyncLLMEngine(LLMEngine(config.engine))
+    engine = AsyncLLMEngine(EngineCore(config.engine))
     app = build_app(engine, config)           # FastAPI; routes in routes.py
     run_server(config)                        # all of it, plus uvicorn and clean shutdown
 
@@ -104,7 +104,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig | None = None,
     lora.load_startup_modules(server.lora_modules)
     _apply_server_limits(engine, config)
     metrics = attach_metrics(engine, names[0])
-    engine.engine.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
+    engine.engine_core.add_metrics(metrics.registry, names[0])   # e.g. per-replica series under dp
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
                   description="OpenAI-compatible LLM server on JAX/XLA")
@@ -166,7 +166,7 @@ def run_server(config: ServeConfig) -> int:
     with finish_reason "abort"), then the process exits. A second SIGINT exits at once.
     """
     from jaxserve.entrypoints.openai.serving_app import BAD_INPUT_ERRORS, ServingApp, metrics_app
-    from jaxserve.parallel.launch import create_engine, prepare_process
+    from jaxserve.parallel.launch import create_engine_core, prepare_process
 
     server_config = config.server
     server_config.check()
@@ -180,7 +180,7 @@ def run_server(config: ServeConfig) -> int:
         # The server listens once every process of the group has joined.
         prepare_process(config.engine)
         if parallel.process_id != 0:
-            create_engine(config.engine)   # a follower: serves the leader's steps, then exits
+            create_engine_core(config.engine)   # a follower: serves the leader's steps, exits
             return 0
 
     shell = ServingApp(config)
@@ -197,7 +197,7 @@ def run_server(config: ServeConfig) -> int:
     def make_engine() -> AsyncLLMEngine:
         from jaxserve.engine.fault_injection import StepFaultInjector
 
-        core = create_engine(config.engine)      # tp / dp / multi-host (jaxserve/parallel)
+        core = create_engine_core(config.engine)      # tp / dp / multi-host (jaxserve/parallel)
         if server_config.fault_injection_every_steps:
             core.fault_hook = StepFaultInjector(server_config.fault_injection_every_steps)
             logger.warning("TESTING ONLY: a step fault is injected every %d steps "

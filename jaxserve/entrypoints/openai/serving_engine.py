@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.errors import EngineUnavailableError
+from jaxserve.engine.input_processor import RequestLimitError
 from jaxserve.entrypoints.openai.errors import APIError, ClientGone, engine_error
 from jaxserve.entrypoints.openai.key_auth import KeyGrant, current_grant
 from jaxserve.entrypoints.openai.protocol import SamplingFields, usage_dict
@@ -58,20 +59,20 @@ class OpenAIServing:
     tracer: Any = None                       # tracing.RequestTracer (--otlp-traces-endpoint)
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
-        self.engine = engine
+        self.async_engine = engine
         self.served_model_names = served_model_names
         # LoRA adapters served by name (jaxserve/lora/registry.py); None: LoRA off.
-        self.lora_registry = getattr(engine.engine, "lora_registry", None)
+        self.lora_registry = engine.lora_registry
         self.tokenizer = engine.tokenizer
         if self.tokenizer is None:
             raise ValueError("the OpenAI server needs a tokenizer (texts, chat templates, "
                              "logprob tokens); --skip-tokenizer-init is for offline "
                              "LLM.generate on prompt token ids: pass --tokenizer DIR instead")
+        # The engine's request rules (jaxserve/engine/input_processor.py), asked here first
+        # so a 400 names the request's field in the API's words.
+        self.limits = engine.input_processor.limits
         self.max_model_len = engine.max_model_len
-        self.vocab_size = len(self.tokenizer)
-        model_config = engine.config.model_config
-        self.max_logprobs = model_config.max_logprobs
-        self.chat_template = model_config.chat_template
+        self.chat_template = engine.config.model_config.chat_template
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
               ) -> dict[str, Any]:
@@ -102,7 +103,7 @@ class OpenAIServing:
 
     def check_engine(self) -> None:
         """503 now if the engine is dead or the server is shutting down."""
-        error = self.engine.admission_error()
+        error = self.async_engine.admission_error()
         if error is not None:
             raise engine_error(error)
 
@@ -111,10 +112,10 @@ class OpenAIServing:
         taking requests or admission control has no room for even one sequence."""
         self.check_engine()
         try:
-            self.engine.reserve(1)
+            self.async_engine.reserve(1)
         except EngineUnavailableError as exc:
             raise engine_error(exc) from None
-        self.engine.release(1)
+        self.async_engine.release(1)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         [ids] = await self.encode_all([text], add_special_tokens)
@@ -149,7 +150,7 @@ class OpenAIServing:
         so the engine finds it parsed; the spec as the engine will key it."""
         if constraint is None:
             return None
-        if self.engine.config.structured_outputs_config \
+        if self.async_engine.config.structured_outputs_config \
                 .structured_outputs_disable_any_whitespace:
             constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
         try:
@@ -165,35 +166,23 @@ class OpenAIServing:
         return constraint
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(f"token id(s) {bad[:5]} out of range [0, {self.vocab_size})",
-                           param=param)
+        """Every id inside the vocabulary; 400 naming ``param`` otherwise."""
+        try:
+            self.limits.check_token_ids(token_ids, param)
+        except RequestLimitError as exc:
+            raise _api_error(exc) from None
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
                            input_name: str = "messages", allow_zero: bool = False) -> int:
-        """Check prompt + max_tokens against max_model_len (vLLM's wording); return max_tokens.
+        """Check prompt + max_tokens against max_model_len (`RequestLimits`, the API's wording);
+        return max_tokens.
         `input_name` is what the client sent the input as: "messages" (chat) or "prompt".
         allow_zero: 0 means prefill only (echo of the prompt and its logprobs)."""
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {num_prompt_tokens} input tokens. Please reduce the length of the input "
-                f"{input_name}.", param=input_name, code="context_length_exceeded")
-        if max_tokens is None:
-            return limit - num_prompt_tokens
-        if max_tokens < 1 and not (allow_zero and max_tokens == 0):
-            raise APIError(f"max_tokens must be at least 1, got {max_tokens}.",
-                           param="max_tokens")
-        if num_prompt_tokens + max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                f"{input_name}, {max_tokens} in the completion). Please reduce the length of "
-                f"the {input_name} or completion.", param="max_tokens",
-                code="context_length_exceeded")
-        return max_tokens
+        try:
+            return self.limits.resolve_max_tokens(num_prompt_tokens, max_tokens, input_name,
+                                                  allow_zero)
+        except RequestLimitError as exc:
+            raise _api_error(exc) from None
 
     def sampling_params(self, request: SamplingFields, max_tokens: int,
                         logprobs: int | None, prompt_logprobs: int | None = None,
@@ -224,7 +213,7 @@ class OpenAIServing:
         here, off the engine thread, when the host LRU no longer holds them."""
         self.check_engine()
         num_seqs = [p.n for p in params]
-        cap = self.engine.max_unfinished_seqs
+        cap = self.async_engine.max_unfinished_seqs
         if cap is not None and sum(num_seqs) > cap:
             raise APIError(f"the request asks for {sum(num_seqs)} sequences (prompts x n); "
                            f"this server admits at most {cap} at once (--max-num-seqs + "
@@ -237,7 +226,7 @@ class OpenAIServing:
             except ValueError as exc:
                 raise APIError(str(exc), param="model") from None
         try:
-            self.engine.reserve(sum(num_seqs))     # QueueFullError: 503 + Retry-After
+            self.async_engine.reserve(sum(num_seqs))     # QueueFullError: 503 + Retry-After
         except EngineUnavailableError as exc:
             raise engine_error(exc) from None
         streams = []
@@ -253,19 +242,19 @@ class OpenAIServing:
                         request_logger.debug("Request %s params: %s", request_id,
                                              _capped(repr(sampling_params)))
                 handed_over = i + 1
-                streams.append(self.engine.submit(request_id, None, sampling_params,
+                streams.append(self.async_engine.submit(request_id, None, sampling_params,
                                                   prompt_token_ids=token_ids,
                                                   reserved_seqs=num_seqs[i], **extra))
-            await self.engine.wait_accepted(streams)
+            await self.async_engine.wait_accepted(streams)
         except BaseException as exc:
             # Submitted requests give their sequences back as they end; the rest now.
-            self.engine.release(sum(num_seqs[handed_over:]))
+            self.async_engine.release(sum(num_seqs[handed_over:]))
             for stream in streams:
-                self.engine.abort(stream.request_id)
+                self.async_engine.abort(stream.request_id)
             if isinstance(exc, (ValueError, EngineUnavailableError)):
                 raise engine_error(exc) from None
             raise
-        outputs = [self.engine.stream_outputs(stream) for stream in streams]
+        outputs = [self.async_engine.stream_outputs(stream) for stream in streams]
         if self.tracer is not None:     # --otlp-traces-endpoint: a span per request
             model = lora_request.lora_name if lora_request is not None else \
                 self.served_model_names[0]
@@ -275,6 +264,11 @@ class OpenAIServing:
             grant.prompt_tokens += sum(len(p) * sp.n for p, sp in zip(prompts, params))
             outputs = [_metered(out, grant) for out in outputs]
         return outputs
+
+
+def _api_error(exc: RequestLimitError) -> APIError:
+    """A broken request rule as OpenAI's 400, naming the field at fault."""
+    return APIError(str(exc), param=exc.param, code=exc.code)
 
 
 async def _metered(outputs: AsyncIterator[RequestOutput], grant: KeyGrant
