@@ -108,7 +108,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/lora-cpu.json"))
     args = parser.parse_args()
-    engine_kwargs = dict(compile_in_background=False, max_model_len=256, max_num_seqs=BATCH, max_num_batched_tokens=128,
+    engine_kwargs = dict(compile_in_background=False, max_model_len=256, max_num_seqs=BATCH,
+                         max_num_batched_tokens=128,
                          kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     result: dict = {"model": "SmolLM2-135M-Instruct (embedded GGUF, float32)",
                     "batch": BATCH, "new_tokens": NEW_TOKENS, "rank": RANK,

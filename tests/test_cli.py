@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jaxserve.config import ServeConfig, iter_leaf_fields
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.entrypoints.chat import run_chat
+from jaxserve.entrypoints.cli import build_parser, config_to_yaml, main, parse_serve_args
+from jaxserve.entrypoints.openai.api_server import api_key_from
+
 pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 try:                                    # tests/ as a package or as a plain directory
     from tests.fake_engine import FakeEngineCore
 except ImportError:
     from fake_engine import FakeEngineCore
-
-from jaxserve.config import ServeConfig, iter_leaf_fields
-from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.entrypoints.chat import run_chat
-from jaxserve.entrypoints.cli import build_parser, config_to_yaml, main, parse_serve_args
-from jaxserve.entrypoints.openai.api_server import api_key_from
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

@@ -198,8 +198,15 @@ def test_agents_sdk_default_model_class_runs_a_tool_loop(fake_server, streamed):
     scripted model calls the tool, the SDK runs it and sends its output back (the tool
     switches the script), the model answers."""
     pytest.importorskip("agents")
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
-                        set_default_openai_client, set_tracing_disabled)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
 
     calls = []
 

@@ -21,17 +21,17 @@ import time
 import httpx
 import pytest
 
+from jaxserve.config import ServeConfig
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.errors import EngineDeadError
+from jaxserve.sampling_params import SamplingParams
+
 pytestmark = pytest.mark.fast  # the pre-commit tier: `make test-fast`
 
 try:                                    # tests/ as a package or as a plain directory
     from tests.fake_engine import CYCLE, FakeEngineCore
 except ImportError:
     from fake_engine import CYCLE, FakeEngineCore
-
-from jaxserve.config import ServeConfig
-from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.engine.errors import EngineDeadError
-from jaxserve.sampling_params import SamplingParams
 
 
 def free_port() -> int:
