@@ -120,7 +120,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager, s.max_model_len,
                                    max_loras=lc.max_loras if lc.enable_lora else 0)
         self.scheduler.step_costs = self.step_costs
-        micro = getattr(self.runner, "num_micro_batches", 1)   # pipeline parallel
+        micro = self.runner.num_micro_batches                 # > 1: pipeline parallel
         if micro > 1 and config.scheduler_config.async_scheduling:
             self.scheduler.micro_batches = MicroBatches(micro,
                                                         config.scheduler_config.max_num_seqs)

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.models.arch import ModelArch
+from jaxserve.models.pipeline_placement import PipelinePlacement
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.platforms import Platform
 from jaxserve.quantization.cost import measured_cost
@@ -59,7 +60,7 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
         weight_bytes += draft["bytes"]       # its weights and KV come out of the same pool
 
     def plan(activation: int) -> KVCachePlan:
-        if getattr(placement, "stages", None):    # pipeline parallel: planned per stage
+        if isinstance(placement, PipelinePlacement):   # pipeline parallel: planned per stage
             from jaxserve.engine.pipeline_memory import plan_pipeline_kv_cache
 
             kv_plan = plan_pipeline_kv_cache(cc, placement, getattr(placed.params, "spec",

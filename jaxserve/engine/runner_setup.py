@@ -17,6 +17,7 @@ from typing import Any
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
+from jaxserve.models.pipeline_placement import PipelinePlacement
 from jaxserve.platforms import Platform
 from jaxserve.quantization.kv import resolve_kv_cache_dtype
 from jaxserve.runner.execution_plan import choose_execution_plan
@@ -130,7 +131,7 @@ def build_runner(shape: StepShape, num_blocks: int, block_size: int, eos: list[i
     config, placed = shape.config, shape.placed
     mc, sc, placement = config.model_config, config.scheduler_config, placed.placement
     runner_class, stages = ModelRunner, {}
-    if getattr(placement, "stages", None):       # pipeline parallel (models/pipeline_placement)
+    if isinstance(placement, PipelinePlacement):      # pipeline parallel
         from jaxserve.runner.pipeline_runner import PipelineModelRunner
 
         runner_class, stages = PipelineModelRunner, {

@@ -53,6 +53,9 @@ class ModelRunner(StepCompilation):
     """One model replica's device side: parameters, the KV cache, the persistent batch and
     the compiled step of every bucket; `execute` runs one `SchedulerOutput`."""
 
+    # Batches in flight at once: one here; a pipeline runner keeps one per stage.
+    num_micro_batches = 1
+
     def __init__(self, arch: ModelArch, params: Any, backend: AttentionBackend, *,
                  dtype: Any, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int,
