@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_vs_vllm import wait_ready  # noqa: E402 - a sibling script (benchmarks/ on sys.path)
+from bench_vs_vllm import stop_server, wait_ready  # noqa: E402 - a sibling script (benchmarks/ on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -102,12 +102,7 @@ def run_engine(engine: str, args, port: int, out_dir: Path) -> dict:
                   f"TPOT p50 {row['median_tpot_ms']:.1f} ms (load {load_before:.1f})",
                   flush=True)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
+        stop_server(server, log)
     return result
 
 

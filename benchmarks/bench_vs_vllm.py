@@ -117,6 +117,16 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise RuntimeError("server did not become ready")
 
 
+def stop_server(server: subprocess.Popen, log) -> None:
+    """SIGTERM the server's process group (a minute to drain, then SIGKILL); close its log."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+    log.close()
+
+
 def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
     if engine == "jaxserve":
         cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port),
@@ -148,12 +158,7 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
                                f"{out.stdout[-2000:]}{out.stderr[-2000:]}")
         data = json.loads((Path(result_dir) / name).read_text())
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
+        stop_server(server, log)
     keep = {k: data[k] for k in ("output_throughput", "p99_tpot_ms", "p99_ttft_ms",
                                  "median_tpot_ms", "median_ttft_ms", "p99_itl_ms",
                                  "median_itl_ms", "completed")

@@ -298,9 +298,10 @@ class ModelRunner(StepCompilation):
         return PendingStep(self, out, rows, kv_lens, device_out, want_logprobs,
                            inputs.prompt_logprobs_rows, num_tokens=t)
 
-    def run_step(self, inputs: StepInputs) -> StepOutputs:
-        """Dispatch bucket (T, S) on host inputs; returns the step's device outputs at once.
-        Multi-host followers enter here with the inputs the leader broadcast."""
+    def _step_and_extras(self, inputs: StepInputs) -> tuple[Any, Any, Any, Any]:
+        """Bucket (T, S)'s compiled step and its device-side extras (logit bias ids and values,
+        grammar bitmask), with any penalty history loaded first: what every runner's
+        `run_step` needs before it dispatches."""
         t, s = inputs.num_tokens, inputs.num_seqs
         fn = self._steps.get((t, s))
         if fn is None:   # only before warm-up (or for a shape warm-up skipped): compile now
@@ -315,6 +316,12 @@ class ModelRunner(StepCompilation):
         # No constrained row: the device-resident all-ones mask, no transfer.
         bitmask = consts["grammar_bitmask"] if inputs.grammar_bitmask is None \
             else self._put(inputs.grammar_bitmask)
+        return fn, bias_ids, bias_values, bitmask
+
+    def run_step(self, inputs: StepInputs) -> StepOutputs:
+        """Dispatch bucket (T, S) on host inputs; returns the step's device outputs at once.
+        Multi-host followers enter here with the inputs the leader broadcast."""
+        fn, bias_ids, bias_values, bitmask = self._step_and_extras(inputs)
         (self.k_cache, self.v_cache, self.last_tokens, self.penalty_state, out,
          prompt_out) = fn(
             self.params, self.k_cache, self.v_cache, self.last_tokens, self.penalty_state,

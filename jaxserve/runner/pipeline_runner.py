@@ -226,19 +226,7 @@ class PipelineModelRunner(ModelRunner):
 
     def run_step(self, inputs: StepInputs) -> StepOutputs:
         """Dispatch every stage of bucket (T, S); returns the last stage's outputs at once."""
-        t, s = inputs.num_tokens, inputs.num_seqs
-        fn = self._steps.get((t, s))
-        if fn is None:
-            fn = self._steps[(t, s)] = self._compile(t, s)
-        consts = self._constants(s)
-        if inputs.penalty_admissions is not None:
-            self._load_penalty_history(inputs.penalty_admissions)
-        if inputs.bias_token_ids is None:
-            bias_ids, bias_values = consts["bias_token_ids"], consts["bias_values"]
-        else:
-            bias_ids, bias_values = self._put((inputs.bias_token_ids, inputs.bias_values))
-        bitmask = consts["grammar_bitmask"] if inputs.grammar_bitmask is None \
-            else self._put(inputs.grammar_bitmask)
+        fn, bias_ids, bias_values, bitmask = self._step_and_extras(inputs)
         packed = inputs.packed.copy()     # each step owns its inputs (ModelRunner.run_step)
         params, k_caches, v_caches = self.params, self.k_cache, self.v_cache
         hidden = None
