@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_layer_loop import step_ms  # noqa: E402 - a sibling script (benchmarks/ on sys.path)
+
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.model_setup import setup_model  # noqa: E402
 from jaxserve.models.decoder import per_layer_weights  # noqa: E402
@@ -132,13 +134,7 @@ def main() -> None:
             use(name)
             runner._steps = steps[name]
             for shape in shapes:
-                inputs = runner.empty_inputs(*shape)
-                jax.block_until_ready(runner.run_step(inputs))     # once untimed
-                t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    out = runner.run_step(inputs)
-                jax.block_until_ready(out)
-                times[name][str(shape)].append((time.perf_counter() - t0) / args.iters * 1e3)
+                times[name][str(shape)].append(step_ms(runner, shape, args.iters))
         loads.append(os.getloadavg()[0])
 
     result = {"model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",

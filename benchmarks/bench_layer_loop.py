@@ -49,6 +49,18 @@ from jaxserve.platforms.gpu_targets import (  # noqa: E402
     GPU_COMPILER_OPTIONS,
 )
 
+
+def step_ms(runner, shape: tuple[int, int], iters: int) -> float:
+    """Milliseconds per step of bucket `shape` (empty inputs), after one untimed step."""
+    inputs = runner.empty_inputs(*shape)
+    jax.block_until_ready(runner.run_step(inputs))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = runner.run_step(inputs)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
 # name -> (the plan's layer loop, its cpu_matmul, compiler options; None: the runner's own)
 VARIANTS = {
     "rolled+layer_matmul": (LayerLoop.SCANNED, True, None),
@@ -105,13 +117,7 @@ def main() -> None:
         for name in names:
             runner._steps = steps[name]
             for shape in shapes:
-                inputs = runner.empty_inputs(*shape)
-                jax.block_until_ready(runner.run_step(inputs))     # once untimed
-                t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    out = runner.run_step(inputs)
-                jax.block_until_ready(out)
-                times[name][str(shape)].append((time.perf_counter() - t0) / args.iters * 1e3)
+                times[name][str(shape)].append(step_ms(runner, shape, args.iters))
 
     first = names[0]
     result = {"model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
