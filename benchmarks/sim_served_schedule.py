@@ -10,7 +10,7 @@ modelled costs through StepCosts), one step at a time, each costing `cost_ms(T)`
 
 The cost model is piecewise linear in the step's token bucket between measured points
 (--costs "tokens:ms,..."); the default points were measured on the 2-core AVX512-BF16 EPYC
-(SmolLM2-135M, bf16, quiet box): 1 row 8.7 ms, 64 rows 110 ms, 512 tokens 362 ms.
+(SmolLM2-135M, bf16, quiet box): 1 row 8.7 ms, 64 rows 120 ms, 512 tokens 362 ms.
 
     python benchmarks/sim_served_schedule.py                        # default policy
     python benchmarks/sim_served_schedule.py --prefill-budget 0     # never capped
@@ -40,7 +40,7 @@ from jaxserve.engine.step_costs import StepCosts  # noqa: E402
 from jaxserve.runner.buckets import next_power_of_2  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
-DEFAULT_COSTS = "1:8.7,64:110,512:362"
+DEFAULT_COSTS = "1:8.7,64:120,512:362"
 
 
 @dataclass
