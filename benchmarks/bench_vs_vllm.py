@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -121,6 +122,13 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise RuntimeError("server did not become ready")
 
 
+def port_in_use(port: int) -> bool:
+    """Something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def stop_server(server: subprocess.Popen, log) -> None:
     """SIGTERM the server's process group (a minute to drain, then SIGKILL); close its log."""
     os.killpg(server.pid, signal.SIGTERM)
@@ -142,6 +150,8 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
                "--served-model-name", "smol", "--dtype", args.vllm_dtype,
                "--max-model-len", "2048", "--max-num-seqs", "64"]
         env = dict(os.environ)
+    if port_in_use(port):      # else the benchmark would measure whatever answers there
+        raise RuntimeError(f"port {port} is already in use: stop what listens there first")
     log = open(Path(result_dir) / f"{engine}-server.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                               start_new_session=True)

@@ -71,3 +71,16 @@ def test_process_group_cpu_counts_a_busy_child_and_its_share_of_the_box():
         child.kill()
         child.wait()
     assert ProcessGroupCpu(child.pid).read() == {}     # gone: nothing left to read
+
+
+def test_served_comparison_refuses_a_port_something_else_answers_on():
+    import socket
+
+    from bench_vs_vllm import port_in_use
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert port_in_use(port)
+    assert not port_in_use(port)
