@@ -111,7 +111,7 @@ def check_stages_in_processes(pipeline_parallel_size: int, tensor_parallel_size:
                               devices: Sequence[jax.Device]) -> None:
     """A multi-process run's layout rules (see `stage_meshes`); ValueError naming the sizes."""
     pp, tp = pipeline_parallel_size, tensor_parallel_size
-    processes = jax.process_count()
+    processes = len({d.process_index for d in devices})
     if pp * tp != len(devices):
         raise ValueError(f"a multi-process run must use every device: "
                          f"pipeline_parallel_size ({pp}) x tensor_parallel_size ({tp}) x "
