@@ -98,10 +98,12 @@ class MultiProcessPipelineRunner(PipelineModelRunner):
         lowered = self.lower_step(num_tokens, num_seqs)
         stages = [low.compile(options) if self.pipeline.is_local(i) else None
                   for i, low in enumerate(lowered)]
-        hidden = [jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), np.float32)]
+        hidden = {}                         # boundary -> the hidden states' [T, H] spec
         for i in range(self.num_stages - 1):
             if self._crosses(i):
-                self.hops.compile(hidden, i, i + 1)
+                out = lowered[i].out_info[2]    # stage_forward's (k, v, hidden)
+                hidden[i] = [jax.ShapeDtypeStruct(out.shape, out.dtype)]
+                self.hops.compile(hidden[i], i, i + 1)
         info = lowered[-1].out_info         # (k, v, last_tokens, penalties, out, prompt_out)
         leaves, tree = jax.tree.flatten((info[4], info[5], info[2]))
         returned = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
@@ -151,8 +153,8 @@ class MultiProcessPipelineRunner(PipelineModelRunner):
                     put_replicated(packed, sharding), hidden if i else None)
                 self._trace(i, start, hidden)
             if self._crosses(i):
-                moved = hops.send([hidden] if hidden is not None else None, extras["hidden"],
-                                  i, i + 1)
+                moved = hops.send([hidden] if hidden is not None else None,
+                                  extras["hidden"][i], i, i + 1)
                 hidden = moved[0] if moved is not None else None
         returned = None
         if self._samples_here:
