@@ -30,7 +30,7 @@ from tests.test_parallel import _free_port, _post, _wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 KV_BYTES = 8 * 2 * 4 * 16 * 2 * 16 * 4     # 8 blocks of 16 tokens at pp = 1 (4 layers)
-ENGINE_ARGS = {"max_model_len": 128, "max_num_batched_tokens": 8, "max_num_seqs": 4,
+ENGINE_ARGS = {"max_model_len": 128, "max_num_batched_tokens": 4, "max_num_seqs": 4,
                "kv_cache_memory_bytes": KV_BYTES, **precision.EXACT}
 PROMPTS = [[11, 23, 98], [7] + list(range(40, 70)), [301, 5, 44, 9, 120, 77, 6]]
 MAX_TOKENS = 8
@@ -127,7 +127,7 @@ def test_serve_with_a_stage_per_process_answers_and_sigterm_ends_both(tiny_model
     common = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(tiny_model),
               "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
               "-pp", "2", "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len", "128",
-              "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--disable-log-stats",
+              "--max-num-batched-tokens", "4", "--max-num-seqs", "4", "--disable-log-stats",
               "--served-model-name", "tiny", "--dtype", precision.EXACT["dtype"]]
     logs = [tmp_path / "leader.log", tmp_path / "follower.log"]
     procs = []
