@@ -4,7 +4,8 @@ Real processes on loopback (gloo collectives on CPU), a 4-layer tiny Llama, floa
 
 * the single-process reference (pp = 1, one device) generates greedy tokens once;
 * two processes with two simulated devices each run pp = 2 x tp = 2 (a stage per process,
-  tensor parallel inside it) through `LLM` and must give the same tokens;
+  tensor parallel inside it) and pp = 4 (two stages per process) through `LLM` and must
+  give the same tokens;
 * `jaxserve serve --num-processes 2 -pp 2` (a stage per process): process 0 answers
   completions (the reference's text), a chat completion and its stream; SIGTERM ends both
   processes with status 0;
@@ -95,14 +96,16 @@ def reference(tiny_model, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def test_pp2_tp2_across_two_processes_generates_one_processs_tokens(tiny_model, reference,
-                                                                   tmp_path):
+@pytest.mark.parametrize("pp,tp", [(2, 2), (4, 1)])
+def test_two_processes_generate_one_processs_tokens(tiny_model, reference, tmp_path, pp, tp):
+    """pp = 2 x tp = 2: a stage per process, tensor parallel inside it; pp = 4: two stages
+    per process (hidden states hop within a process, then across)."""
     coordinator = f"127.0.0.1:{_free_port()}"
     out = tmp_path / "tokens.json"
     logs = [tmp_path / "leader.log", tmp_path / "follower.log"]
     procs = []
     for rank, log in enumerate(logs):
-        spec = {"model": str(tiny_model), "pp": 2, "tp": 2, "rank": rank,
+        spec = {"model": str(tiny_model), "pp": pp, "tp": tp, "rank": rank,
                 "coordinator": coordinator, "out": str(out)}
         procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(spec)],
                                       env=_env(2), cwd=REPO, stdout=log.open("w"),
