@@ -54,11 +54,22 @@ def generate(spec: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     completions = [o.outputs[0] for o in outputs]
+    # The last stage's sampling state (penalty history, seeds) and prompt logprobs, which
+    # come back to the leader with the return hop.
+    mixed = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.3),
+             SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            prompt_logprobs=1)]
+    mixed_out = llm.generate(PROMPTS[:2], mixed, use_tqdm=False)
     Path(spec["out"]).write_text(json.dumps({
         "tokens": [list(c.token_ids) for c in completions],
         "texts": [c.text for c in completions],
         "logprobs": [[entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
-                     for c in completions]}))
+                     for c in completions],
+        "mixed": [list(o.outputs[0].token_ids) for o in mixed_out],
+        "prompt_logprobs": [next(iter(e.values())).logprob
+                            for e in mixed_out[1].prompt_logprobs[1:]]}))
 
 
 # =================================================================================================
@@ -118,6 +129,10 @@ def test_two_processes_generate_one_processs_tokens(tiny_model, reference, tmp_p
         assert ours["tokens"] == reference["tokens"]
         for mine, theirs in zip(ours["logprobs"], reference["logprobs"]):
             assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-3
+        assert ours["mixed"] == reference["mixed"]     # penalties, a seeded sample
+        assert len(ours["prompt_logprobs"]) == len(PROMPTS[1]) - 1
+        assert max(abs(a - b) for a, b in zip(ours["prompt_logprobs"],
+                                              reference["prompt_logprobs"])) < 1e-3
     finally:
         _stop(procs)
 
