@@ -7,7 +7,8 @@ number of blocks (a block id means the same position on every stage), so the sta
 the fewest decides. On CPU all stages' simulated devices share the host's RAM: each stage
 plans with its share of the layers of the pool (the budget and the utilization fraction),
 so every stage fits the same blocks and pp stages hold pp = 1's tokens in the same RAM, as
-tensor parallel already splits a pool among its devices.
+tensor parallel already splits a pool among its devices. Across processes (a stage per
+host) a process plans only its own stages, sharing its own pool among them.
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ def plan_pipeline_kv_cache(cc: CacheConfig, placement: Any, params: Any, kv_dtyp
     pp = placement.pp
     shared_pool = placement.device is not None and \
         platform_of_device(placement.device).memory_is_host_ram
-    total_layers = sum(layers.num_layers for layers in placement.layers)
+    # Across processes each process plans its own stages (from its own memory) and
+    # `agree` takes the fewest blocks of all.
+    local = [index for index in range(pp) if placement.is_local(index)]
+    total_layers = sum(placement.layers[index].num_layers for index in local)
     plans = []
-    for index, (stage, stage_params) in enumerate(zip(placement.stages, params)):
+    for index in local:
+        stage, stage_params = placement.stages[index], params[index]
         weights = per_device_bytes(stage_params) + (last_stage_bytes if index == pp - 1 else 0)
         stage_cc = cc
         if shared_pool:      # the stage's share of the one pool: its share of the layers
