@@ -39,6 +39,8 @@ def engine_fingerprint(config: EngineConfig, source_arch: Any, dtype: Any, kv_dt
         "max_prompt_logprobs_per_step": sc.max_prompt_logprobs_per_step,
         "tensor_parallel_size": pc.tensor_parallel_size,
         "enable_expert_parallel": pc.enable_expert_parallel,
+        "pipeline": (pc.pipeline_parallel_size, pc.pp_layer_partition)
+        if pc.pipeline_parallel_size > 1 else None,
         "attention_backend": config.runner_config.attention_backend,
         "spec": None if spec is None else (spec.method, spec.num_speculative_tokens,
                                            min(spec.disable_by_batch_size, sc.max_num_seqs)),
