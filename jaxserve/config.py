@@ -323,8 +323,6 @@ def check_pipeline_combination(config: "EngineConfig") -> None:
     unsupported = []
     if p.num_processes > 1:
         unsupported.append("num_processes > 1 (a stage per process)")
-    if config.lora_config.enable_lora:
-        unsupported.append("enable_lora")
     spec = config.spec_decode
     if spec is not None and spec.method != "ngram":
         unsupported.append(f"speculative decoding by {spec.method}")

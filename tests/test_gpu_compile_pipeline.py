@@ -138,3 +138,23 @@ def test_more_stages_than_layers_is_one_line_error(tmp_path, capsys):
     assert "pipeline_parallel_size=3 exceeds the model's 2 layers" in err
     assert not (tmp_path / "out").exists()
 
+
+def test_lora_slots_compile_per_stage(make_tiny_model):
+    """--enable-lora with pp = 2: each stage's program takes its own layers' adapter slots,
+    placed on its own device, and compiles for the H200 with the Pallas kernel."""
+    from jaxserve.engine.aot_compile import build_abstract_engine, compile_bucket
+
+    config = EngineConfig.from_kwargs(
+        model=str(make_tiny_model("llama")), max_model_len=256, max_num_seqs=8,
+        max_num_batched_tokens=64, load_format="dummy", pipeline_parallel_size=2,
+        enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = build_abstract_engine(config, "h200", None)
+    stacks = engine.runner._lora_stacks()
+    assert len(stacks) == 2
+    for index, stage in enumerate(stacks):
+        lora_a = stage["q_proj"]["lora_a"]
+        assert lora_a.shape[:2] == (1, 3)           # its one layer; max_loras + the base slot
+        assert [d.id for d in lora_a.sharding.device_set] == [index]
+    compiled = compile_bucket(engine.runner, engine.runner.buckets.all_shapes()[0], "h200")
+    assert len(compiled.executable.stages) == 2
+    assert all("__gpu$xla.gpu.triton" in stage.as_text() for stage in compiled.executable.stages)
