@@ -267,6 +267,7 @@ def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
     peaks = _stage_peaks([p.stage_temp_bytes for p in probes])
     probed = [peak + peak // 64 + (1 << 20) for peak in peaks]
     plan = plan_from_compiled(probe, config, target, probed)
+    planned_with = probed
     if plan_only:
         return _summary(probe, config, plan, target, [
             {**p.describe(0), "file": None} for p in probes], peaks, output, probed)
@@ -283,13 +284,13 @@ def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
         logger.warning("activation peak %.1f MiB (probed %.1f MiB) leaves %d KV blocks, not %d:"
                        " compiling again for that", max(activation) / 2**20,
                        max(peaks) / 2**20, replanned.num_blocks, plan.num_blocks)
-        plan = replanned
+        plan, planned_with = replanned, activation
     else:
         raise RuntimeError("the activation peak kept growing with the planned cache")
     plan = dataclasses.replace(plan, activation_bytes=max(activation))
     engine = probe      # the same fingerprint, weights and devices as the compiled engine
-    summary = {**_summary(engine, config, plan, target, buckets, activation, output),
-               "manifest_written": True}
+    summary = {**_summary(engine, config, plan, target, buckets, activation, output,
+                          planned_with), "manifest_written": True}
     aot.write_manifest(output, {**summary, "engine_flags": flags, **expected_manifest(
         target_device_kind(target), engine.fingerprint, engine.devices, target,
         engine.info["dtype"], compiled_for_units(config, target))})

@@ -59,5 +59,15 @@ def stage_summaries(engine: Any, config: EngineConfig, plan: KVCachePlan,
             "kv_cache_bytes_per_block": own.bytes_per_block,
             "kv_cache_bytes_per_device": plan.num_blocks * own.bytes_per_block,
             "own_kv_cache_blocks": own.num_blocks,
-            "bound": own.source, "decides": index == decides})
+            "bound": own.source, "bound_by": bound_label(own.source),
+            "decides": index == decides})
     return summaries
+
+
+def bound_label(source: str) -> str:
+    """A plan's source (runner/memory.py) in a few words: which bound sized the cache."""
+    if source.startswith("bound by XLA's limit"):
+        return "XLA's limit"
+    if source.startswith("bound by"):
+        return "--gpu-memory-utilization"
+    return source.split(",")[0].split(" (")[0]

@@ -58,7 +58,7 @@ def describe(summary: dict[str, Any]) -> str:
             f"{stage['temp_bytes'] / gib:.2f} GiB + KV cache "
             f"{stage['kv_cache_bytes_per_device'] / gib:.2f} GiB per device; its memory holds "
             f"{stage['own_kv_cache_blocks']} blocks"
-            + (" (decides)" if stage["decides"] else "") + f", {stage['bound']}")
+            + (" (decides)" if stage["decides"] else "") + f", bound by {stage['bound_by']}")
     lines.append(f"  {len(summary['buckets'])} buckets compiled in "
                  f"{summary['compile_seconds']:.1f} s -> {written}")
     for b in summary["buckets"]:
