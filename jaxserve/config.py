@@ -326,8 +326,6 @@ def check_pipeline_combination(config: "EngineConfig") -> None:
     spec = config.spec_decode
     if spec is not None and spec.method != "ngram":
         unsupported.append(f"speculative decoding by {spec.method}")
-    if config.runner_config.aot_dir:
-        unsupported.append("aot_dir")
     if unsupported:
         raise ValueError(f"pipeline_parallel_size={p.pipeline_parallel_size} is not supported "
                          f"with {', '.join(unsupported)} yet")

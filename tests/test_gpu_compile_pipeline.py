@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -100,8 +101,8 @@ def test_pp2_tp8_stages_compile_within_xlas_memory_limit(tmp_path, capfd):
     cache: each stage's program -- its weights and its own KV cache as arguments, its
     temporaries over XLA's slop factor -- stays inside XLA's base limit (80 % of the H200),
     XLA logs no memory complaint, and the deciding stage's cache fills the room its weights
-    leave (a cache far under the limit would pass anything). The manifest holds the plan
-    and no executable is written (serve -pp loads none)."""
+    leave (a cache far under the limit would pass anything). The bucket's file holds one
+    serialized executable per stage, and the manifest each stage's plan."""
     model = _model(tmp_path / "model", "llama-3-70b", num_hidden_layers=4)
     config = _config(model, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=1024,
                      tensor_parallel_size=8, pipeline_parallel_size=2)
@@ -127,7 +128,10 @@ def test_pp2_tp8_stages_compile_within_xlas_memory_limit(tmp_path, capfd):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kv_cache_blocks"] == summary["kv_cache_blocks"]
     assert manifest["pipeline_parallel_size"] == 2 and len(manifest["stages"]) == 2
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
+    assert manifest["devices"] == 16
+    stage_programs = pickle.loads((out / bucket["file"]).read_bytes())
+    assert len(stage_programs) == 2 and (out / bucket["file"]).stat().st_size == \
+        bucket["serialized_bytes"] > 0
 
 
 def test_more_stages_than_layers_is_one_line_error(tmp_path, capsys):

@@ -18,9 +18,8 @@ the cache is planned, and every bucket is compiled against the planned cache.
 With --pipeline-parallel-size > 1 the compile-only mesh holds pp x tp devices; each stage's
 programs are compiled for its (1, tp) sub-mesh, and the plan is startup's per-stage one
 (engine/pipeline_memory.py: each stage from its own program's temporaries, the stage with
-the fewest blocks decides; engine/aot_pipeline.py reports it). Its executables are not
-written: `serve -pp` loads no --aot-dir yet (config.py refuses the pair), so the manifest
-holds the plan and the buckets' figures only.
+the fewest blocks decides; engine/aot_pipeline.py reports it). A bucket's file then holds
+one executable per stage, loaded onto each stage's devices by `serve -pp --aot-dir`.
 """
 
 from __future__ import annotations
@@ -289,8 +288,8 @@ def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
         raise RuntimeError("the activation peak kept growing with the planned cache")
     plan = dataclasses.replace(plan, activation_bytes=max(activation))
     engine = probe      # the same fingerprint, weights and devices as the compiled engine
-    summary = {**_summary(engine, config, plan, target, buckets, activation, output,
-                          planned_with), "manifest_written": True}
+    summary = _summary(engine, config, plan, target, buckets, activation, output,
+                       planned_with)
     aot.write_manifest(output, {**summary, "engine_flags": flags, **expected_manifest(
         target_device_kind(target), engine.fingerprint, engine.devices, target,
         engine.info["dtype"], compiled_for_units(config, target))})
@@ -304,16 +303,12 @@ def _stage_peaks(stage_temps: list[list[int]]) -> list[int]:
 
 def _compile_and_write(config: EngineConfig, target: str | None, plan: KVCachePlan,
                        shapes: list[tuple[int, int]], output: Path) -> list[dict[str, Any]]:
-    """Compile `shapes` against the planned cache and write their executables (pipeline
-    parallel: compiled and measured, not written; see the module docstring)."""
+    """Compile `shapes` against the planned cache and write their executables."""
     engine = build_abstract_engine(config, target, plan.num_blocks)
     output.mkdir(parents=True, exist_ok=True)
     buckets = []
     for shape in shapes:
         compiled = compile_bucket(engine.runner, shape, target)
-        if engine.pipeline is not None:
-            buckets.append({**compiled.describe(0), "file": None})
-            continue
         data = aot.serialize_step(compiled.executable)
         aot.write_atomically(output / aot.bucket_file(shape), data)
         buckets.append(compiled.describe(len(data)))

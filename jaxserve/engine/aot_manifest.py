@@ -92,7 +92,8 @@ def aot_dir_for_engine(config: EngineConfig, placed: Any, dtype: Any, kv_dtype: 
     expected = expected_manifest(
         jax.devices()[0].device_kind,
         engine_fingerprint(config, placed.source_arch, dtype, kv_dtype, max_model_len),
-        placed.placement.tp, target, dtype, compiled_for_units(config, target))
+        placed.placement.tp * config.parallel_config.pipeline_parallel_size, target, dtype,
+        compiled_for_units(config, target))
     reason = aot.mismatch(manifest, expected)
     if reason is not None:
         logger.warning("--aot-dir %s not used, compiling instead: %s", directory, reason)

@@ -34,13 +34,7 @@ def describe(summary: dict[str, Any]) -> str:
     gib = 2**30
     pp = summary.get("pipeline_parallel_size", 1)
     layout = f" (pp {pp} x tp {summary['tensor_parallel_size']})" if pp > 1 else ""
-    if summary["buckets"][0]["file"]:
-        written = summary["output"]
-    elif summary.get("manifest_written"):
-        written = (f"{summary['output']}/manifest.json, the plan only (serve -pp loads no "
-                   "executables yet)")
-    else:
-        written = "(plan only)"
+    written = summary["output"] if summary["buckets"][0]["file"] else "(plan only)"
     lines = [f"{summary['architecture']} for {summary['target']} x{summary['devices']}{layout} "
              f"({summary['dtype']}, KV {summary['kv_cache_dtype']}, max_model_len "
              f"{summary['max_model_len']}):",

@@ -172,6 +172,12 @@ class PipelineModelRunner(ModelRunner):
                     "compilation cache still applies)")
 
     def _compile(self, num_tokens: int, num_seqs: int) -> PipelineExecutables:
+        """Bucket (T, S)'s programs: loaded from shipped executables (--aot-dir) when there,
+        else compiled stage by stage."""
+        if self.executable_cache is not None:
+            loaded = self.executable_cache.load((num_tokens, num_seqs))
+            if loaded is not None:
+                return loaded
         options = self._params_platform().step_compiler_options()
         return PipelineExecutables([lowered.compile(options)
                                     for lowered in self.lower_step(num_tokens, num_seqs)])
