@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cpu_accounting import ProcessGroupCpu, cpu_split  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 # One timed batch and one timed single stream in a fresh process; prints a JSON line.
@@ -117,6 +122,13 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise RuntimeError("server did not become ready")
 
 
+def port_in_use(port: int) -> bool:
+    """Something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def stop_server(server: subprocess.Popen, log) -> None:
     """SIGTERM the server's process group (a minute to drain, then SIGKILL); close its log."""
     os.killpg(server.pid, signal.SIGTERM)
@@ -138,6 +150,8 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
                "--served-model-name", "smol", "--dtype", args.vllm_dtype,
                "--max-model-len", "2048", "--max-num-seqs", "64"]
         env = dict(os.environ)
+    if port_in_use(port):      # else the benchmark would measure whatever answers there
+        raise RuntimeError(f"port {port} is already in use: stop what listens there first")
     log = open(Path(result_dir) / f"{engine}-server.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                               start_new_session=True)
@@ -152,7 +166,12 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
                  "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl",
                  "--save-result", "--result-dir", result_dir,
                  "--result-filename", name]
+        cpu = ProcessGroupCpu(server.pid)
+        before, client_before = cpu.read(), _children_cpu_s()
+        start = time.perf_counter()
         out = subprocess.run(bench, capture_output=True, text=True)
+        split = cpu_split(before, cpu.read(), time.perf_counter() - start,
+                          _children_cpu_s() - client_before)
         if out.returncode:
             raise RuntimeError(f"vllm bench serve against {engine} failed:\n"
                                f"{out.stdout[-2000:]}{out.stderr[-2000:]}")
@@ -163,11 +182,20 @@ def serving_round(engine: str, args, port: int, result_dir: str) -> dict:
                                  "median_tpot_ms", "median_ttft_ms", "p99_itl_ms",
                                  "median_itl_ms", "completed")
             if k in data}
+    keep["cpu"] = split
+    keep["load_average_after"] = os.getloadavg()[0]
     print(f"  {engine}: {keep.get('output_throughput', 0):.1f} out tok/s, p99 TPOT "
           f"{keep.get('p99_tpot_ms', 0):.0f} ms, p99 TTFT {keep.get('p99_ttft_ms', 0):.0f} ms, "
-          f"p99 ITL {keep.get('p99_itl_ms', 0):.0f} ms",
-          flush=True)
+          f"p99 ITL {keep.get('p99_itl_ms', 0):.0f} ms; server used {split['server_cores']:.2f} of "
+          f"{split['cpus']} cores, client {split['client_cpu_s']:.1f} CPU s, load "
+          f"{keep['load_average_after']:.1f}", flush=True)
     return keep
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (the benchmark client)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def medians(rounds: list[dict], keys: list[str]) -> dict:

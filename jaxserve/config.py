@@ -321,8 +321,16 @@ def check_pipeline_combination(config: "EngineConfig") -> None:
     "Pipeline parallel" section lists the same)."""
     p = config.parallel_config
     unsupported = []
-    if p.num_processes > 1:
-        unsupported.append("num_processes > 1 (a stage per process)")
+    if p.num_processes > 1:      # stages across processes (runner/pipeline_processes.py)
+        if p.pipeline_micro_batches is not None and p.pipeline_micro_batches > 1:
+            unsupported.append(f"pipeline_micro_batches={p.pipeline_micro_batches} across "
+                               "processes (num_processes > 1)")
+        if config.spec_decode is not None:
+            unsupported.append("speculative decoding across processes (num_processes > 1)")
+        if config.lora_config.enable_lora:
+            unsupported.append("enable_lora across processes (num_processes > 1)")
+        if config.runner_config.aot_dir:
+            unsupported.append("aot_dir across processes (num_processes > 1)")
     spec = config.spec_decode
     if spec is not None and spec.method != "ngram":
         unsupported.append(f"speculative decoding by {spec.method}")
@@ -389,8 +397,8 @@ class EngineConfig(ReadOnlyOnceResolved, FlatOptions):
         _check_range("pipeline_parallel_size", p.pipeline_parallel_size, 1, 4096)
         if p.pipeline_parallel_size > 1:
             check_pipeline_combination(self)
-        if p.pipeline_micro_batches is None:
-            p.pipeline_micro_batches = p.pipeline_parallel_size
+        if p.pipeline_micro_batches is None:   # one across processes (not supported there)
+            p.pipeline_micro_batches = p.pipeline_parallel_size if p.num_processes <= 1 else 1
         _check_range("pipeline_micro_batches", p.pipeline_micro_batches, 1, 64)
         if c.block_size <= 0 or c.block_size & (c.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {c.block_size}")

@@ -85,10 +85,17 @@ def stage_layers(num_layers: int, pipeline_parallel_size: int,
 def stage_meshes(pipeline_parallel_size: int, tensor_parallel_size: int,
                  devices: Sequence[jax.Device] | None = None) -> list[Mesh]:
     """One (1, tp) mesh (axes ``('data', 'model')``) per stage over consecutive devices, so
-    partition specs are the tensor-parallel ones on every stage."""
+    partition specs are the tensor-parallel ones on every stage.
+
+    Across processes (jax.distributed) the devices are taken process by process, the stages
+    must cover every device, and each stage's devices must sit in one process: pipeline
+    stages cross hosts, tensor parallelism stays within one."""
     pp, tp = pipeline_parallel_size, tensor_parallel_size
     devices = list(devices) if devices is not None else jax.devices()
     needed = pp * tp
+    if jax.process_count() > 1:
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+        check_stages_in_processes(pp, tp, devices)
     if needed > len(devices):
         # The hint applies to the CPU (the only platform whose devices can be simulated);
         # it is given on every platform, as this leaf module asks no platform questions.
@@ -98,3 +105,22 @@ def stage_meshes(pipeline_parallel_size: int, tensor_parallel_size: int,
                          f"{needed} devices, but only {len(devices)} are visible{hint}")
     return [Mesh(np.array(devices[s * tp:(s + 1) * tp], dtype=object).reshape(1, tp), AXES)
             for s in range(pp)]
+
+
+def check_stages_in_processes(pipeline_parallel_size: int, tensor_parallel_size: int,
+                              devices: Sequence[jax.Device]) -> None:
+    """A multi-process run's layout rules (see `stage_meshes`); ValueError naming the sizes."""
+    pp, tp = pipeline_parallel_size, tensor_parallel_size
+    processes = len({d.process_index for d in devices})
+    if pp * tp != len(devices):
+        raise ValueError(f"a multi-process run must use every device: "
+                         f"pipeline_parallel_size ({pp}) x tensor_parallel_size ({tp}) x "
+                         f"data_parallel_size (1) = {pp * tp}, but the {processes} processes "
+                         f"have {len(devices)} devices together")
+    for stage in range(pp):
+        owners = sorted({d.process_index for d in devices[stage * tp:(stage + 1) * tp]})
+        if len(owners) > 1:
+            raise ValueError(f"pipeline stage {stage}'s {tp} devices would span processes "
+                             f"{owners}: a stage's devices must be in one process, so "
+                             f"tensor_parallel_size ({tp}) must divide each process's device "
+                             f"count")

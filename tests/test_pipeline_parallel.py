@@ -8,7 +8,7 @@ the same small KV budget, so preemption happens, prompts are prefilled in chunks
 steps), and a repeated prompt hits the prefix cache. A second batch mixes penalties,
 logprobs, prompt logprobs, seeded sampling and a structured-output choice. A `jaxserve
 serve -pp 2 -tp 2` process answers a chat completion and a stream; bad flags exit with
-one line.
+one line. Stages across processes: tests/test_pipeline_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ def test_bad_pipeline_splits_are_clear_errors(layers, pp, partition, words):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("kwargs,words", [
-    ({"num_processes": 2}, "num_processes"),
+    ({"num_processes": 2, "enable_lora": True}, "enable_lora across processes"),
+    ({"num_processes": 2, "aot_dir": "/aot"}, "aot_dir across processes"),
     ({"speculative_config": {"method": "draft_model", "model": "m",
                              "num_speculative_tokens": 2}}, "speculative decoding by draft")])
 def test_unsupported_combinations_name_themselves(kwargs, words):
@@ -278,9 +279,7 @@ def test_micro_batches_split_the_running_sequences_and_take_turns():
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["-pp", "8"], "pipeline_parallel_size=8 exceeds the model's 4 layers"),
-    (["-pp", "2", "--num-processes", "2", "--coordinator-address", "127.0.0.1:9"],
-     "across processes (a stage per process) is not supported")])
+    (["-pp", "8"], "pipeline_parallel_size=8 exceeds the model's 4 layers")])
 def test_bad_pipeline_flags_exit_with_one_line(make_tiny_model, flags, words):
     model = make_tiny_model("llama", num_hidden_layers=4)
     proc = subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(model),

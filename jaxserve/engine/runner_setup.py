@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.config import EngineConfig
 from jaxserve.models.arch import ModelArch
@@ -140,7 +142,12 @@ def build_runner(shape: StepShape, num_blocks: int, block_size: int, eos: list[i
     if isinstance(placement, PipelinePlacement):      # pipeline parallel
         from jaxserve.runner.pipeline_runner import PipelineModelRunner
 
-        runner_class, stages = PipelineModelRunner, {
+        runner_class = PipelineModelRunner
+        if placed.source_format != "abstract" and jax.process_count() > 1:
+            from jaxserve.runner.pipeline_processes import MultiProcessPipelineRunner
+
+            runner_class = MultiProcessPipelineRunner    # a stage (or several) per process
+        stages = {
             "pipeline": placement,
             "micro_batches": config.parallel_config.pipeline_micro_batches or 1}
     return runner_class(

@@ -43,9 +43,6 @@ class PipelinePlacement:
         pp x tp devices."""
         from jaxserve.models.placement import ModelPlacement
 
-        if jax.process_count() > 1:
-            raise ValueError("pipeline_parallel_size > 1 across processes is not supported "
-                             "yet")
         pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
         layers = stage_layers(arch.num_layers, pp, parallel.pp_layer_partition)
         meshes = stage_meshes(pp, tp, devices)
@@ -63,6 +60,16 @@ class PipelinePlacement:
     def mesh(self) -> Any:
         """The first stage's mesh (what asks for one mesh: logs, per-device choices)."""
         return self.stages[0].mesh
+
+    def is_local(self, stage: int) -> bool:
+        """Whether this process holds stage ``stage``'s devices (every stage, in one process;
+        across processes each stage's devices are in exactly one, pipeline_layout.py)."""
+        return all(d.process_index == jax.process_index()
+                   for d in self.stages[stage].mesh.devices.flat)
+
+    def process_of(self, stage: int) -> int:
+        """The process that runs stage ``stage``."""
+        return self.stages[stage].mesh.devices.flat[0].process_index
 
     @property
     def tp(self) -> int:
@@ -93,10 +100,13 @@ class PipelinePlacement:
         return self.stages[0].prepare(weights)
 
     def place(self, params: Any) -> list[Any]:
-        """Host params → one device params tree per stage, each on its stage's devices."""
+        """Host params → one device params tree per stage, each on its stage's devices.
+        Across processes a stage of another process is its ShapeDtypeStructs (shardings
+        included): nothing of it is allocated here."""
         tied = self.arch.tie_word_embeddings
-        placed = [stage.place(stage_params(params, layers, tied))
-                  for stage, layers in zip(self.stages, self.layers)]
+        placed = [stage.place(stage_params(params, layers, tied)) if self.is_local(index)
+                  else _param_structs(stage, stage_params(params, layers, tied))
+                  for index, (stage, layers) in enumerate(zip(self.stages, self.layers))]
         logger.info("parameters per stage: %s MiB on each device", ", ".join(
             f"{partition.per_device_bytes(p) / 2**20:.1f}" for p in placed))
         return placed
@@ -110,3 +120,15 @@ class PipelinePlacement:
 
     def agree(self, plan: Any) -> Any:
         return self.stages[0].agree(plan)
+
+
+def _param_structs(stage: Any, params: Any) -> Any:
+    """A stage's host params as the ShapeDtypeStructs its `place` would give (partition.py's
+    specs on its mesh)."""
+    from jaxserve.models.registry import family_for
+
+    specs = partition.param_specs(params, stage.tp,
+                                  family_for(stage.arch.architecture).param_spec_for(stage.arch))
+    return jax.tree.map(lambda value, spec: jax.ShapeDtypeStruct(
+        np.shape(value), np.asarray(value).dtype, sharding=NamedSharding(stage.mesh, spec)),
+        params, specs)

@@ -17,7 +17,10 @@ followers learn each step's inputs from the leader through a JAX collective
 Every process runs the same executables on the same inputs, so the device-resident
 state a step carries (the KV cache, the last sampled token of each row, the penalty
 history, loaded from the admissions a step's inputs carry) evolves the
-same way everywhere, and async scheduling needs nothing extra here.
+same way everywhere, and async scheduling needs nothing extra here. With pipeline
+parallelism (`-pp`) each process runs only its own stages of the step and the stages'
+hand-offs are collectives too (runner/pipeline_processes.py), joined by every process in
+the order the broadcast steps give.
 
 At exit the leader broadcasts STOP, so followers leave cleanly (exit 0). If
 the leader dies instead, the followers' pending collective fails (the TCP peer
@@ -67,10 +70,6 @@ def initialize(parallel: ParallelConfig) -> bool:
         raise ValueError("multi-process runs shard one engine over every device "
                          "(tensor_parallel_size = all devices); data_parallel_size > 1 "
                          "across processes is not supported: run one server per replica")
-    if parallel.pipeline_parallel_size > 1:
-        raise ValueError(f"pipeline_parallel_size={parallel.pipeline_parallel_size} across "
-                         "processes (a stage per process) is not supported yet: run the stages "
-                         "in one process, or use --tensor-parallel-size across processes")
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     logger.info("process %d of %d joining the coordinator at %s", parallel.process_id,

@@ -42,19 +42,21 @@ logger = logging.getLogger(__name__)
 
 
 class PipelineExecutables:
-    """Bucket (T, S)'s compiled programs, one per stage, in stage order."""
+    """Bucket (T, S)'s compiled programs, one per stage, in stage order (None for a stage of
+    another process); ``extras``: what a multi-process runner keeps beside them."""
 
-    def __init__(self, stages: list[Any]) -> None:
+    def __init__(self, stages: list[Any], **extras: Any) -> None:
         self.stages = stages
+        self.extras = extras
 
     def memory_analysis(self) -> Any:
         """The stage with the largest temporaries (each stage runs on its own devices)."""
-        analyses = [stage.memory_analysis() for stage in self.stages]
+        analyses = [stage.memory_analysis() for stage in self.stages if stage is not None]
         analyses = [a for a in analyses if a is not None]
         return max(analyses, key=lambda a: a.temp_size_in_bytes, default=None)
 
     def as_text(self) -> str:
-        return "\n".join(stage.as_text() for stage in self.stages)
+        return "\n".join(stage.as_text() for stage in self.stages if stage is not None)
 
 
 class PipelineModelRunner(ModelRunner):
@@ -105,7 +107,8 @@ class PipelineModelRunner(ModelRunner):
         constants = family.constants(self.arch)
         platform = self._params_platform()
         self.stage_models, self.stage_constants = [], []
-        for placement, layers in zip(self.pipeline.stages, self.pipeline.layers):
+        for index, (placement, layers) in enumerate(zip(self.pipeline.stages,
+                                                        self.pipeline.layers)):
             mesh = placement.mesh
             self.plan = choose_execution_plan(platform, backend.name,
                                               1 if mesh is None else mesh.size, self.dtype,
@@ -114,8 +117,9 @@ class PipelineModelRunner(ModelRunner):
                                  self.num_blocks, self.block_size, self.dtype, self.plan)
             self.stage_models.append(stage_model(model, layers))
             consts = stage_constants(constants, layers)
+            here = not self.abstract and self.pipeline.is_local(index)
             self.stage_constants.append(
-                consts if self.abstract else put_replicated(consts, placement.input_sharding))
+                put_replicated(consts, placement.input_sharding) if here else consts)
         self.model = self.stage_models[-1]
         self.model_constants = self.stage_constants[-1]
 
@@ -125,11 +129,13 @@ class PipelineModelRunner(ModelRunner):
         self._k_cache = self._v_cache = None
         self._stage_zeros: list[Any] = []
         specs = []
-        for placement, layers in zip(self.pipeline.stages, self.pipeline.layers):
+        for index, (placement, layers) in enumerate(zip(self.pipeline.stages,
+                                                        self.pipeline.layers)):
             shape = (layers.num_layers * self.num_blocks, *cache_shape[1:])
             make = functools.partial(empty_cache, shape, kv_dtype)
-            if self.abstract:
+            if self.abstract or not self.pipeline.is_local(index):   # nothing allocated here
                 specs.append(self._spec(jax.eval_shape(make), placement.kv_sharding))
+                self._stage_zeros.append(None)
                 continue
             zeros = jax.jit(make, out_shardings=placement.kv_sharding).lower().compile()
             self._stage_zeros.append(zeros)
@@ -138,8 +144,8 @@ class PipelineModelRunner(ModelRunner):
         return specs
 
     def _fill_caches(self) -> None:
-        self._k_cache = [zeros() for zeros in self._stage_zeros]
-        self._v_cache = jax.block_until_ready([zeros() for zeros in self._stage_zeros])
+        self._k_cache = [zeros and zeros() for zeros in self._stage_zeros]
+        self._v_cache = jax.block_until_ready([zeros and zeros() for zeros in self._stage_zeros])
 
     def allocate_kv_cache(self) -> None:
         if self.kv_cache_allocated or self.abstract:
@@ -159,9 +165,11 @@ class PipelineModelRunner(ModelRunner):
         self.penalty_state = self._empty_penalty_state()
 
     def kv_cache_bytes_per_device(self) -> list[int]:
-        """Each stage's K + V bytes on one of its devices."""
+        """Each stage's K + V bytes on one of its devices (this process's stages)."""
         sizes = []
         for k, v in zip(self.k_cache, self.v_cache):
+            if k is None:
+                continue
             leaves = jax.tree.leaves((k, v))
             sizes.append(sum(leaf.addressable_shards[0].data.nbytes for leaf in leaves))
         return sizes
