@@ -7,16 +7,12 @@ number of blocks (a block id means the same position on every stage), so the sta
 the fewest decides. On CPU all stages' simulated devices share the host's RAM: each stage
 plans with its share of the layers of the pool (the budget and the utilization fraction),
 so every stage fits the same blocks and pp stages hold pp = 1's tokens in the same RAM, as
-    extra = list(stage_extra_bytes) if stage_extra_bytes is not None else [0] * pp
-    # Across processes each process plans its own stages (from its own memory) and
-    # `agree` takes the fewest blocks of all.
-    local = [index for index in range(pp) if placement.is_local(index)]
-    total_layers = sum(placement.layers[index].num_layers for index in local)
-    plans = []
-    for index in local:
-        stage, stage_params = placement.stages[index], params[index]
-        weights = per_device_bytes(stage_params) + extra[index] + \
-            (last_stage_bytes if index == pp - 1 else 0)
+tensor parallel already splits a pool among its devices. Across processes (a stage per
+host) a process plans only its own stages, sharing its own pool among them. On a GPU each
+stage's devices have their own memory, and each stage's plan is the single-engine GPU rule
+(runner/memory.py): the utilization share or XLA's limit for the stage's own program,
+whichever leaves less. Startup and `jaxserve compile -pp` (engine/aot_compile.py) plan
+with these same functions.
 """
 
 from __future__ import annotations
@@ -55,12 +51,16 @@ def stage_kv_plans(cc: CacheConfig, placement: Any, params: Any, kv_dtype: Any,
         raise ValueError(f"activation_bytes: {len(activations)} figures for {pp} stages")
     shared_pool = not device_memory_bytes and placement.device is not None and \
         platform_of_device(placement.device).memory_is_host_ram
-tensor parallel already splits a pool among its devices. Across processes (a stage per
-host) a process plans only its own stages, sharing its own pool among them. On a GPU each
-stage's devices have their own memory, and each stage's plan is the single-engine GPU rule
-(runner/memory.py): the utilization share or XLA's limit for the stage's own program,
-whichever leaves less. Startup and `jaxserve compile -pp` (engine/aot_compile.py) plan
-with these same functions.
+    extra = list(stage_extra_bytes) if stage_extra_bytes is not None else [0] * pp
+    # Across processes each process plans its own stages (from its own memory) and
+    # `agree` takes the fewest blocks of all.
+    local = [index for index in range(pp) if placement.is_local(index)]
+    total_layers = sum(placement.layers[index].num_layers for index in local)
+    plans = []
+    for index in local:
+        stage, stage_params = placement.stages[index], params[index]
+        weights = per_device_bytes(stage_params) + extra[index] + \
+            (last_stage_bytes if index == pp - 1 else 0)
         stage_cc = cc
         if shared_pool:      # the stage's share of the one pool: its share of the layers
             share = placement.layers[index].num_layers / total_layers
