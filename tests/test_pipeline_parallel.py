@@ -243,8 +243,6 @@ def test_bad_pipeline_splits_are_clear_errors(layers, pp, partition, words):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("kwargs,words", [
-    ({"num_processes": 2, "enable_lora": True}, "enable_lora across processes"),
-    ({"num_processes": 2, "aot_dir": "/aot"}, "aot_dir across processes"),
     ({"speculative_config": {"method": "draft_model", "model": "m",
                              "num_speculative_tokens": 2}}, "speculative decoding by draft")])
 def test_unsupported_combinations_name_themselves(kwargs, words):
