@@ -53,7 +53,7 @@ $(GPU_STAMP): $(STAMP)
 	touch $(GPU_STAMP)
 
 test-gpu-compile: setup $(GPU_STAMP)
-	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -m gpu_compile tests/test_gpu_compile.py $(ARGS)
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -m gpu_compile tests/test_gpu_compile*.py $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_offline.py $(ARGS)

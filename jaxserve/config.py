@@ -327,13 +327,13 @@ def check_pipeline_combination(config: "EngineConfig") -> None:
                                "processes (num_processes > 1)")
         if config.spec_decode is not None:
             unsupported.append("speculative decoding across processes (num_processes > 1)")
-    if config.lora_config.enable_lora:
-        unsupported.append("enable_lora")
+        if config.lora_config.enable_lora:
+            unsupported.append("enable_lora across processes (num_processes > 1)")
+        if config.runner_config.aot_dir:
+            unsupported.append("aot_dir across processes (num_processes > 1)")
     spec = config.spec_decode
     if spec is not None and spec.method != "ngram":
         unsupported.append(f"speculative decoding by {spec.method}")
-    if config.runner_config.aot_dir:
-        unsupported.append("aot_dir")
     if unsupported:
         raise ValueError(f"pipeline_parallel_size={p.pipeline_parallel_size} is not supported "
                          f"with {', '.join(unsupported)} yet")

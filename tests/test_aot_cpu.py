@@ -63,10 +63,16 @@ def worker(model: str, kwargs: dict) -> None:
         "compiles_while_serving": len(compiles) - before, "warnings": warnings}))
 
 
-def _fresh_process(model: Path, **kwargs) -> dict:
+def _fresh_process(model: Path, *, devices: int = 1, compile_to: Path | None = None,
+                   **kwargs) -> dict:
+    """A fresh process with `devices` simulated CPU devices: an engine (worker), or with
+    compile_to, `compile_for_target` for this CPU into that directory (its summary)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, __file__, str(model), json.dumps(kwargs)], env=env,
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    args = [str(model), json.dumps(kwargs)] + ([str(compile_to)] if compile_to else [])
+    out = subprocess.run([sys.executable, __file__, *args], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -225,5 +231,39 @@ def test_deviceless_plan_is_the_startup_rule_on_the_targets_memory():
     assert refused.value.shortfall_bytes == 8192 * per_token + 1000
 
 
+def test_pipeline_parallel_engine_serves_its_shipped_stages(make_tiny_model, tmp_path):
+    """pp = 2 on 2 simulated CPU devices: the compile writes one executable per stage for
+    every bucket; a fresh `-pp 2` engine loads each onto its stage's device (every bucket a
+    hit, no compile while serving) and gives the tokens of a `-pp 2` engine that compiled
+    its own."""
+    import pickle
+
+    model = make_tiny_model("qwen3")
+    kwargs = {**ENGINE_KWARGS, "pipeline_parallel_size": 2}
+    summary = _fresh_process(model, devices=2, compile_to=tmp_path / "pp2", **kwargs)
+    assert summary["pipeline_parallel_size"] == 2 and len(summary["stages"]) == 2
+    for bucket in summary["buckets"]:
+        assert len(pickle.loads((tmp_path / "pp2" / bucket["file"]).read_bytes())) == 2
+    jit = _fresh_process(model, devices=2, **kwargs)
+    loaded = _fresh_process(model, devices=2, aot_dir=str(tmp_path / "pp2"), **kwargs)
+    assert loaded["tokens"] == jit["tokens"]
+    assert loaded["aot"] and loaded["hits"] == len(summary["buckets"]) == loaded["shapes"]
+    assert loaded["misses"] == 0 and loaded["warnings"] == []
+    assert loaded["kv_blocks"] == summary["kv_cache_blocks"]
+    assert loaded["compiles_while_serving"] == 0
+
+
+def compile_worker(model: str, kwargs: dict, output: str) -> None:
+    """`compile_for_target` for this CPU: prints its summary as one JSON line."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.aot_compile import compile_for_target
+
+    config = EngineConfig.from_kwargs(model=model, **kwargs)
+    print(json.dumps(compile_for_target(config, None, output)))
+
+
 if __name__ == "__main__":
-    worker(sys.argv[1], json.loads(sys.argv[2]))
+    if len(sys.argv) > 3:
+        compile_worker(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])
+    else:
+        worker(sys.argv[1], json.loads(sys.argv[2]))

@@ -243,9 +243,9 @@ def test_bad_adapters_are_value_errors_naming_the_problem(served, make_tiny_mode
     assert len(out[0].outputs[0].token_ids) == 4          # still serving
 
 
-def test_tensor_parallel_mixed_batch_equals_one_device(served, tmp_path):
-    """tp=2 on simulated CPU devices (a subprocess: JAX fixes its devices at start): A/B split
-    like their base kernels, the same tokens as one device for a batch mixing adapters."""
+def _mixed_batch_on_two_devices(served, tmp_path, **parallel) -> tuple[dict, list]:
+    """The worker's result on 2 simulated CPU devices (a subprocess: JAX fixes its devices at
+    start) for a batch mixing the base model and three adapters, and the one-device tokens."""
     llm, model_dir, adapters, _ = served
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in MIXED_TEXTS]
@@ -255,31 +255,52 @@ def test_tensor_parallel_mixed_batch_equals_one_device(served, tmp_path):
         lora_request=[adapters[n] if n else None for n in names])]
     spec = {"model": str(model_dir), "prompts": prompts, "names": names,
             "adapters": {n: [r.lora_int_id, r.lora_path] for n, r in adapters.items()},
-            "out": str(tmp_path / "tp2.json")}
+            "parallel": parallel, "out": str(tmp_path / "parallel.json")}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads((tmp_path / "tp2.json").read_text())
-    assert result["lora_b_q_spec"] == [None, None, None, "model"]    # column-parallel: B on out
-    assert result["lora_a_o_spec"] == [None, None, "model", None]    # row-parallel: A on in
+    return json.loads((tmp_path / "parallel.json").read_text()), expected
+
+
+def test_tensor_parallel_mixed_batch_equals_one_device(served, tmp_path):
+    """tp=2: A/B split like their base kernels, the same tokens as one device for a batch
+    mixing adapters."""
+    result, expected = _mixed_batch_on_two_devices(served, tmp_path, tensor_parallel_size=2)
+    stacks = result["specs"][0]
+    assert stacks["lora_b_q"] == [None, None, None, "model"]    # column-parallel: B on out
+    assert stacks["lora_a_o"] == [None, None, "model", None]    # row-parallel: A on in
     assert result["tokens"] == expected
 
 
-def _tp_worker(spec: dict) -> None:
+def test_pipeline_parallel_mixed_batch_equals_one_device(served, tmp_path):
+    """pp=2: each stage holds its own layers' adapter slices (1 of the tiny model's 2 layers,
+    on its own device) and applies them in its own program; the same tokens as one device for
+    a batch mixing the base model and three adapters (one waits for a slot)."""
+    result, expected = _mixed_batch_on_two_devices(served, tmp_path, pipeline_parallel_size=2)
+    assert [s["layers"] for s in result["specs"]] == [1, 1]
+    assert [s["devices"] for s in result["specs"]] == [[0], [1]]
+    assert result["tokens"] == expected
+
+
+def _parallel_worker(spec: dict) -> None:
     llm = LLM(spec["model"], max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
               kv_cache_memory_bytes=2 << 20, enable_lora=True, max_lora_rank=16, max_loras=2,
-              tensor_parallel_size=2, **precision.EXACT)
+              **spec["parallel"], **precision.EXACT)
     adapters = {n: LoRARequest(n, i, p) for n, (i, p) in spec["adapters"].items()}
     outs = llm.generate(spec["prompts"], _greedy(12), use_tqdm=False,
                         lora_request=[adapters[n] if n else None for n in spec["names"]])
     stacks = llm.llm_engine.engine_core.runner.lora.arrays
+    # one dict of stacks per pipeline stage (pp = 1: the one)
+    specs = [{"lora_b_q": list(s["q_proj"]["lora_b"].sharding.spec),
+              "lora_a_o": list(s["o_proj"]["lora_a"].sharding.spec),
+              "layers": s["q_proj"]["lora_a"].shape[0],
+              "devices": sorted(d.id for d in s["q_proj"]["lora_a"].sharding.device_set)}
+             for s in (stacks if isinstance(stacks, list) else [stacks])]
     with open(spec["out"], "w") as f:
-        json.dump({"tokens": [o.outputs[0].token_ids for o in outs],
-                   "lora_b_q_spec": list(stacks["q_proj"]["lora_b"].sharding.spec),
-                   "lora_a_o_spec": list(stacks["o_proj"]["lora_a"].sharding.spec)}, f)
+        json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "specs": specs}, f)
 
 
 def test_unloading_an_adapter_lets_its_running_requests_finish(served):
@@ -411,4 +432,4 @@ def _tokenizer(make_tiny_model):
 
 
 if __name__ == "__main__":
-    _tp_worker(json.loads(sys.argv[1]))
+    _parallel_worker(json.loads(sys.argv[1]))

@@ -237,7 +237,9 @@ def test_stages_across_processes_must_use_every_device_each_in_one_process(per_p
 @pytest.mark.parametrize("kwargs,words", [
     ({"pipeline_micro_batches": 2}, "pipeline_micro_batches=2 across processes"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-     "speculative decoding across processes")])
+     "speculative decoding across processes"),
+    ({"enable_lora": True}, "enable_lora across processes"),
+    ({"aot_dir": "/aot"}, "aot_dir across processes")])
 def test_what_pipelines_across_processes_do_not_run_is_named(kwargs, words):
     from jaxserve.config import EngineConfig
     from jaxserve.platforms import CpuPlatform

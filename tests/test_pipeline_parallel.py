@@ -243,7 +243,6 @@ def test_bad_pipeline_splits_are_clear_errors(layers, pp, partition, words):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("kwargs,words", [
-    ({"enable_lora": True}, "enable_lora"),
     ({"speculative_config": {"method": "draft_model", "model": "m",
                              "num_speculative_tokens": 2}}, "speculative decoding by draft")])
 def test_unsupported_combinations_name_themselves(kwargs, words):

@@ -5,7 +5,9 @@ from (engine/aot_compile.py), the ShapeDtypeStructs loading and placing would pr
 
 The params come from the model's config.json (the family's weight shapes, int8 applied as
 shapes), placed by the same `ModelPlacement` rules, in the dtype startup would choose
-(model_source.compute_dtype), on a mesh of the target's compile-only devices.
+(model_source.compute_dtype), on a mesh of the target's compile-only devices. With
+pipeline_parallel_size > 1 they are one tree per stage (models/pipeline_stage.py's slices),
+each on its stage's (1, tp) sub-mesh, as `PipelinePlacement.place` would leave them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine.model_source import PlacedModel, compute_dtype
 from jaxserve.models import partition
+from jaxserve.models.pipeline_placement import PipelinePlacement
+from jaxserve.models.pipeline_stage import stage_params
 from jaxserve.models.registry import family_for, read_arch
 from jaxserve.platforms import Platform
 from jaxserve.quantization import check_mode
@@ -26,12 +30,23 @@ from jaxserve.quantization.int8 import quantize_params_int8
 
 def abstract_params(family: Any, placement: Any, dtype: Any, quantization: str | None) -> Any:
     """The params tree as ShapeDtypeStructs with their shardings: what loading the
-    checkpoint and placing it would produce, without a byte of it."""
+    checkpoint and placing it would produce, without a byte of it (a pipeline placement:
+    a list of trees, one per stage)."""
     weights = {name: jax.ShapeDtypeStruct(shape, dtype)
                for name, shape in family.weight_shapes(placement.source_arch).items()}
     params = family.params_from_weights(placement.prepare(weights), placement.arch)
     if quantization == "int8":
         params = quantize_params_int8(params)
+    if isinstance(placement, PipelinePlacement):
+        tied = placement.arch.tie_word_embeddings
+        return [_placed(family, stage, jax.eval_shape(
+                    lambda p, layers=layers: stage_params(p, layers, tied), params))
+                for stage, layers in zip(placement.stages, placement.layers)]
+    return _placed(family, placement, params)
+
+
+def _placed(family: Any, placement: Any, params: Any) -> Any:
+    """params' ShapeDtypeStructs with the shardings `placement.place` would give them."""
     if placement.mesh is None:
         shardings = jax.tree.map(
             lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), params)

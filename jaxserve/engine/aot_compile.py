@@ -14,6 +14,12 @@ less), with the peak taken from the compiled program's `memory_analysis()`
 rather than an estimate: the largest bucket is compiled once with the smallest cache
 (its temporaries do not depend on the cache, which is donated and updated in place),
 the cache is planned, and every bucket is compiled against the planned cache.
+
+With --pipeline-parallel-size > 1 the compile-only mesh holds pp x tp devices; each stage's
+programs are compiled for its (1, tp) sub-mesh, and the plan is startup's per-stage one
+(engine/pipeline_memory.py: each stage from its own program's temporaries, the stage with
+the fewest blocks decides; engine/aot_pipeline.py reports it). A bucket's file then holds
+one executable per stage, loaded onto each stage's devices by `serve -pp --aot-dir`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from jaxserve.engine.aot_manifest import (
     expected_manifest,
     target_device_kind,
 )
+from jaxserve.engine.aot_pipeline import pipeline_kv_plan, stage_summaries
 from jaxserve.engine.memory_plan import lora_targets_for, resident_bytes_per_device
 from jaxserve.engine.model_setup import compilation_cache_path
 from jaxserve.engine.runner_setup import (
@@ -45,6 +52,7 @@ from jaxserve.engine.runner_setup import (
     prepare_config,
     step_shape,
 )
+from jaxserve.models.pipeline_placement import PipelinePlacement
 from jaxserve.models.registry import family_for
 from jaxserve.platforms import Platform, platform_for_target
 from jaxserve.runner import aot_executables as aot
@@ -55,6 +63,7 @@ from jaxserve.runner.memory import (
     xla_base_limit_bytes,
 )
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.pipeline_runner import PipelineExecutables
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +79,18 @@ class AbstractEngine:
     dtype: Any                      # the weights' compute dtype
     max_model_len: int
     fingerprint: str                # engine_fingerprint(...)
-    devices: int
+    devices: int                    # pp x tp
     platform: Platform              # the target's
     config: EngineConfig            # resolved for the target and the model (read-only)
     info: dict[str, Any] = field(default_factory=dict)
+    # pipeline parallel: the PipelinePlacement and its per-stage param structs (None: pp = 1)
+    pipeline: PipelinePlacement | None = None
+    stage_params: list[Any] | None = None
+    lora_targets: dict | None = None        # None: LoRA off
+
+    @property
+    def num_stages(self) -> int:
+        return 1 if self.pipeline is None else self.pipeline.pp
 
 
 def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: int | None
@@ -87,12 +104,10 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     if config.spec_decode is not None and config.spec_decode.method == "draft_model":
         raise ValueError("jaxserve compile: speculative_config method 'draft_model' is not "
                          "supported yet (ngram is)")
-    if config.parallel_config.pipeline_parallel_size > 1:
-        raise ValueError("jaxserve compile does not plan pipeline_parallel_size > 1 yet; plan "
-                         "with --tensor-parallel-size (pipeline parallel serves without "
-                         "shipped executables)")
     tp = config.parallel_config.tensor_parallel_size
-    mesh = platform.compile_mesh(tp)
+    devices = tp * config.parallel_config.pipeline_parallel_size
+    # pp > 1: the stages' (1, tp) sub-meshes are cut from this mesh's devices, in order
+    mesh = platform.compile_mesh(devices)
     cache_dir = compilation_cache_path(config.runner_config.compilation_cache_dir)
     placed = place_abstract_model(config, platform, mesh, cache_dir)
     shape = step_shape(config, placed, platform)
@@ -102,6 +117,7 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
     weight_bytes = resident_bytes_per_device(config, placed, lora_targets)
     lora = None if lora_targets is None else lora_slots(config, family, placement, lora_targets,
                                                         dtype, abstract=True)
+    pipeline = placement if isinstance(placement, PipelinePlacement) else None
     blocks = num_blocks or -(-shape.max_model_len // config.cache_config.block_size)
     runner = build_runner(shape, blocks, config.cache_config.block_size, eos=[0],
                           lora_stacks=lora, gemv_rows=gemv_rows(shape, cache_dir))
@@ -110,10 +126,12 @@ def build_abstract_engine(config: EngineConfig, target: str | None, num_blocks: 
         kv_dtype=shape.kv_dtype, dtype=dtype, max_model_len=shape.max_model_len,
         fingerprint=engine_fingerprint(config, placed.source_arch, dtype, shape.kv_dtype,
                                        shape.max_model_len),
-        devices=tp, platform=platform, config=config,
+        devices=devices, platform=platform, config=config,
         info={"model": placed.model_path, "architecture": placed.source_arch.architecture,
               "dtype": np.dtype(dtype).name, "kv_cache_dtype": np.dtype(shape.kv_dtype).name,
-              "quantization": placed.quantization})
+              "quantization": placed.quantization},
+        pipeline=pipeline, stage_params=None if pipeline is None else list(placed.params),
+        lora_targets=lora_targets)
 
 
 @dataclass
@@ -121,36 +139,66 @@ class CompiledBucket:
     shape: tuple[int, int]
     executable: Any
     compile_seconds: float
-    temp_bytes: int
+    temp_bytes: int       # the largest of its stages' (pp = 1: its own)
     io_bytes: int = 0     # arguments + outputs - aliased outputs: what XLA's limit counts
+    # per pipeline stage, in stage order (pp = 1: one entry each)
+    stage_temp_bytes: list[int] = field(default_factory=list)
+    stage_io_bytes: list[int] = field(default_factory=list)
 
     def describe(self, serialized_bytes: int) -> dict[str, Any]:
-        return {"num_tokens": self.shape[0], "num_seqs": self.shape[1],
-                "compile_seconds": round(self.compile_seconds, 2),
-                "serialized_bytes": serialized_bytes, "temp_bytes": self.temp_bytes,
-                "io_bytes": self.io_bytes, "file": aot.bucket_file(self.shape)}
+        described = {"num_tokens": self.shape[0], "num_seqs": self.shape[1],
+                     "compile_seconds": round(self.compile_seconds, 2),
+                     "serialized_bytes": serialized_bytes, "temp_bytes": self.temp_bytes,
+                     "io_bytes": self.io_bytes, "file": aot.bucket_file(self.shape)}
+        if len(self.stage_temp_bytes) > 1:
+            described.update(stage_temp_bytes=self.stage_temp_bytes,
+                             stage_io_bytes=self.stage_io_bytes)
+        return described
+
+
+def _memory_figures(executable: Any) -> tuple[int, int]:
+    """(temporaries, arguments + outputs - aliased outputs) of one compiled program."""
+    stats = executable.memory_analysis()
+    if stats is None:
+        return 0, 0
+    return int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes
+                                              + stats.output_size_in_bytes
+                                              - stats.alias_size_in_bytes)
 
 
 def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | None
                    ) -> CompiledBucket:
+    """Bucket `shape` compiled for `target`: one program, or one per pipeline stage (a
+    PipelineExecutables), with XLA's memory figures for each."""
     start = time.perf_counter()
     lowered = runner.lower_step(*shape)
-    executable = lowered.compile(platform_for_target(target).step_compiler_options())
+    options = platform_for_target(target).step_compiler_options()
+    if isinstance(lowered, list):          # pipeline parallel: a program per stage
+        executable: Any = PipelineExecutables([stage.compile(options) for stage in lowered])
+        programs = executable.stages
+    else:
+        executable = lowered.compile(options)
+        programs = [executable]
     seconds = time.perf_counter() - start
-    stats = executable.memory_analysis()
-    temp = int(stats.temp_size_in_bytes) if stats is not None else 0
-    io = int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-             - stats.alias_size_in_bytes) if stats is not None else 0
-    logger.info("compiled step %dx%d for %s in %.1f s (temporaries %.1f MiB, arguments + "
-                "unaliased outputs %.1f MiB)", *shape, target or "cpu", seconds, temp / 2**20,
-                io / 2**20)
-    return CompiledBucket(shape, executable, seconds, temp, io)
+    temps, ios = zip(*(_memory_figures(program) for program in programs))
+    logger.info("compiled step %dx%d for %s in %.1f s (temporaries %s MiB, arguments + "
+                "unaliased outputs %s MiB%s)", *shape, target or "cpu", seconds,
+                "/".join(f"{t / 2**20:.1f}" for t in temps),
+                "/".join(f"{io / 2**20:.1f}" for io in ios),
+                ", per stage" if len(programs) > 1 else "")
+    return CompiledBucket(shape, executable, seconds, max(temps), max(ios), list(temps),
+                          list(ios))
 
 
 def plan_from_compiled(engine: AbstractEngine, config: EngineConfig, target: str | None,
-                       activation_bytes: int) -> KVCachePlan:
-    """The startup rule (runner/memory.py), for the target's memory when there is one."""
+                       activation_bytes: int | list[int]) -> KVCachePlan:
+    """The startup rule (runner/memory.py), for the target's memory when there is one.
+    activation_bytes: the step's temporaries, or each pipeline stage's (a list)."""
     memory = engine.platform.device_memory_bytes
+    if engine.pipeline is not None:         # pp > 1: startup's per-stage plan
+        return pipeline_kv_plan(engine, config, activation_bytes)[0]
+    if isinstance(activation_bytes, list):
+        activation_bytes = max(activation_bytes)
     return plan_kv_cache(config.cache_config, engine.arch, engine.kv_dtype,
                          engine.weight_bytes_per_device, activation_bytes,
                          engine.max_model_len, tp_size=engine.devices,
@@ -172,8 +220,9 @@ def check_weights_fit(engine: AbstractEngine, config: EngineConfig, target: str)
         raise KVCacheDoesNotFit(
             f"does not fit: the weights alone take {engine.weight_bytes_per_device / 2**30:.2f}"
             f" GiB per device, {excess / 2**30:.2f} GiB more than the {limit}, before any KV "
-            f"cache or activations; use more --tensor-parallel-size (now {engine.devices}) or "
-            "int8 weights (--quantization int8)", excess)
+            f"cache or activations; use more --tensor-parallel-size (now "
+            f"{config.parallel_config.tensor_parallel_size}) or --pipeline-parallel-size (now "
+            f"{engine.num_stages}), or int8 weights (--quantization int8)", excess)
 
 
 def compile_for_target(config: EngineConfig, target: str | None, output: str | Path, *,
@@ -212,38 +261,49 @@ def _compile_for_target(config: EngineConfig, target: str | None, output: Path,
     probes = [compile_bucket(probe.runner, shape, target)
               for shape in sorted({wanted[0], wanted[-1]})]
     # The probes ran with the smallest cache; with the planned one the same programs measure
-    # a few KB more (bookkeeping), so the plan keeps 1/64 + 1 MiB of room for that.
-    peak = max(p.temp_bytes for p in probes)
-    plan = plan_from_compiled(probe, config, target, peak + peak // 64 + (1 << 20))
+    # a few KB more (bookkeeping), so the plan keeps 1/64 + 1 MiB of room for that. Peaks
+    # are per pipeline stage (one entry at pp = 1): each stage's programs run on its devices.
+    peaks = _stage_peaks([p.stage_temp_bytes for p in probes])
+    probed = [peak + peak // 64 + (1 << 20) for peak in peaks]
+    plan = plan_from_compiled(probe, config, target, probed)
+    planned_with = probed
     if plan_only:
-        return _summary(probe, plan, target, [
-            {**p.describe(0), "file": None} for p in probes], peak, output)
+        return _summary(probe, config, plan, target, [
+            {**p.describe(0), "file": None} for p in probes], peaks, output, probed)
     for _ in range(2):
         logger.info("%s", plan.describe())
         buckets = _compile_and_write(config, target, plan, wanted, output)
-        activation = max(b["temp_bytes"] for b in buckets)
+        activation = _stage_peaks([b.get("stage_temp_bytes", [b["temp_bytes"]])
+                                   for b in buckets])
         # The probes ran with the smallest cache; the planned one may need a little more.
         # The plan stands if the true peak leaves room for its blocks, else plan again.
         replanned = plan_from_compiled(probe, config, target, activation)
         if replanned.num_blocks >= plan.num_blocks:
             break
         logger.warning("activation peak %.1f MiB (probed %.1f MiB) leaves %d KV blocks, not %d:"
-                       " compiling again for that", activation / 2**20, peak / 2**20,
-                       replanned.num_blocks, plan.num_blocks)
-        plan = replanned
+                       " compiling again for that", max(activation) / 2**20,
+                       max(peaks) / 2**20, replanned.num_blocks, plan.num_blocks)
+        plan, planned_with = replanned, activation
     else:
         raise RuntimeError("the activation peak kept growing with the planned cache")
-    plan = dataclasses.replace(plan, activation_bytes=activation)
+    plan = dataclasses.replace(plan, activation_bytes=max(activation))
     engine = probe      # the same fingerprint, weights and devices as the compiled engine
-    summary = _summary(engine, plan, target, buckets, activation, output)
+    summary = _summary(engine, config, plan, target, buckets, activation, output,
+                       planned_with)
     aot.write_manifest(output, {**summary, "engine_flags": flags, **expected_manifest(
         target_device_kind(target), engine.fingerprint, engine.devices, target,
         engine.info["dtype"], compiled_for_units(config, target))})
     return summary
 
 
+def _stage_peaks(stage_temps: list[list[int]]) -> list[int]:
+    """Each stage's largest temporaries over the buckets (lists in stage order)."""
+    return [max(temps) for temps in zip(*stage_temps)]
+
+
 def _compile_and_write(config: EngineConfig, target: str | None, plan: KVCachePlan,
                        shapes: list[tuple[int, int]], output: Path) -> list[dict[str, Any]]:
+    """Compile `shapes` against the planned cache and write their executables."""
     engine = build_abstract_engine(config, target, plan.num_blocks)
     output.mkdir(parents=True, exist_ok=True)
     buckets = []
@@ -255,16 +315,25 @@ def _compile_and_write(config: EngineConfig, target: str | None, plan: KVCachePl
     return buckets
 
 
-def _summary(engine: AbstractEngine, plan: KVCachePlan, target: str | None,
-             buckets: list[dict[str, Any]], activation: int, output: Path) -> dict[str, Any]:
+def _summary(engine: AbstractEngine, config: EngineConfig, plan: KVCachePlan,
+             target: str | None, buckets: list[dict[str, Any]], activation: list[int],
+             output: Path, planned_with: list[int] | None = None) -> dict[str, Any]:
+    """activation: each stage's measured temporaries (one entry at pp = 1); planned_with:
+    the temporaries the plan reserved, where not those (the probes' plus their margin)."""
+    stages = {}
+    if engine.pipeline is not None:
+        stages = {"stages": stage_summaries(engine, config, plan, activation,
+                                            planned_with or activation)}
     return {"target": target or "cpu", "platform": engine.platform.name,
             "topology": f"1x1x{engine.devices}", "devices": engine.devices,
+            "pipeline_parallel_size": engine.num_stages,
+            "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             **engine.info, "max_model_len": engine.max_model_len,
             "weights_bytes_per_device": engine.weight_bytes_per_device,
-            "activation_peak_bytes": activation,
+            "activation_peak_bytes": max(activation),
             "device_memory_bytes": engine.platform.device_memory_bytes,
             "kv_cache_bytes_per_device": plan.total_bytes,
             "kv_cache_blocks": plan.num_blocks, "block_size": plan.block_size,
             "kv_cache_tokens": plan.capacity_tokens, "plan_source": plan.source,
             "compile_seconds": round(sum(b["compile_seconds"] for b in buckets), 2),
-            "buckets": buckets, "output": str(output)}
+            "buckets": buckets, "output": str(output), **stages}

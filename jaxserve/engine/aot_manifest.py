@@ -39,6 +39,8 @@ def engine_fingerprint(config: EngineConfig, source_arch: Any, dtype: Any, kv_dt
         "max_prompt_logprobs_per_step": sc.max_prompt_logprobs_per_step,
         "tensor_parallel_size": pc.tensor_parallel_size,
         "enable_expert_parallel": pc.enable_expert_parallel,
+        "pipeline": (pc.pipeline_parallel_size, pc.pp_layer_partition)
+        if pc.pipeline_parallel_size > 1 else None,
         "attention_backend": config.runner_config.attention_backend,
         "spec": None if spec is None else (spec.method, spec.num_speculative_tokens,
                                            min(spec.disable_by_batch_size, sc.max_num_seqs)),
@@ -90,7 +92,8 @@ def aot_dir_for_engine(config: EngineConfig, placed: Any, dtype: Any, kv_dtype: 
     expected = expected_manifest(
         jax.devices()[0].device_kind,
         engine_fingerprint(config, placed.source_arch, dtype, kv_dtype, max_model_len),
-        placed.placement.tp, target, dtype, compiled_for_units(config, target))
+        placed.placement.tp * config.parallel_config.pipeline_parallel_size, target, dtype,
+        compiled_for_units(config, target))
     reason = aot.mismatch(manifest, expected)
     if reason is not None:
         logger.warning("--aot-dir %s not used, compiling instead: %s", directory, reason)

@@ -52,7 +52,7 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
     activation_bytes = 8 * t_max * max(arch.intermediate_size, arch.hidden_size) * 4 + \
         logits_rows * arch.vocab_size * 4 * 4
     # Pipeline stages plan per stage: the penalty tables sit on the last one.
-    penalty_bytes = PenaltyState.nbytes(sc.max_num_seqs + 1, arch.vocab_size)
+    penalty_bytes = penalty_table_bytes(config, arch)
     draft = None
     spec = config.spec_decode
     if spec is not None and spec.method == "draft_model":
@@ -66,7 +66,9 @@ def plan_memory(config: EngineConfig, cc: CacheConfig, placed: Any, family: Any,
             kv_plan = plan_pipeline_kv_cache(cc, placement, getattr(placed.params, "spec",
                                                                     placed.params),
                                              kv_dtype, penalty_bytes, activation,
-                                             max_model_len, dtype)
+                                             max_model_len, dtype,
+                                             stage_extra_bytes=pipeline_stage_extra_bytes(
+                                                 config, placement, lora_targets, dtype))
         else:
             kv_plan = placement.agree(plan_kv_cache(cc, arch, kv_dtype, weight_bytes,
                                                     activation, max_model_len,
@@ -102,6 +104,11 @@ def lora_targets_for(config: EngineConfig, family: Any, arch: ModelArch) -> dict
     return supported_targets(family, arch)
 
 
+def penalty_table_bytes(config: EngineConfig, arch: ModelArch) -> int:
+    """The sampler's penalty history tables (one row per sequence slot), on one device."""
+    return PenaltyState.nbytes(config.scheduler_config.max_num_seqs + 1, arch.vocab_size)
+
+
 def resident_bytes_per_device(config: EngineConfig, placed: Any, lora_targets: dict | None
                               ) -> int:
     """What lives as long as the weights, per device: the weights (a RestoringParams, still
@@ -110,13 +117,33 @@ def resident_bytes_per_device(config: EngineConfig, placed: Any, lora_targets: d
     arch, placement = placed.arch, placed.placement
     total = placement.weight_bytes_per_device(getattr(placed.params, "spec", placed.params),
                                               placed.resident_bytes)
-    total += PenaltyState.nbytes(config.scheduler_config.max_num_seqs + 1, arch.vocab_size)
-    if lora_targets is not None:   # the adapter slots come out of the weights' share
-        lc = config.lora_config
-        total += sum(arch.num_layers * (lc.max_loras + 1) * lc.max_lora_rank
-                     * (t.in_features + t.out_features) for t in lora_targets.values()
-                     ) * np.dtype(placed.dtype).itemsize
-    return total
+    total += penalty_table_bytes(config, arch)
+    # the adapter slots come out of the weights' share
+    return total + lora_slot_bytes(config, lora_targets, arch.num_layers, placed.dtype)
+
+
+def pipeline_stage_extra_bytes(config: EngineConfig, placement: Any,
+                               lora_targets: dict | None, dtype: Any) -> list[int]:
+    """What each pipeline stage's devices hold beside its weights, KV cache and temporaries:
+    its layers' LoRA slots, and the hidden states [T, H] float32 of the widest step that it
+    takes from the previous stage and hands to the next (XLA counts them among the stage
+    program's arguments and outputs, beside the step I/O runner/memory.py allows for)."""
+    hidden = config.scheduler_config.max_num_batched_tokens * placement.arch.hidden_size * 4
+    return [lora_slot_bytes(config, lora_targets, layers.num_layers, dtype)
+            + hidden * ((not layers.is_first) + (not layers.is_last))
+            for layers in placement.layers]
+
+
+def lora_slot_bytes(config: EngineConfig, lora_targets: dict | None, num_layers: int,
+                    dtype: Any) -> int:
+    """The adapter slots of `num_layers` layers, whole (0 with LoRA off): every slot (and
+    the base's zero slot) at max_lora_rank, A and B of every target."""
+    if lora_targets is None:
+        return 0
+    lc = config.lora_config
+    return sum(num_layers * (lc.max_loras + 1) * lc.max_lora_rank
+               * (t.in_features + t.out_features) for t in lora_targets.values()
+               ) * np.dtype(dtype).itemsize
 
 
 def load_draft(config: EngineConfig, arch: ModelArch, dtype: Any, platform: Platform,

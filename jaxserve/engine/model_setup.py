@@ -199,9 +199,13 @@ def _attach_executable_cache(runner: ModelRunner, placement: Any, aot_dir: str |
     """Shipped AOT executables (--aot-dir), else serialized step executables beside JAX's
     compilation cache (a warm start skips tracing too; single-process only)."""
     if aot_dir is not None:
+        from jaxserve.models.pipeline_placement import PipelinePlacement
         from jaxserve.runner.aot_executables import AotExecutables, execution_devices
 
-        runner.executable_cache = AotExecutables(aot_dir, execution_devices(placement.mesh))
+        stage_devices = [execution_devices(stage.mesh) for stage in placement.stages] \
+            if isinstance(placement, PipelinePlacement) else None
+        runner.executable_cache = AotExecutables(aot_dir, execution_devices(placement.mesh),
+                                                 stage_devices)
     elif cache_dir is not None and jax.process_count() == 1:
         runner.enable_executable_cache(os.path.join(cache_dir, "jaxserve-executables"))
 

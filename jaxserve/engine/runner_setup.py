@@ -109,11 +109,17 @@ def gemv_rows(shape: StepShape, cache_dir: str | None) -> int:
 def lora_slots(config: EngineConfig, family: Any, placement: Any, targets: dict, dtype: Any,
                abstract: bool = False) -> Any:
     """The device adapter slots (lora/stacks.py), split like their base kernels; abstract:
-    their ShapeDtypeStructs (an ahead-of-time compile)."""
+    their ShapeDtypeStructs (an ahead-of-time compile). Pipeline parallel: each stage's
+    slots for its own layers on its own devices (lora/pipeline_stacks.py)."""
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.lora.stacks import LoRAStacks
 
+    if isinstance(placement, PipelinePlacement):
+        from jaxserve.lora.pipeline_stacks import PipelineLoRAStacks
+
+        return PipelineLoRAStacks([lora_slots(config, family, stage, targets, dtype, abstract)
+                                   for stage in placement.stages], placement.layers)
     lc = config.lora_config
     specs = None
     if placement.mesh is not None:

@@ -358,6 +358,18 @@ _COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "export-tokenizer": cmd_expor
              "convert": cmd_convert, "compile": cmd_compile, "download": cmd_download}
 
 
+def _long_flag_names(argv: Sequence[str]) -> list[str]:
+    """vLLM's short engine flags (-tp 8, -pp=2, -q int8) as their long names."""
+    from jaxserve.entrypoints.vllm_compat import RENAMED
+
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        short = name.startswith("-") and not name.startswith("--")
+        out.append(RENAMED[name] + eq + value if short and name in RENAMED else arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_warnings: list[str] = []
@@ -373,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"jaxserve serve: error: {exc}", file=sys.stderr)
             return 2
         argv, vllm_warnings = ["serve", *translated.argv], translated.warnings
+    elif argv[:1] == ["compile"]:      # the engine flags' short vLLM spellings (-tp, -pp)
+        argv = ["compile", *_long_flag_names(argv[1:])]
     parser = build_parser()
     args = parser.parse_args(argv)
     args.vllm_warnings = vllm_warnings

@@ -3,7 +3,8 @@ manifest that says what they were compiled for.
 
     DIR/manifest.json           target, device kind, devices, versions, engine config hash,
                                 KV blocks, the memory plan, one entry per bucket
-    DIR/step-<T>x<S>.bin        pickle of (serialized executable, in_tree, out_tree)
+    DIR/step-<T>x<S>.bin        pickle of (serialized executable, in_tree, out_tree); a
+                                pipeline-parallel engine's: a list of them, one per stage
 
 `jaxserve serve --aot-dir DIR` (engine/aot_compile.py `open_aot_dir`) loads them instead of
 compiling when every manifest field matches the engine about to start; anything else
@@ -35,8 +36,14 @@ def bucket_file(shape: tuple[int, int]) -> str:
 
 
 def serialize_step(executable: Any) -> bytes:
+    """One bucket's executable as bytes (a PipelineExecutables: each stage's, in order)."""
     from jax.experimental import serialize_executable
 
+    from jaxserve.runner.pipeline_runner import PipelineExecutables
+
+    if isinstance(executable, PipelineExecutables):
+        return pickle.dumps([serialize_executable.serialize(stage)
+                             for stage in executable.stages])
     return pickle.dumps(serialize_executable.serialize(executable))
 
 
@@ -81,11 +88,14 @@ class AotExecutables:
     """The runner's executable source (the interface of runner/executable_cache.py): loads
     a bucket's executable from the directory onto ``devices`` (by position: the compile's
     device i is devices[i]); a missing bucket is a miss (the runner compiles it), and
-    nothing is stored."""
+    nothing is stored. stage_devices (pipeline parallel): each stage's devices, in stage
+    order; a bucket is then one executable per stage (a PipelineExecutables)."""
 
-    def __init__(self, directory: str | os.PathLike, devices: list[Any]) -> None:
+    def __init__(self, directory: str | os.PathLike, devices: list[Any],
+                 stage_devices: list[list[Any]] | None = None) -> None:
         self.directory = Path(directory)
         self.devices = list(devices)
+        self.stage_devices = stage_devices
         self.hits = 0
         self.misses = 0
 
@@ -97,11 +107,20 @@ class AotExecutables:
     def load(self, shape: tuple[int, int]) -> Any | None:
         from jax.experimental import serialize_executable
 
+        from jaxserve.runner.pipeline_runner import PipelineExecutables
+
         path = self.directory / bucket_file(shape)
         try:
-            serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-            executable = serialize_executable.deserialize_and_load(
-                serialized, in_tree, out_tree, execution_devices=self.devices)
+            data = pickle.loads(path.read_bytes())
+            if self.stage_devices is None:
+                executable = serialize_executable.deserialize_and_load(
+                    *data, execution_devices=self.devices)
+            else:
+                if not isinstance(data, list) or len(data) != len(self.stage_devices):
+                    raise ValueError(f"not {len(self.stage_devices)} pipeline stages")
+                executable = PipelineExecutables([
+                    serialize_executable.deserialize_and_load(*stage, execution_devices=devices)
+                    for stage, devices in zip(data, self.stage_devices)])
         except Exception as e:    # missing or unreadable: compile it, never fail the start
             logger.warning("ahead-of-time step %s not loaded from %s (%s: %s); compiling it",
                            shape, path, type(e).__name__, e)

@@ -150,7 +150,8 @@ class MultiProcessPipelineRunner(PipelineModelRunner):
                 start = time.perf_counter()
                 k_caches[i], v_caches[i], hidden = fn.stages[i](
                     params[i], k_caches[i], v_caches[i], first,
-                    put_replicated(packed, sharding), hidden if i else None)
+                    put_replicated(packed, sharding), hidden if i else None,
+                    None)       # no LoRA slots across processes (config.py refuses it)
                 self._trace(i, start, hidden)
             if self._crosses(i):
                 moved = hops.send([hidden] if hidden is not None else None,
@@ -163,7 +164,7 @@ class MultiProcessPipelineRunner(PipelineModelRunner):
             (k_caches[-1], v_caches[-1], self.last_tokens, self.penalty_state, out,
              prompt_out) = fn.stages[-1](
                 params[-1], k_caches[-1], v_caches[-1], self.last_tokens, self.penalty_state,
-                self._put(packed), bias_ids, bias_values, bitmask, None, hidden)
+                self._put(packed), bias_ids, bias_values, bitmask, None, hidden)   # no LoRA
             self._last_tokens[0] = self.last_tokens
             self._trace(self.num_stages - 1, start, out)
             returned = jax.tree.leaves((out, prompt_out, self.last_tokens))

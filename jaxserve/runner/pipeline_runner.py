@@ -69,9 +69,7 @@ class PipelineModelRunner(ModelRunner):
         per stage); micro_batches: steps of different micro-batches in flight at once
         (engine/micro_batches.py): each keeps its own device-side last tokens, so a step
         depends only on its own micro-batch's previous step. Everything else as
-        ModelRunner."""
-        if kwargs.get("lora") is not None:
-            raise ValueError("LoRA is not supported with pipeline_parallel_size > 1 yet")
+        ModelRunner (``lora``: a PipelineLoRAStacks, each stage's adapter slots)."""
         self.pipeline = pipeline
         # A step trace (benchmarks/bench_pipeline.py): when a list, each stage is waited for
         # and (stage, start, end) perf_counter seconds appended. Off while serving.
@@ -182,6 +180,12 @@ class PipelineModelRunner(ModelRunner):
                     "compilation cache still applies)")
 
     def _compile(self, num_tokens: int, num_seqs: int) -> PipelineExecutables:
+        """Bucket (T, S)'s programs: loaded from shipped executables (--aot-dir) when there,
+        else compiled stage by stage."""
+        if self.executable_cache is not None:
+            loaded = self.executable_cache.load((num_tokens, num_seqs))
+            if loaded is not None:
+                return loaded
         options = self._params_platform().step_compiler_options()
         return PipelineExecutables([lowered.compile(options)
                                     for lowered in self.lower_step(num_tokens, num_seqs)])
@@ -192,6 +196,7 @@ class PipelineModelRunner(ModelRunner):
         packed = layout.empty(self.batch.padding_row)
         k_specs, v_specs, last_tokens_spec, penalty_spec = self._state_specs
         hidden_shape = (num_tokens, self.arch.hidden_size)
+        lora = self._stage_lora_stacks()
         lowered, hidden = [], None
         for i, placement in enumerate(self.pipeline.stages):
             packed_spec = jax.ShapeDtypeStruct(packed.shape, packed.dtype,
@@ -208,15 +213,20 @@ class PipelineModelRunner(ModelRunner):
                     last_tokens_spec.shape, last_tokens_spec.dtype,
                     sharding=placement.input_sharding)
                 lowered.append(fn.lower(self._param_specs[i], k_specs[i], v_specs[i], last,
-                                        packed_spec, hidden))
+                                        packed_spec, hidden, lora[i]))
                 hidden = True          # the next stage starts from hidden states
                 continue
             consts = self._constants(num_seqs)
             lowered.append(self._jitted(layout, self.model).lower(
                 self._param_specs[i], k_specs[i], v_specs[i], last_tokens_spec, penalty_spec,
                 packed_spec, consts["bias_token_ids"], consts["bias_values"],
-                consts["grammar_bitmask"], None, hidden))
+                consts["grammar_bitmask"], lora[i], hidden))
         return lowered
+
+    def _stage_lora_stacks(self) -> list[Any]:
+        """Each stage's adapter slots (None per stage with LoRA off)."""
+        stacks = self._lora_stacks()
+        return [None] * self.num_stages if stacks is None else stacks
 
     def export_step(self, num_tokens: int, num_seqs: int, platform: str) -> Any:
         raise NotImplementedError("export_step of a pipeline-parallel engine: export each "
@@ -238,6 +248,7 @@ class PipelineModelRunner(ModelRunner):
         packed = inputs.packed.copy()     # each step owns its inputs (ModelRunner.run_step)
         params, k_caches, v_caches = self.params, self.k_cache, self.v_cache
         hidden = None
+        lora = self._stage_lora_stacks()
         micro_batch = self._micro_batch
         last_tokens = self._last_tokens[micro_batch]
         for i, placement in enumerate(self.pipeline.stages[:-1]):
@@ -248,14 +259,14 @@ class PipelineModelRunner(ModelRunner):
             start = time.perf_counter()
             k_caches[i], v_caches[i], hidden = fn.stages[i](
                 params[i], k_caches[i], v_caches[i], last, put_replicated(packed, sharding),
-                hidden)
+                hidden, lora[i])
             self._trace(i, start, hidden)
         hidden = jax.device_put(hidden, self.input_sharding)
         start = time.perf_counter()
         (k_caches[-1], v_caches[-1], last_tokens, self.penalty_state, out,
          prompt_out) = fn.stages[-1](
             params[-1], k_caches[-1], v_caches[-1], last_tokens, self.penalty_state,
-            self._put(packed), bias_ids, bias_values, bitmask, None, hidden)
+            self._put(packed), bias_ids, bias_values, bitmask, lora[-1], hidden)
         self._last_tokens[micro_batch] = last_tokens
         if micro_batch == 0:
             self.last_tokens = last_tokens

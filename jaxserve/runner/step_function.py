@@ -92,13 +92,16 @@ def step(params, k_cache, v_cache, last_tokens, penalty_state, packed, bias_toke
     return k_cache, v_cache, last_tokens, penalty_state, (out, num_emitted), prompt_out
 
 
-def stage_forward(params, k_cache, v_cache, last_tokens, packed, stage_input=None, *,
-                  model: Any, model_constants, layout: StepLayout):
+def stage_forward(params, k_cache, v_cache, last_tokens, packed, stage_input=None,
+                  lora_stacks=None, *, model: Any, model_constants, layout: StepLayout):
     """A pipeline stage before the last (runner/pipeline_runner.py): its layers over the flat
     token axis → (caches, hidden states [T, H]). The first stage starts from the token ids
     (``last_tokens``: the decodes' previous samples, copied from the last stage), the others
-    from ``stage_input``, the previous stage's hidden states."""
+    from ``stage_input``, the previous stage's hidden states. lora_stacks: this stage's
+    adapter slots (its layers only), None with LoRA off."""
     f = layout.unpack(packed)
+    if lora_stacks is not None:
+        params = with_lora(params, lora_stacks)
     model_input = resolve_token_ids(f["token_ids"], last_tokens) if stage_input is None \
         else stage_input
     hidden, k_cache, v_cache = apply_model(model, params, model_input, f["positions"],
