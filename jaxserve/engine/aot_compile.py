@@ -48,6 +48,7 @@ from jaxserve.engine.runner_setup import (
 from jaxserve.models.registry import family_for
 from jaxserve.platforms import Platform, platform_for_target
 from jaxserve.runner import aot_executables as aot
+from jaxserve.runner import persistent_cache_bypass
 from jaxserve.runner.memory import (
     KVCacheDoesNotFit,
     KVCachePlan,
@@ -135,7 +136,10 @@ def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | No
                    ) -> CompiledBucket:
     start = time.perf_counter()
     lowered = runner.lower_step(*shape)
-    executable = lowered.compile(platform_for_target(target).step_compiler_options())
+    # A real compile, never JAX's persistent cache: a copy it served is written without its
+    # kernels and fails in the process that loads it (runner/persistent_cache_bypass.py).
+    with persistent_cache_bypass.bypassing_persistent_cache():
+        executable = lowered.compile(platform_for_target(target).step_compiler_options())
     seconds = time.perf_counter() - start
     stats = executable.memory_analysis()
     temp = int(stats.temp_size_in_bytes) if stats is not None else 0
