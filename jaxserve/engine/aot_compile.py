@@ -56,6 +56,7 @@ from jaxserve.models.pipeline_placement import PipelinePlacement
 from jaxserve.models.registry import family_for
 from jaxserve.platforms import Platform, platform_for_target
 from jaxserve.runner import aot_executables as aot
+from jaxserve.runner import persistent_cache_bypass
 from jaxserve.runner.memory import (
     KVCacheDoesNotFit,
     KVCachePlan,
@@ -173,12 +174,16 @@ def compile_bucket(runner: ModelRunner, shape: tuple[int, int], target: str | No
     start = time.perf_counter()
     lowered = runner.lower_step(*shape)
     options = platform_for_target(target).step_compiler_options()
-    if isinstance(lowered, list):          # pipeline parallel: a program per stage
-        executable: Any = PipelineExecutables([stage.compile(options) for stage in lowered])
-        programs = executable.stages
-    else:
-        executable = lowered.compile(options)
-        programs = [executable]
+    # A real compile, never JAX's persistent cache: a copy it served is written without its
+    # kernels and fails in the process that loads it (runner/persistent_cache_bypass.py).
+    with persistent_cache_bypass.bypassing_persistent_cache():
+        if isinstance(lowered, list):          # pipeline parallel: a program per stage
+            executable: Any = PipelineExecutables([stage.compile(options)
+                                                   for stage in lowered])
+            programs = executable.stages
+        else:
+            executable = lowered.compile(options)
+            programs = [executable]
     seconds = time.perf_counter() - start
     temps, ios = zip(*(_memory_figures(program) for program in programs))
     logger.info("compiled step %dx%d for %s in %.1f s (temporaries %s MiB, arguments + "

@@ -106,13 +106,29 @@ def choose_by_step_times(timings: dict[int, tuple[float, float]]) -> DtypeChoice
     by a dtype's whole difference. A sum of step times would let the batch's long step
     outvote a 1.4x loss at one stream; a ratio against a fixed margin (bfloat16 under 0.8x)
     let a 1 % difference throw away a 1.4x win."""
-    if not timings:
-        raise ValueError("choose_by_step_times needs at least one row count's timings")
-    float32_worst = max(f / b for f, b in timings.values())
-    bfloat16_worst = max(b / f for f, b in timings.values())
+    float32_worst, bfloat16_worst = _worst_ratios(timings)
     keep_float32 = float32_worst <= max(1.0 + FLOAT32_TIE, bfloat16_worst)
     return DtypeChoice("float32" if keep_float32 else "bfloat16", float32_worst,
                        bfloat16_worst, dict(timings))
+
+
+def decision_margin(timings: dict[int, tuple[float, float]]) -> float:
+    """How far whole-step times {rows: (float32 ms, bfloat16 ms)} are from flipping
+    `choose_by_step_times`: float32's worst ratio over the most it may lose and be kept
+    (FLOAT32_TIE, or bfloat16's worst), or the inverse, whichever is >= 1. 1.0: on the edge;
+    1.1: every time would have to move ~5 % the right way to flip it. What lets the timing
+    stop calling early (dtype_step_timing.py)."""
+    float32_worst, bfloat16_worst = _worst_ratios(timings)
+    ratio = float32_worst / max(1.0 + FLOAT32_TIE, bfloat16_worst)
+    return max(ratio, 1.0 / ratio)
+
+
+def _worst_ratios(timings: dict[int, tuple[float, float]]) -> tuple[float, float]:
+    """(float32's worst step time over bfloat16's, the reverse) over the row counts."""
+    if not timings:
+        raise ValueError("choose_by_step_times needs at least one row count's timings")
+    return (max(f / b for f, b in timings.values()),
+            max(b / f for f, b in timings.values()))
 
 
 def resolve_dtype(name: str, platform: Platform | str, matrix_units: str = "auto",

@@ -19,11 +19,16 @@ dtype (kv-cache-dtype auto follows the model), every layer its own weights and c
 MEASURED_BYTES of weights (kernels/cpu/timings.py) with the same share of the LM head's
 vocabulary: a uniform slice of the step, whose time scaled by num_layers / layers is the
 step's. The two dtypes are interleaved, fastest of a few calls.
+
+What a cold start pays for it is mostly compiling: one program per dtype holds every row
+count's slice (a branch each), and the calls stop as soon as more of them cannot change the
+choice (`fastest_until_decided`); a warm start reads the stored result.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable
 
 import jax
@@ -32,8 +37,9 @@ import jax.numpy as jnp
 from jaxserve.kernels.cpu.timings import (
     MAX_LAYERS,
     MEASURED_BYTES,
+    branch_calls,
     compile_all,
-    fastest_calls,
+    filled,
     stored_or_measured,
 )
 
@@ -44,6 +50,14 @@ CONTEXT_TOKENS = 256
 BLOCK_SIZE = 16
 STORE = "jaxserve-dtype-step.json"
 DTYPES = ("float32", "bfloat16")
+# Rounds of calls (fastest_until_decided): at least MIN_ROUNDS, at most MAX_ROUNDS; none more
+# once the choice is DECISIVE-fold from flipping and the fastest calls it rests on CONFIRMED;
+# only the row counts within RELEVANT-fold of a dtype's worst ratio after MIN_ROUNDS.
+MIN_ROUNDS = 2
+MAX_ROUNDS = 5
+DECISIVE = 1.10
+RELEVANT = 1.10
+CONFIRMED = 1.03
 
 
 def step_row_counts(max_num_seqs: int, gemv_rows: int = 8, batch_cap: int = 64
@@ -58,8 +72,8 @@ def step_row_counts(max_num_seqs: int, gemv_rows: int = 8, batch_cap: int = 64
 
 class SyntheticStep:
     """One dtype's stacked decoder layers and a slice of the LM head of a model's shapes (the
-    same share of the vocabulary as of the layers), and programs that run them at a row
-    count."""
+    same share of the vocabulary as of the layers), and one program that runs them at each
+    row count timed."""
 
     def __init__(self, dtype: str, shape: Any, num_layers: int):
         self.dtype, self.shape = jnp.dtype(dtype), shape
@@ -68,37 +82,42 @@ class SyntheticStep:
         layer_bytes = sum(a * b for a, b in self.projections) * self.dtype.itemsize
         self.layers = max(1, min(num_layers, MAX_LAYERS, -(-MEASURED_BYTES // layer_bytes)))
         # Values do not change the kernels' speed; they only must be real, touched memory.
-        self.weights = [jnp.full((self.layers, a, b), 0.01, self.dtype)
+        self.weights = [filled((self.layers, a, b), 0.01, self.dtype)
                         for a, b in self.projections]
         self.num_layers = max(1, int(num_layers))
         vocab_rows = max(1, shape.vocab * self.layers // self.num_layers)
-        self.table = jnp.full((vocab_rows, h), 0.01, self.dtype)
+        self.table = filled((vocab_rows, h), 0.01, self.dtype)
 
-    def program(self, rows: int, gemv_rows: int) -> Callable[[], Any]:
-        """A `rows`-row decode step's `layers` decoder layers and the same share of its LM
-        head's vocabulary rows, compiled, as a call: a uniform slice of the whole step (it
-        takes layers / num_layers of its time)."""
+    def programs(self, row_counts: tuple[int, ...], gemv_rows: int
+                 ) -> dict[int, Callable[[], Any]]:
+        """{rows: a call that runs a `rows`-row decode step's `layers` decoder layers and
+        the same share of its LM head's vocabulary rows once}: a uniform slice of the whole
+        step (it takes layers / num_layers of its time). One compiled program holds every
+        row count's slice as a branch, picked by an index operand: compiling is most of a
+        timing's cost, and one compile costs less than one per row count."""
         from jaxserve.attention.cpu import paged_attention
         from jaxserve.kernels.cpu.matmul import layer_matmul
 
         dtype, layers, s = self.dtype, self.layers, self.shape
         pages = -(-CONTEXT_TOKENS // BLOCK_SIZE)
-        # every layer's pages apart (the engine's one cache, offset block tables per layer)
-        cache_shape = (layers * rows * pages, BLOCK_SIZE, s.kv_heads, s.head_dim)
-        kv_lens = jnp.full((rows,), CONTEXT_TOKENS, jnp.int32)
-        starts = jnp.arange(rows + 1, dtype=jnp.int32)
-        tables = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
-        head_rows = rows <= gemv_rows
+        most = max(row_counts)
+        # every layer's pages apart (the engine's one cache, offset block tables per layer);
+        # a branch of r rows reads the first layers * r * pages blocks
+        cache_shape = (layers * most * pages, BLOCK_SIZE, s.kv_heads, s.head_dim)
 
         def norm(x):
             x32 = x.astype(jnp.float32)
             return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
 
-        def matmul(x, w, layer):
-            return layer_matmul(x, w, layer, dtype, gemv_rows=gemv_rows)
-
-        def forward(weights, table, k_cache, v_cache, x):
+        def step_slice(rows, weights, table, k_cache, v_cache, x):
             wq, wk, wv, wo, wg, wu, wd = weights
+            kv_lens = jnp.full((rows,), CONTEXT_TOKENS, jnp.int32)
+            starts = jnp.arange(rows + 1, dtype=jnp.int32)
+            tables = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
+            head_rows = rows <= gemv_rows
+
+            def matmul(x, w, layer):
+                return layer_matmul(x, w, layer, dtype, gemv_rows=gemv_rows)
 
             def layer(l, x):
                 y = norm(x).astype(dtype)
@@ -114,17 +133,19 @@ class SyntheticStep:
 
             # the engine's LM head: the transposed GEMV on float32 rows up to its limit,
             # oneDNN on rows in the table's dtype above; then the greedy pick
-            y = norm(jax.lax.fori_loop(0, layers, layer, x))
+            y = norm(jax.lax.fori_loop(0, layers, layer, x[:rows]))
             logits = layer_matmul(y if head_rows else y.astype(dtype), table[None], 0,
                                   jnp.float32, transposed=True,
                                   gemv_rows=gemv_rows if head_rows else 0)
-            return jnp.argmax(logits, -1)
+            return jnp.sum(jnp.argmax(logits, -1))      # every row's pick, one shape
 
-        k_cache = jnp.full(cache_shape, 0.01, dtype)
-        v_cache = jnp.full(cache_shape, 0.01, dtype)
-        x = jnp.full((rows, s.hidden), 0.5, dtype)
-        args = (self.weights, self.table, k_cache, v_cache, x)
-        return functools.partial(jax.jit(forward).lower(*args).compile(), *args)
+        def forward(index, weights, table, k_cache, v_cache, x):
+            branches = [functools.partial(step_slice, rows) for rows in row_counts]
+            return jax.lax.switch(index, branches, weights, table, k_cache, v_cache, x)
+
+        args = (self.weights, self.table, filled(cache_shape, 0.01, dtype),
+                filled(cache_shape, 0.01, dtype), filled((most, s.hidden), 0.5, dtype))
+        return branch_calls(forward, len(row_counts), args, row_counts)
 
 
 def load_or_measure(cache_dir: str | None, shape: Any, num_layers: int, max_num_seqs: int,
@@ -147,16 +168,59 @@ def load_or_measure(cache_dir: str | None, shape: Any, num_layers: int, max_num_
 
 @functools.lru_cache(maxsize=None)
 def _measure(shape: Any, num_layers: int, row_counts: tuple[int, ...],
-             gemv_rows: tuple[tuple[str, int], ...], repeats: int = 5) -> dict:
-    """{rows: {dtype: ms per step}}: each slice's time scaled to the model's layers, the two
-    dtypes interleaved (a shared box's drift slows both alike)."""
+             gemv_rows: tuple[tuple[str, int], ...]) -> dict:
+    """{rows: {dtype: ms per step}}: each slice's time scaled to the model's layers, the
+    fastest of its calls (`fastest_until_decided`)."""
     limits = dict(gemv_rows)
     steps = {name: SyntheticStep(name, shape, num_layers) for name in DTYPES}
-    programs = compile_all({(rows, name): functools.partial(step.program, rows, limits[name])
-                            for rows in row_counts for name, step in steps.items()})
-    result = {}
-    for rows in row_counts:
-        best = fastest_calls({name: programs[rows, name] for name in DTYPES}, repeats)
-        result[str(rows)] = {name: best[name] * steps[name].num_layers / steps[name].layers
-                             for name in DTYPES}
-    return result
+    programs = compile_all({name: functools.partial(step.programs, row_counts, limits[name])
+                            for name, step in steps.items()})
+    scale = {name: step.num_layers / step.layers for name, step in steps.items()}
+    best = fastest_until_decided({(rows, name): programs[name][rows]
+                                  for rows in row_counts for name in DTYPES}, scale)
+    return {str(rows): {name: best[rows][name] for name in DTYPES} for rows in row_counts}
+
+
+def fastest_until_decided(calls: dict[tuple[int, str], Callable[[], Any]],
+                          scale: dict[str, float],
+                          clock: Callable[[], float] = time.perf_counter
+                          ) -> dict[int, dict[str, float]]:
+    """{rows: {dtype: fastest call in ms x scale[dtype]}} of `calls` {(rows, dtype): call},
+    in rounds that run every call once, the dtypes in alternating order (a shared box's
+    drift slows both alike), after one untimed call each.
+
+    Calls stop where more of them cannot change what `choose_by_step_times` picks: after
+    MIN_ROUNDS, once the timings are DECISIVE (the choice is that far from flipping) and
+    every fastest call the choice rests on is confirmed (a second call within CONFIRMED of
+    it: a neighbour's burst rarely slows two calls alike), or after MAX_ROUNDS; and a later
+    round runs only the row counts whose ratio is within RELEVANT of a dtype's worst (the
+    only ones the rule reads). Near the flip, or on a box too busy for two calls to agree,
+    every row count that can decide it gets every round, as before. `clock`: seconds (a
+    test's fake one)."""
+    from jaxserve.engine.compute_dtype import decision_margin
+
+    for call in calls.values():         # warm up (oneDNN builds its kernels at a first call)
+        jax.block_until_ready(call())
+    times: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
+    row_counts = sorted({rows for rows, _ in calls})
+    timed = list(row_counts)
+    best: dict[int, dict[str, float]] = {}
+    for round_ in range(MAX_ROUNDS):
+        for rows in timed:
+            for name in (DTYPES if round_ % 2 else DTYPES[::-1]):
+                start = clock()
+                jax.block_until_ready(calls[rows, name]())
+                times[rows, name].append((clock() - start) * 1e3 * scale[name])
+        best = {rows: {name: min(times[rows, name]) for name in DTYPES} for rows in row_counts}
+        if round_ + 1 < MIN_ROUNDS:
+            continue
+        pairs = {rows: (t["float32"], t["bfloat16"]) for rows, t in best.items()}
+        f32_worst = max(f / b for f, b in pairs.values())
+        bf16_worst = max(b / f for f, b in pairs.values())
+        timed = [rows for rows, (f, b) in pairs.items()
+                 if f / b * RELEVANT >= f32_worst or b / f * RELEVANT >= bf16_worst]
+        confirmed = all(sorted(times[rows, name])[1] <= CONFIRMED * best[rows][name]
+                        for rows in timed for name in DTYPES)
+        if confirmed and decision_margin(pairs) >= DECISIVE:
+            break
+    return best

@@ -132,6 +132,10 @@ class AotExecutables:
     def store(self, shape: tuple[int, int], executable: Any) -> None:
         return None
 
+    def store_compiled(self, shape: tuple[int, int], executable: Any,
+                       from_jax_cache: bool) -> None:
+        return None
+
 
 def execution_devices(mesh: Any) -> list[Any]:
     """The devices a step runs on, in the order a compile for the same mesh shape numbers

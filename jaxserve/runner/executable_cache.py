@@ -20,8 +20,11 @@ A file that fails to load is treated as a miss and recompiled.
 Only executables compiled in this process are stored, never one read back from JAX's
 persistent cache: an XLA:CPU executable that came from that cache serializes without its
 kernels, and loading the copy fails at its first call ("Function wrapped_slice.3 not
-found"; seen with jax 0.10.2). Such a step is served, just not stored here; the start that
-next compiles it stores it.
+found"; seen with jax 0.10.2). Such a step is served as it came, and noted (`unstored`):
+after warm-up the runner compiles it once more around JAX's cache, in the background, and
+stores that (runner/step_compilation.py). Without this, a code change that leaves the step's
+HLO unchanged (a new key here, a hit in JAX's cache) would leave this store empty for good
+and every later start compiling.
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ class ExecutableCache:
         self.directory = Path(directory) / key
         self.hits = 0
         self.misses = 0
+        # Buckets JAX's persistent cache served this start: stored after a compile around it.
+        self.unstored: set[tuple[int, int]] = set()
+        self.refilled = 0           # of those, stored since
 
     @contextlib.contextmanager
     def compiling(self) -> Iterator[Callable[[], bool]]:
@@ -136,6 +142,15 @@ class ExecutableCache:
             return None
         self.hits += 1
         return executable
+
+    def store_compiled(self, shape: tuple[int, int], executable: Any,
+                       from_jax_cache: bool) -> None:
+        """Store an executable compiled in this process; one JAX's persistent cache served
+        (see `compiling`) is noted in `unstored` instead."""
+        if from_jax_cache:
+            self.unstored.add(shape)
+        else:
+            self.store(shape, executable)
 
     def store(self, shape: tuple[int, int], executable: Any) -> None:
         from jax.experimental import serialize_executable

@@ -5,7 +5,8 @@ while some are still compiling.
 `StepCompilation` is a mixin of `ModelRunner` (as vLLM's runner mixins): it uses the
 runner's model, layout, shapes and device placement (`_layout`, `_constants`, `_put`,
 `_params_platform`, `_param_specs`, `_state_specs`, `batch`, `buckets`), and owns `_steps`
-((T, S) -> executable), `all_compiled`, `_wanted`, `_stop_compiling` and `_compile_thread`.
+((T, S) -> executable), `all_compiled`, `background_done`, `_wanted`, `_stop_compiling` and
+`_compile_thread`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class StepCompilation:
         # Set once every bucket is compiled (warmup); until then a step may run padded in the
         # smallest compiled bucket that fits (see warmup(background=True)).
         self.all_compiled = threading.Event()
+        # Set when the background thread is done: the buckets compiled, and the executable
+        # cache refilled with the ones JAX's persistent cache served (or nothing to do).
+        self.background_done = threading.Event()
         self._stop_compiling = threading.Event()
         self._compile_thread: threading.Thread | None = None
         self._wanted: set[tuple[int, int]] = set()   # buckets steps ran padded for, meanwhile
@@ -99,9 +103,47 @@ class StepCompilation:
         with (cache.compiling() if cache is not None else contextlib.nullcontext()) as hit:
             executable = self.lower_step(num_tokens, num_seqs).compile(
                 self._params_platform().step_compiler_options())
-            if cache is not None and not hit():
-                cache.store((num_tokens, num_seqs), executable)
+            if cache is not None:
+                cache.store_compiled((num_tokens, num_seqs), executable, hit())
         return executable
+
+    def _store_served_from_jax_cache(self) -> None:
+        """Compile once more, around JAX's persistent cache, each bucket that cache served
+        this start, and store those executables (runner/executable_cache.py: what it served
+        cannot be stored). The served ones keep running; this only fills the store, so the
+        next start loads instead of compiling."""
+        cache = self.executable_cache
+        todo = sorted(getattr(cache, "unstored", ()))
+        # Only where a compile's scratch is host RAM (XLA:CPU, whose served executables lose
+        # their kernels): on an accelerator the KV cache now holds the memory a compile's
+        # autotuning would take, and its served executables were not seen to need this.
+        if not todo or not self._params_platform().memory_is_host_ram:
+            return
+        from jaxserve.runner import persistent_cache_bypass
+
+        if not persistent_cache_bypass.available():
+            logger.info("%d step executables came from JAX's compilation cache and cannot be "
+                        "stored (this jax has no way around that cache)", len(todo))
+            return
+        start = time.perf_counter()
+        for shape in todo:
+            if self._stop_compiling.is_set():
+                return
+            with persistent_cache_bypass.bypassing_persistent_cache(), \
+                    cache.compiling() as hit:
+                executable = self.lower_step(*shape).compile(
+                    self._params_platform().step_compiler_options())
+                served = hit()
+            if served:      # the bypass did not hold: storing this copy would break a start
+                logger.warning("step %s still came from JAX's compilation cache; not stored",
+                               shape)
+                continue
+            cache.store(shape, executable)
+            cache.unstored.discard(shape)
+            cache.refilled += 1
+        logger.info("stored %d step executables that JAX's compilation cache had served "
+                    "(compiled again around it in %.1f s): the next start loads them",
+                    cache.refilled, time.perf_counter() - start)
 
     def lower_step(self, num_tokens: int, num_seqs: int) -> Any:
         """Bucket (T, S)'s step lowered against the shapes and shardings of its arguments
@@ -163,6 +205,8 @@ class StepCompilation:
                     loaded, f"; compiling {len(rest)} more in the background" if rest else "")
         if not rest:
             self.all_compiled.set()
+        if not rest and not getattr(self.executable_cache, "unstored", None):
+            self.background_done.set()
             return
         self._compile_thread = threading.Thread(
             target=self._compile_in_background, args=(rest,), daemon=True,
@@ -203,6 +247,21 @@ class StepCompilation:
             bar.close()
 
     def _compile_in_background(self, shapes: list[tuple[int, int]]) -> None:
+        """The background thread: compile `shapes` (warm-up's rest), then store what JAX's
+        persistent cache served (`_store_served_from_jax_cache`)."""
+        try:
+            self._compile_rest(shapes)
+            if not self._stop_compiling.is_set():
+                self._store_served_from_jax_cache()
+        except Exception:   # the store is an optimisation: serving goes on without it
+            logger.exception("storing the step executables failed; the next start compiles")
+        finally:
+            self._compile_thread = None
+            self.background_done.set()
+
+    def _compile_rest(self, shapes: list[tuple[int, int]]) -> None:
+        if not shapes:
+            return
         start = time.perf_counter()
         todo = list(shapes)
         try:
@@ -221,7 +280,6 @@ class StepCompilation:
             logger.exception("background compile failed; missing buckets compile on demand")
         finally:
             self.all_compiled.set()
-            self._compile_thread = None
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until warm-up has compiled every bucket (background compiles included)."""

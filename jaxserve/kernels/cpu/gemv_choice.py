@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from jaxserve.kernels.cpu.timings import (
     MAX_LAYERS,
     StackedProjections,
-    compile_all,
     fastest_calls,
     stored_or_measured,
 )
@@ -72,12 +71,12 @@ def measure_gemv_rows(dtype, shapes: tuple[tuple[int, int], ...], num_layers: in
 def _measure(dtype_name: str, shapes: tuple[tuple[int, int], ...], num_layers: int,
              repeats: int) -> GemvChoice:
     stack = StackedProjections(dtype_name, shapes, num_layers)
-    programs = compile_all({(rows, kernel): functools.partial(
-        stack.program, rows, rows if kernel == "gemv" else 0)
-        for rows in ROW_COUNTS for kernel in ("gemv", "onednn")})
+    # (rows, the GEMV's limit): the GEMV takes `rows` at a limit of `rows`, oneDNN at 0
+    programs = stack.programs(tuple((rows, limit) for rows in ROW_COUNTS
+                                    for limit in (rows, 0)))
     timings: dict[int, tuple[float, float]] = {}
     for rows in ROW_COUNTS:
-        best = fastest_calls({kernel: programs[rows, kernel] for kernel in ("gemv", "onednn")},
+        best = fastest_calls({"gemv": programs[rows, rows], "onednn": programs[rows, 0]},
                              repeats, per=stack.layers)
         timings[rows] = (best["gemv"], best["onednn"])
     return GemvChoice(choose_rows(timings), timings)

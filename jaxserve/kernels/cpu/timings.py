@@ -20,10 +20,11 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -55,28 +56,57 @@ class StackedProjections:
         layer_bytes = sum(i * o for i, o in shapes) * self.dtype.itemsize
         self.layers = max(1, min(num_layers, MAX_LAYERS, -(-MEASURED_BYTES // layer_bytes)))
         # Values do not change the kernels' speed; they only must be real, touched memory.
-        self.weights = [jnp.full((self.layers, i, o), 0.01, self.dtype) for i, o in shapes]
+        self.weights = [filled((self.layers, i, o), 0.01, self.dtype) for i, o in shapes]
 
     def program(self, rows: int, gemv_rows: int) -> Callable[[], Any]:
         """A compiled forward at `rows` rows (the GEMV at <= gemv_rows, else oneDNN: the
         engine's `layer_matmul`), as a call that runs it once."""
+        return self.programs(((rows, gemv_rows),))[rows, gemv_rows]
+
+    def programs(self, variants: tuple[tuple[int, int], ...]
+                 ) -> dict[tuple[int, int], Callable[[], Any]]:
+        """{(rows, gemv_rows): a call that runs the forward once at `rows` rows (the GEMV at
+        <= gemv_rows, else oneDNN: the engine's `layer_matmul`)}, every variant a branch of
+        one compiled program picked by an index operand: compiling is most of a timing's
+        cost, and one compile costs less than one per variant."""
         from jaxserve.kernels.cpu.matmul import layer_matmul
 
         dtype, layers = self.dtype, self.layers
 
-        def forward(weights, xs, carry):
+        def forward(rows, gemv_rows, weights, xs, carry):
             def layer(l, carry):
                 total = carry
                 for x, w in zip(xs, weights):
-                    y = layer_matmul((x + carry).astype(dtype), w, l, jnp.float32,
+                    y = layer_matmul((x[:rows] + carry).astype(dtype), w, l, jnp.float32,
                                      gemv_rows=gemv_rows)
                     total = total + 1e-9 * y[0, 0]        # every call feeds the next layer
                 return total
             return jax.lax.fori_loop(0, layers, layer, carry)
 
-        xs = [jnp.full((rows, i), 0.5, jnp.float32) for i, _ in self.shapes]
-        fn = jax.jit(forward).lower(self.weights, xs, jnp.float32(0)).compile()
-        return functools.partial(fn, self.weights, xs, jnp.float32(0))
+        def switch(index, weights, xs, carry):
+            return jax.lax.switch(index, [functools.partial(forward, *v) for v in variants],
+                                  weights, xs, carry)
+
+        most = max(rows for rows, _ in variants)
+        xs = [filled((most, i), 0.5, jnp.float32) for i, _ in self.shapes]
+        carry = jax.device_put(np.float32(0))
+        return branch_calls(switch, len(variants), (self.weights, xs, carry), variants)
+
+
+def filled(shape: tuple[int, ...], value: float, dtype: Any) -> jax.Array:
+    """An array of `value` made on the host: a jnp.full per shape would compile a program of
+    its own, and a timing's setup makes dozens."""
+    return jax.device_put(np.full(shape, value, dtype))
+
+
+def branch_calls(switch: Callable[..., Any], branches: int, args: tuple,
+                 names: Sequence[Hashable]) -> dict[Hashable, Callable[[], Any]]:
+    """Compile `switch(index, *args)` (a `lax.switch` over `branches` branches) once; returns
+    {names[i]: a call that runs branch i on `args`}."""
+    indices = [jax.device_put(np.int32(i)) for i in range(branches)]
+    compiled = jax.jit(switch).lower(indices[0], *args).compile()
+    return {name: functools.partial(compiled, index, *args)
+            for name, index in zip(names, indices)}
 
 
 def compile_all(builders: dict[Hashable, Callable[[], Callable[[], Any]]]
