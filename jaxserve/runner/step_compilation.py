@@ -48,9 +48,11 @@ def _stop_background_compiles() -> None:
 
 
 def wait_for_background_compiles(timeout: float | None = None) -> bool:
-    """Block until every runner of this process has compiled all its buckets (tests that
+    """Block until every runner of this process has compiled all its buckets and its
+    background thread is done (the executable store's refill compiles too: tests that
     assert "no compile after warm-up" wait here first). False on timeout."""
-    return all(runner.all_compiled.wait(timeout) for runner in list(_BACKGROUND_COMPILES))
+    return all(runner.all_compiled.wait(timeout) and runner.background_done.wait(timeout)
+               for runner in list(_BACKGROUND_COMPILES))
 
 
 class StepCompilation:
