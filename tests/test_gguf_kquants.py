@@ -144,3 +144,74 @@ def test_packed_tensors_keep_a_float_copy_within_the_budget(k_quant_gguf):
     alone = load_model(str(path), tokenizer=str(model_dir), quantization="gguf",
                        gguf_float_copy_budget=copy_bytes - 1).weights
     assert not set(copies) & set(alone) and set(alone) == set(both) - set(copies)
+
+
+def test_a_default_packed_gguf_reads_its_float_copy_fused(k_quant_gguf, monkeypatch):
+    """A GGUF packed by default keeps its float copy for steps of many rows; q|k|v and
+    gate|up are stored side by side (models/sibling_fusion.py) and read in one matmul per
+    group where every member is packed: the blocks per member stay, each member's own copy
+    goes, and the engine's prompt
+    logits (a 14-token step: the copy's rows) and greedy tokens are those of the copy kept
+    per member."""
+    import jax.numpy as jnp
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.kernels.cpu.matmul import GGUF_TARGET
+    from jaxserve.models import sibling_fusion
+
+    model_dir, path, _ = k_quant_gguf
+    kwargs = dict(tokenizer=str(model_dir), dtype="bfloat16", max_model_len=64, max_num_seqs=2,
+                  max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20)
+    prompt = [11, 23, 98, 421, 77, 5, 300, 301, 7, 8, 99, 100, 12, 13]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(sibling_fusion, "fuse_packed_float_copies", lambda p: [])
+        llm = LLM(str(path), **kwargs)
+        layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
+        # this file packs gate, up and v but not q and k: gate|up fuse, q|k|v do not
+        assert ("gate_up_proj" in layers) == fused and "qkv_proj" not in layers
+        assert ("kernel" in layers["gate_proj"]) != fused
+        assert layers["gate_proj"]["q5_k"].dtype == jnp.uint8
+        assert "kernel" in layers["v_proj"] and "kernel" in layers["down_proj"]
+        if fused:
+            assert layers["gate_up_proj"]["kernel"].shape[1:] == (256, 2 * 256)
+        results[fused] = (np.asarray(llm.llm_engine.prompt_logits(prompt)),
+                          [o.outputs[0].token_ids for o in llm.generate(
+                              [prompt, prompt[:9]], params, use_tqdm=False)])
+        runner = llm.llm_engine.engine_core.runner
+        runner.wait_until_compiled()
+        # the widest step reads float copies only (the blocks at most in the tied LM head)
+        assert runner._steps[max(runner._steps)].as_text().count(GGUF_TARGET) <= 1
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=2e-2, atol=2e-2)
+    assert np.mean(results[True][0].argmax(-1) == results[False][0].argmax(-1)) >= 0.9
+    assert results[True][1] == results[False][1]
+
+
+@pytest.mark.fast
+def test_sibling_float_copies_fuse_only_where_every_member_is_packed_with_a_copy():
+    from jaxserve.models.sibling_fusion import fuse_packed_float_copies
+
+    rng = np.random.default_rng(1)
+
+    def member(out, packed=True, dtype=np.float32):
+        leaf = {"kernel": rng.standard_normal((2, 8, out)).astype(dtype)}
+        if packed:
+            leaf["q8_0"] = np.zeros((2, out, 34), np.uint8)
+        return leaf
+
+    layers = {"q_proj": member(8), "k_proj": member(4), "v_proj": member(4),
+              "gate_proj": member(6), "up_proj": member(6, packed=False),
+              "o_proj": member(8)}
+    kernels = {name: leaf["kernel"] for name, leaf in layers.items()}
+    assert fuse_packed_float_copies({"params": {"layers": layers}}) == ["qkv_proj"]
+    np.testing.assert_array_equal(layers["qkv_proj"]["kernel"], np.concatenate(
+        [kernels["q_proj"], kernels["k_proj"], kernels["v_proj"]], axis=2))
+    assert all("kernel" not in layers[n] and "q8_0" in layers[n]
+               for n in ("q_proj", "k_proj", "v_proj"))
+    # gate|up: up holds no blocks (a plain float projection), so neither is fused
+    assert "gate_up_proj" not in layers and "kernel" in layers["gate_proj"]
+    assert "kernel" in layers["o_proj"]
+    mixed = {"gate_proj": member(6), "up_proj": member(6, dtype=np.float16)}
+    assert fuse_packed_float_copies({"params": {"layers": mixed}}) == []

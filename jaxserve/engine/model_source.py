@@ -154,6 +154,13 @@ def _load_and_place(config: EngineConfig, model_path: str, mesh: Any, platform: 
     host_params = family.params_from_weights(placement.prepare(loaded.weights), placement.arch)
     if quantization == "int8":
         host_params = quantize_params_int8(host_params)
+    if quantization == "gguf":      # the float copy's q|k|v, gate|up: one matmul per group
+        from jaxserve.models.sibling_fusion import fuse_packed_float_copies
+
+        fused = fuse_packed_float_copies(host_params)
+        if fused:
+            logger.info("GGUF float copy stored fused for steps of many rows: %s",
+                        ", ".join(fused))
     resident_bytes = sum(np.asarray(w).nbytes for w in jax.tree.leaves(host_params))
     params = placement.place(host_params)
     del loaded.weights, host_params

@@ -19,14 +19,16 @@ import jax.numpy as jnp
 from jaxserve.attention.backend import AttentionBackend
 from jaxserve.models.layer_matmul import (
     IN_PLACE_DTYPES,
+    MAX_ROWS,
     SMALL_LOGITS_MAX_ROWS,
     GemvOperand,
     LayerWeights,
     ProjectionWeights,
     grouped_gemv,
+    layer_matmul,
     small_logits,
 )
-from jaxserve.models.linear_method import linear_method_for
+from jaxserve.models.linear_method import float32_accumulating_dot, linear_method_for
 from jaxserve.models.lora import lora_delta
 from jaxserve.quantization.gguf_packed import (
     GGUF_BLOCK_ROWS,
@@ -121,16 +123,35 @@ class Linear(nn.Module):
 
 
 def sibling_projections(x: jax.Array, layers: tuple[Linear, ...],
-                        lora_slots: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                        lora_slots: jax.Array | None = None,
+                        fused: ProjectionWeights | None = None) -> tuple[jax.Array, ...]:
     """Each layer applied to x; where all of them take the CPU's streaming GEMV (a decode
     step of a few rows), their products come from one library call: a decode layer's q/k/v
     and gate/up are small (SmolLM2's k_proj streams 0.44 MB in ~20 us) and each call of its
-    own paid ~25-30 us of thunk and thread-pool wake-up beyond that."""
+    own paid ~25-30 us of thunk and thread-pool wake-up beyond that. ``fused``: the layers'
+    float copies stored side by side (models/sibling_fusion.py), which steps of more than
+    GGUF_BLOCK_ROWS rows read in one matmul instead of one per layer."""
+    if fused is not None and x.ndim == 2 and x.shape[0] > GGUF_BLOCK_ROWS:
+        products = _fused_products(x, fused, [layer.features for layer in layers])
+        return tuple(layer(x, lora_slots, product=p) for layer, p in zip(layers, products))
     operands = [layer.gemv_operand(x) for layer in layers]
     products = grouped_gemv(x, operands) if all(op is not None for op in operands) else None
     if products is None:
         return tuple(layer(x, lora_slots) for layer in layers)
     return tuple(layer(x, lora_slots, product=p) for layer, p in zip(layers, products))
+
+
+def _fused_products(x: jax.Array, fused: ProjectionWeights, features: list[int]
+                    ) -> list[jax.Array]:
+    """x @ each member's float copy, from one product with their concatenation (float32)."""
+    kernel, layer = fused.leaves["kernel"], fused.layer
+    if x.shape[0] <= MAX_ROWS:        # read in place by the library (models/layer_matmul.py)
+        y = layer_matmul(x, kernel, layer, jnp.float32, fused.gemv_rows)
+    else:
+        w = jax.lax.dynamic_index_in_dim(kernel, layer, 0, keepdims=False)
+        y = float32_accumulating_dot(x.astype(w.dtype), w)
+    ends = [sum(features[:i + 1]) for i in range(len(features))]
+    return [y[:, end - width:end] for end, width in zip(ends, features)]
 
 
 class Embedding(nn.Module):
@@ -248,7 +269,8 @@ def paged_self_attention(h: jax.Array, cfg: AttentionConfig, cache: PagedCache,
     q, k, v = sibling_projections(h, (
         dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias, in_place),
         dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias, in_place),
-        dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias, in_place)), lora)
+        dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias, in_place)), lora,
+        fused=in_place.projection("qkv_proj") if in_place is not None else None)
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
     k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -291,6 +313,7 @@ def gated_mlp(h: jax.Array, intermediate_size: int, hidden_size: int, activation
     (meta.lora_slots) when LoRA is on; in_place: see `dense`."""
     gate, up = sibling_projections(h, (dense(intermediate_size, "gate_proj", dtype, False, in_place),
                                        dense(intermediate_size, "up_proj", dtype, False, in_place)),
-                                   lora_slots)
+                                   lora_slots, fused=in_place.projection("gate_up_proj")
+                                   if in_place is not None else None)
     act = ACTIVATIONS[activation](gate.astype(jnp.float32)) * up.astype(jnp.float32)
     return dense(hidden_size, "down_proj", dtype, False, in_place)(act.astype(dtype), lora_slots)
