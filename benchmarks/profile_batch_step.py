@@ -92,6 +92,7 @@ def capture_step(llm, rows: int, context: int, tokens_before: int):
     from jaxserve import SamplingParams
 
     runner = llm.llm_engine.engine_core.runner
+    runner.wait_until_compiled()     # else a step runs in a larger bucket compiled already
     run_step = runner.run_step
     seen = []
 
