@@ -160,8 +160,10 @@ def test_a_default_packed_gguf_reads_its_float_copy_fused(k_quant_gguf, monkeypa
     from jaxserve.models import sibling_fusion
 
     model_dir, path, _ = k_quant_gguf
+    # bf16 units (emulated by oneDNN where this CPU lacks them): where the fusion pays
     kwargs = dict(tokenizer=str(model_dir), dtype="bfloat16", max_model_len=64, max_num_seqs=2,
-                  max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20)
+                  max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20,
+                  matrix_units="avx512")
     prompt = [11, 23, 98, 421, 77, 5, 300, 301, 7, 8, 99, 100, 12, 13]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     results = {}
@@ -187,6 +189,30 @@ def test_a_default_packed_gguf_reads_its_float_copy_fused(k_quant_gguf, monkeypa
     np.testing.assert_allclose(results[True][0], results[False][0], rtol=2e-2, atol=2e-2)
     assert np.mean(results[True][0].argmax(-1) == results[False][0].argmax(-1)) >= 0.9
     assert results[True][1] == results[False][1]
+
+
+def test_without_bf16_units_each_projection_keeps_its_float_copy(k_quant_gguf):
+    """--matrix-units none (an AVX2 CPU's path): the fused calls measured no faster there
+    (slower in float32), so the float copy stays one per projection."""
+    from jaxserve import LLM
+
+    model_dir, path, _ = k_quant_gguf
+    llm = LLM(str(path), tokenizer=str(model_dir), dtype="bfloat16", max_model_len=64,
+              max_num_seqs=2, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20,
+              matrix_units="none")
+    layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
+    assert "gate_up_proj" not in layers and "kernel" in layers["gate_proj"] \
+        and "q5_k" in layers["gate_proj"]
+
+
+@pytest.mark.fast
+def test_the_fusion_pays_for_bf16_copies_on_bf16_units_only():
+    import jax.numpy as jnp
+
+    from jaxserve.models.sibling_fusion import fusion_pays
+
+    assert fusion_pays(jnp.bfloat16, True)
+    assert not fusion_pays(jnp.bfloat16, False) and not fusion_pays(jnp.float32, True)
 
 
 @pytest.mark.fast

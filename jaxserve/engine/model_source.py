@@ -155,9 +155,12 @@ def _load_and_place(config: EngineConfig, model_path: str, mesh: Any, platform: 
     if quantization == "int8":
         host_params = quantize_params_int8(host_params)
     if quantization == "gguf":      # the float copy's q|k|v, gate|up: one matmul per group
-        from jaxserve.models.sibling_fusion import fuse_packed_float_copies
+        from jaxserve.kernels.cpu.matmul import matrix_units_for
+        from jaxserve.models.sibling_fusion import fuse_packed_float_copies, fusion_pays
 
-        fused = fuse_packed_float_copies(host_params)
+        units = matrix_units_for(mc.matrix_units)
+        fused = fuse_packed_float_copies(host_params) if fusion_pays(dtype, units.bf16) \
+            else []
         if fused:
             logger.info("GGUF float copy stored fused for steps of many rows: %s",
                         ", ".join(fused))

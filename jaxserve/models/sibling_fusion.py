@@ -9,7 +9,11 @@ group -- q|k|v and gate|up concatenated along the output -- take 1.10x less time
 and 1.17x at 16 over a 30-layer stack (benchmarks/bench_projection_calls.py).
 
 Where it applies: a GGUF served packed with its float copy (engine/gguf_packing.py: one CPU
-device, the library's kernels). Each step of at most GGUF_BLOCK_ROWS rows reads the blocks
+device, the library's kernels), the copy in bfloat16 on a CPU with bf16 matrix units
+(`fusion_pays`): with oneDNN capped to AVX2 (an AVX2 CPU's path) the fused float32 calls
+took 1.19x the seven calls' time at 64 rows and bfloat16 broke even
+(projection-calls-{f32,bf16}-onednn-avx2.json), so there each projection keeps its copy.
+Each step of at most GGUF_BLOCK_ROWS rows reads the blocks
 per projection as before (grouped by the GEMV already); the float copy, which only larger
 steps read, is stored as ``layers.qkv_proj.kernel`` [L, in, q + k + v] and
 ``layers.gate_up_proj.kernel`` [L, in, 2 I] instead of one ``kernel`` per member, so the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.quantization.gguf_packed import PACKED_FORMATS
@@ -28,6 +33,12 @@ from jaxserve.quantization.gguf_packed import PACKED_FORMATS
 # fused leaf -> its members, in the order their outputs are concatenated
 SIBLING_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                   "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fusion_pays(dtype: Any, bf16_units: bool) -> bool:
+    """Whether the fused copy measured faster: a bfloat16 copy on bf16 matrix units
+    (`MatrixUnits.bf16` of the --matrix-units the engine serves with)."""
+    return bf16_units and np.dtype(dtype) == np.dtype(jnp.bfloat16)
 
 
 def fuse_packed_float_copies(params: dict[str, Any]) -> list[str]:
