@@ -67,6 +67,8 @@ def test_steps_run_padded_until_their_bucket_compiles_then_nothing_compiles(
     release.set()
     assert runner.wait_until_compiled(timeout=300)
     assert runner.compiled_shapes == [(1, 1), (2, 2), (4, 4), (8, 4)]
+    # the executable store's refill compiles after the buckets, in the background too
+    assert runner.background_done.wait(300)
     compiles = []
 
     def listener(event: str, duration: float, **kwargs) -> None:
