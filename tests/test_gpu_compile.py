@@ -15,26 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
+from tests.gpu_compile_plugin import skip_module_unless_plugin_ready
+
 pytestmark = pytest.mark.gpu_compile
 
 
-def _plugin_ready() -> bool:
-    try:
-        import jax_plugins.xla_cuda12  # noqa: F401
-    except ImportError:
-        return False
-    return os.environ.get("JAX_PLATFORMS") == "cpu"
-
-
-if not _plugin_ready():
-    pytest.skip("needs the gpu-compile extras and JAX_PLATFORMS=cpu (make test-gpu-compile)",
-                allow_module_level=True)
+skip_module_unless_plugin_ready()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
