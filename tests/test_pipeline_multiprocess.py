@@ -17,7 +17,6 @@ This file run as a script is one process of such a run (see `generate`).
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -75,12 +74,7 @@ def generate(spec: dict) -> None:
 # =================================================================================================
 # The tests
 # =================================================================================================
-def _env(num_devices: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
-    return env
+from tests.test_pipeline_parallel import _env  # noqa: E402  (a process's simulated devices)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
