@@ -88,7 +88,10 @@ def rates(dtype) -> tuple[float, float]:
 
 
 def capture_step(llm, rows: int, context: int, tokens_before: int):
-    """The inputs of one decode step of exactly `rows` rows, with contexts near `context`."""
+    """The inputs of the last decode step of exactly `rows` rows (contexts near `context`).
+    `tokens_before` must outlast the prefill: the scheduler admits prompts by a measured
+    step-time bound, so under load the last prompt can start decoding many steps after the
+    first (with 32, no step of all `rows` ran on a loaded box)."""
     from jaxserve import SamplingParams
 
     runner = llm.llm_engine.engine_core.runner
@@ -112,7 +115,7 @@ def capture_step(llm, rows: int, context: int, tokens_before: int):
         runner.run_step = run_step
     if not seen:
         raise RuntimeError(f"no ({rows}, {rows}) decode step was run")
-    return seen[len(seen) // 2]
+    return seen[-1]
 
 
 def union_ms(intervals: list[tuple[int, int]]) -> float:
@@ -169,7 +172,7 @@ def profile_rows(llm, rows: int, context: int, traces: int = 7) -> dict:
     from profile_one_row_step import instruction_labels
 
     runner = llm.llm_engine.engine_core.runner
-    inputs = capture_step(llm, rows, context, 32)
+    inputs = capture_step(llm, rows, context, 96)
     run = lambda: jax.block_until_ready(runner.run_step(inputs))  # noqa: E731
     run()
     walls = []

@@ -149,7 +149,7 @@ class CausalLM(nn.Module):
         """hidden: [N, H] rows of `__call__`'s output → logits [N, V] float32."""
         opts = self.arch.options
         # A tied table the library streams with its GEMV takes the normed rows in float32
-        # (one pass over the table, no hi/lo split below).
+        # (one pass over the table).
         plan = self.plan
         streams = self.arch.tie_word_embeddings and plan.cpu_matmul and hidden.ndim == 2 \
             and self.embed_tokens.streams_logits(hidden.shape[0], plan.gemv_rows)
@@ -161,17 +161,13 @@ class CausalLM(nn.Module):
             head = self.lm_head
         if streams:
             logits = head(self.norm(hidden, out_dtype=jnp.float32))
-        elif self.dtype == jnp.float32:
-            logits = head(self.norm(hidden))
         else:
-            # bf16 / f16 compute: the normed rows' float32 value as two bf16 parts (hi + lo
-            # is exact to ~16 bits), both through the LM head in one matmul (the table is
-            # read once) -- logits as precise as f32 rows against the bf16 table.
-            x = self.norm(hidden, out_dtype=jnp.float32)
-            hi = x.astype(self.dtype)
-            lo = (x - hi.astype(jnp.float32)).astype(self.dtype)
-            both = head(jnp.concatenate([hi, lo], axis=0)).astype(jnp.float32)
-            logits = both[:x.shape[0]] + both[x.shape[0]:]
+            # bf16 / f16 compute: the normed rows rounded once (the norm's float32 result in
+            # the model's dtype), as vLLM's bf16 head takes them. Feeding the rounding error
+            # through the head too (a bf16 hi + lo pair, rows doubled) cost 9 % of a 64-row
+            # step for 3 % less KL vs float32 (benchmarks/results/lm-head-rows-bf16-epyc-
+            # avx512bf16.md): the bf16 weights dominate that error.
+            logits = head(self.norm(hidden))
         logits = logits.astype(jnp.float32)
         if opts.final_logit_soft_cap:
             logits = soft_cap(logits, opts.final_logit_soft_cap)
