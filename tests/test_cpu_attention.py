@@ -158,6 +158,31 @@ def test_sliding_window_is_a_traced_operand_one_compile_for_every_window():
     assert traced._cache_size() == 1
 
 
+@pytest.mark.parametrize("head_dim,block_size,window,cap", [
+    (64, 16, 0, 0.0), (64, 8, 23, 5.0), (128, 16, 40, 0.0), (32, 8, 0, 30.0), (48, 16, 0, 0.0)])
+def test_bf16_prefill_and_decode_mixes_match_the_float32_path_on_the_same_values(
+        head_dim, block_size, window, cap):
+    """bf16 q and cache (the bf16 engine's call). Where the CPU has AVX512-BF16 and head_dim
+    is a multiple of 32 the kernel reads the rows in place with bf16 dot products
+    (paged_attention.cc Bf16Rows); elsewhere it converts them to float32 first. Either way:
+    the float32 kernel on the same bf16-rounded values, rounded once to bf16, and the
+    reference, within one bf16 ulp."""
+    batch = mixed_batch(np.random.default_rng(head_dim + block_size), head_dim=head_dim,
+                        block_size=block_size)
+    attrs = {"sliding_window": window, "logits_soft_cap": cap}
+    args = batch.args(jnp.bfloat16)
+    out = kernel(*args, **attrs)
+    assert out.dtype == jnp.bfloat16
+    same_values = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    exact = to_f32(kernel(*same_values, **attrs))
+    check(out, exact, batch, rtol=2**-7, atol=2**-9)
+    check(out, to_f32(reference(*args, **attrs)), batch, rtol=2**-7, atol=2**-9)
+    # ~all rows land on the bf16 rounding of the float32 result (not merely near it)
+    live = to_f32(out)[:batch.num_valid_tokens]
+    rounded = to_f32(jnp.asarray(exact[:batch.num_valid_tokens], jnp.bfloat16))
+    assert np.mean(live == rounded) > 0.97
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 80, 128, 256])
 def test_head_dims_on_simd_and_scalar_paths(head_dim):
     batch = mixed_batch(np.random.default_rng(head_dim), num_q_heads=4, num_kv_heads=2,

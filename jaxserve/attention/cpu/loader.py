@@ -40,7 +40,8 @@ class CpuAttentionBuildError(CpuKernelBuildError):
 
 
 LIBRARY = KernelLibrary(name="paged_attention",
-                        sources=(SOURCE, kernel_build.HERE / "parallel_for.h"),
+                        sources=(SOURCE, SOURCE.with_name("attention_simd.h"),
+                                 kernel_build.HERE / "parallel_for.h"),
                         fallback_hint=_FALLBACK_HINT, error=CpuAttentionBuildError)
 _FFI_TARGET = FfiTarget(TARGET_NAME, HANDLER_SYMBOL, lambda: LIBRARY, "the CPU attention kernel")
 WRITE_KV_TARGET = "jaxserve_write_kv"

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "attention_simd.h"
 #include "parallel_for.h"
 
 namespace ffi = xla::ffi;
@@ -171,6 +172,9 @@ struct Problem {
   // null for float caches.
   const int8_t* k_scale = nullptr;
   const int8_t* v_scale = nullptr;
+  // bf16 q and cache, D a multiple of 2W, and AVX512-BF16: K / V rows read in place as
+  // bf16 (Bf16Rows) instead of converted to float32 first.
+  bool bf16_dot = false;
 };
 
 // Query tokens [t0, t1) of sequence `seq`, kv heads [h0, h1). Rows are ordered
@@ -185,112 +189,7 @@ struct Task {
 // Rows per head of a task (q tokens x group heads) x D: the f32 accumulator stays in L1/L2.
 constexpr int64_t kMaxRowElems = 4096;
 
-// ---------------------------------------------------------------------------
-// SIMD helpers (GCC vector extensions: AVX-512, AVX or SSE, whatever -march gives).
-// ---------------------------------------------------------------------------
-
-#if defined(__AVX512F__)
-constexpr int W = 16;
-#elif defined(__AVX__)
-constexpr int W = 8;
-#else
-constexpr int W = 4;
-#endif
-
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
-typedef uint16_t vh __attribute__((vector_size(W * 2)));
-typedef uint8_t vb __attribute__((vector_size(W)));     // W fp8 values
-
-inline vf splat(float x) { return vf{} + x; }
-inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline vf vselect(vi m, vf a, vf b) { return m ? a : b; }
-
-template <int... I>
-constexpr vi make_iota(std::integer_sequence<int, I...>) { return vi{I...}; }
-constexpr vi kIota = make_iota(std::make_integer_sequence<int, W>{});
-
-// Lane l of combine<G>: blocks of 2G lanes; the first G come from x, the next G from
-// y; `hi` takes the upper G of each 2G-block of the source, `lo` the lower G.
-constexpr int combine_lane(int G, bool hi, int l) {
-  const int q = l / (2 * G), w = l % (2 * G);
-  return (w < G ? 0 : W) + 2 * G * q + (w % G) + (hi ? G : 0);
-}
-// __builtin_shufflevector (GCC >= 12 and clang alike) takes its lanes as constant
-// arguments: the pack expansions below spell them out.
-template <int G, bool Hi, int... I>
-inline vf combine_half(vf x, vf y, std::integer_sequence<int, I...>) {
-  return __builtin_shufflevector(x, y, combine_lane(G, Hi, I)...);
-}
-
-template <int G>
-inline vf combine(vf x, vf y) {
-  constexpr auto lanes = std::make_integer_sequence<int, W>{};
-  return combine_half<G, false>(x, y, lanes) + combine_half<G, true>(x, y, lanes);
-}
-
-// v[0..W): lane i of the result = sum of the lanes of v[i]. Overwrites v.
-template <int G = 1>
-inline vf transpose_sum(vf* v) {
-  if constexpr (G >= W) {
-    return v[0];
-  } else {
-    for (int i = 0; i < W / (2 * G); ++i) v[i] = combine<G>(v[2 * i], v[2 * i + 1]);
-    return transpose_sum<2 * G>(v);
-  }
-}
-
-template <int S, int... I>
-inline vf rotate(vf v, std::integer_sequence<int, I...>) {
-  return __builtin_shufflevector(v, v, ((I + S) % W)...);
-}
-
-template <int S = W / 2>
-inline float hmax(vf v) {
-  if constexpr (S == 0) {
-    return v[0];
-  } else {
-    return hmax<S / 2>(vmax(v, rotate<S>(v, std::make_integer_sequence<int, W>{})));
-  }
-}
-
-template <int S = W / 2>
-inline float hsum(vf v) {
-  if constexpr (S == 0) {
-    return v[0];
-  } else {
-    return hsum<S / 2>(v + rotate<S>(v, std::make_integer_sequence<int, W>{}));
-  }
-}
-
-// exp of each lane, as exp_f32 (lanes must not be NaN; -inf gives a tiny positive value,
-// callers mask it to 0).
-inline vf vexp(vf x) {
-  x = vmax(x, splat(-87.0f));
-  x = x < 88.0f ? x : splat(88.0f);
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  const vf z = r * r;
-  const vf y = (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
-                  4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * z + r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return y * (vf)(e);
-}
-
-inline vf vtanh(vf x) {
-  const vi sign_bit = vi{} + int32_t(0x80000000u);
-  const vi xb = (vi)(x);
-  const vi ab = xb & ~sign_bit;
-  const vf a = (vf)(ab);
-  const vf s = x * x;
-  const vf small = ((((-5.70498872745e-3f * s + 2.06390887954e-2f) * s - 5.37397155531e-2f) * s +
-                     1.33314422036e-1f) * s - 3.33332819422e-1f) * s * x + x;
-  const vf big_abs = 1.0f - 2.0f / (vexp(a + a) + 1.0f);
-  const vi big_bits = (vi)(big_abs) | (xb & sign_bit);
-  return vselect(a < 0.625f, small, (vf)(big_bits));
-}
+using namespace jaxserve_cpu::simd;  // W, vf, transpose_sum, vexp ... (attention_simd.h)
 
 // ---------------------------------------------------------------------------
 // Per-task scratch and the q / output row conversions (q's dtype is a runtime switch:
@@ -299,12 +198,26 @@ inline vf vtanh(vf x) {
 
 struct Scratch {
   std::vector<float> q, acc, m, l, k, v, zero;
+  std::vector<uint16_t> qh, zero_h;   // the bf16 in-place path's q (unscaled) and zero row
   std::vector<int64_t> pos;
   void reserve(int64_t rows, int64_t D) {
     q.resize(rows * D); acc.resize(rows * D); m.resize(rows); l.resize(rows);
     k.resize(W * D); v.resize(W * D); zero.assign(D, 0.0f); pos.resize(rows);
+    qh.resize(rows * D); zero_h.assign(D, 0);
   }
 };
+
+// Bf16Rows accumulates each 2W block of a row as its W even-indexed values, then its W odd
+// ones: back to index order, for `rows` rows of D.
+inline void unpermute_even_odd(Scratch& sc, int64_t rows, int64_t D) {
+  float tmp[2 * W];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < D; c += 2 * W) {
+      float* a = sc.acc.data() + r * D + c;
+      for (int i = 0; i < W; ++i) { tmp[2 * i] = a[i]; tmp[2 * i + 1] = a[W + i]; }
+      std::memcpy(a, tmp, sizeof(tmp));
+    }
+}
 
 struct QOut {
   const void* q;
@@ -321,6 +234,8 @@ void load_q_typed(const Problem& p, const Task& t, const QT* q, Scratch& sc) {
         const int64_t r = (h - t.h0) * rows_per_head + ti * G + g;
         const QT* src = q + ((t.t0 + ti) * p.Hq + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = to_f32(src[d]) * p.scale;
+        if constexpr (std::is_same_v<QT, bf16_t>)   // Bf16Rows: unscaled, scaled after q.k
+          for (int64_t d = 0; d < D; ++d) sc.qh[r * D + d] = src[d].bits;
         sc.pos[r] = t.pos0 + ti;
         sc.m[r] = kNegInf;
         sc.l[r] = 0.0f;
@@ -415,13 +330,86 @@ inline const float* cache_row(const KV* cache, const Problem& p, int64_t slot, i
 // a decode token are one block) so their independent dependency chains interleave:
 // per tile and row, W logits at once (W dot products reduced by one transpose-sum),
 // masked, one online-softmax step; then acc += p V for all NB rows with each V row
-// loaded once and the accumulators in registers.
+// loaded once and the accumulators in registers. How a tile's K and V rows are read is
+// the `Rows` policy: float rows (F32Rows, any cache dtype converted first) or bf16 rows
+// read in place (Bf16Rows, AVX512-BF16).
 // ---------------------------------------------------------------------------
 
-template <int ND, int NB>
+// K / V rows as float32 (a float cache in place, others converted into scratch).
+template <int ND>
+struct F32Rows {
+  static constexpr int64_t D = int64_t(ND) * W;
+  const float* const* k;
+  const float* const* v;
+
+  // s[b] = the W logits of row r0 + b (q already scaled).
+  template <int NB>
+  void scores(const Problem&, const Scratch& sc, int64_t r0, vf* s) const {
+    for (int b = 0; b < NB; ++b) {
+      const float* qr = sc.q.data() + (r0 + b) * D;
+      vf qv[ND];
+      for (int c = 0; c < ND; ++c) qv[c] = loadu(qr + c * W);
+      vf part[W];
+      for (int j = 0; j < W; ++j) {
+        vf a = qv[0] * loadu(k[j]);
+        for (int c = 1; c < ND; ++c) a += qv[c] * loadu(k[j] + c * W);
+        part[j] = a;
+      }
+      s[b] = transpose_sum(part);
+    }
+  }
+
+  // acc[b] += w[b] * V row j, for the NB rows.
+  template <int NB>
+  void accumulate(int64_t j, const float (*w)[W], vf (*acc)[ND]) const {
+    for (int c = 0; c < ND; ++c) {
+      const vf vc = loadu(v[j] + c * W);
+      for (int b = 0; b < NB; ++b) acc[b][c] += w[b][j] * vc;
+    }
+  }
+};
+
+// bf16 K / V rows read in place from the cache (no conversion pass): q . k with bf16 pair
+// dot products (exact products, float32 sums), then * scale; p V in float32 with each V
+// row split into its even- and odd-indexed values, so the accumulator holds a row's
+// values in that order within each 2W block (unpermute_even_odd puts them back).
+template <int ND>
+struct Bf16Rows {
+  static_assert(ND % 2 == 0, "bf16 rows go 2W values per vector");
+  static constexpr int64_t D = int64_t(ND) * W;
+  const uint16_t* const* k;
+  const uint16_t* const* v;
+
+  template <int NB>
+  void scores(const Problem& p, const Scratch& sc, int64_t r0, vf* s) const {
+    for (int b = 0; b < NB; ++b) {
+      const uint16_t* qr = sc.qh.data() + (r0 + b) * D;
+      vf part[W];
+      for (int j = 0; j < W; ++j) {
+        vf a = dot_bf16(vf{}, qr, k[j]);
+        for (int c = 2; c < ND; c += 2) a = dot_bf16(a, qr + c * W, k[j] + c * W);
+        part[j] = a;
+      }
+      s[b] = transpose_sum(part) * p.scale;
+    }
+  }
+
+  template <int NB>
+  void accumulate(int64_t j, const float (*w)[W], vf (*acc)[ND]) const {
+    for (int c = 0; c < ND; c += 2) {
+      vf even, odd;
+      load_bf16_even_odd(v[j] + c * W, &even, &odd);
+      for (int b = 0; b < NB; ++b) {
+        acc[b][c] += w[b][j] * even;
+        acc[b][c + 1] += w[b][j] * odd;
+      }
+    }
+  }
+};
+
+template <int ND, int NB, typename Rows>
 inline void tile_rows(const Problem& p, Scratch& sc, int64_t r0, int64_t kt, int64_t first,
-                      int64_t end, const float* const* krow, const float* const* vrow,
-                      vi key_pos) {
+                      int64_t end, const Rows& rows, vi key_pos) {
   constexpr int64_t D = int64_t(ND) * W;
   int64_t lo[NB], hi[NB];
   int64_t jlo = W, jhi = 0;
@@ -439,18 +427,7 @@ inline void tile_rows(const Problem& p, Scratch& sc, int64_t r0, int64_t kt, int
   if (jhi <= jlo) return;
 
   vf s[NB];
-  for (int b = 0; b < NB; ++b) {
-    const float* qr = sc.q.data() + (r0 + b) * D;
-    vf qv[ND];
-    for (int c = 0; c < ND; ++c) qv[c] = loadu(qr + c * W);
-    vf part[W];
-    for (int j = 0; j < W; ++j) {
-      vf a = qv[0] * loadu(krow[j]);
-      for (int c = 1; c < ND; ++c) a += qv[c] * loadu(krow[j] + c * W);
-      part[j] = a;
-    }
-    s[b] = transpose_sum(part);
-  }
+  rows.template scores<NB>(p, sc, r0, s);
   if (p.cap > 0.0f)
     for (int b = 0; b < NB; ++b) s[b] = p.cap * vtanh(s[b] / p.cap);
 
@@ -476,13 +453,7 @@ inline void tile_rows(const Problem& p, Scratch& sc, int64_t r0, int64_t kt, int
     for (int c = 0; c < ND; ++c) acc[b][c] = loadu(ar + c * W) * corr[b];
   }
   // Keys in [jlo, jhi) are real (visible to some row), so p = 0 rows add exact zeros.
-  for (int64_t j = jlo; j < jhi; ++j) {
-    const float* v = vrow[j];
-    for (int c = 0; c < ND; ++c) {
-      const vf vc = loadu(v + c * W);
-      for (int b = 0; b < NB; ++b) acc[b][c] += pbuf[b][j] * vc;
-    }
-  }
+  for (int64_t j = jlo; j < jhi; ++j) rows.template accumulate<NB>(j, pbuf, acc);
   for (int b = 0; b < NB; ++b) {
     float* ar = sc.acc.data() + (r0 + b) * D;
     for (int c = 0; c < ND; ++c) storeu(ar + c * W, acc[b][c]);
@@ -493,16 +464,31 @@ inline void tile_rows(const Problem& p, Scratch& sc, int64_t r0, int64_t kt, int
 template <int ND>
 constexpr int kMaxRowBlock = W == 16 ? (ND <= 4 ? 4 : ND == 8 ? 3 : 1) : (ND <= 2 ? 4 : ND == 4 ? 2 : 1);
 
-template <typename KV, int ND>
+// One row block's tile through the Rows policy, NB = nb rows (nb <= NBmax).
+template <int ND, int NBmax, typename Rows>
+inline void tile_row_block(const Problem& p, Scratch& sc, int64_t nb, int64_t r0, int64_t kt,
+                           int64_t first, int64_t end, const Rows& rows, vi key_pos) {
+  switch (nb) {
+    case 4: if constexpr (NBmax >= 4) tile_rows<ND, 4>(p, sc, r0, kt, first, end, rows, key_pos); break;
+    case 3: if constexpr (NBmax >= 3) tile_rows<ND, 3>(p, sc, r0, kt, first, end, rows, key_pos); break;
+    case 2: if constexpr (NBmax >= 2) tile_rows<ND, 2>(p, sc, r0, kt, first, end, rows, key_pos); break;
+    default: tile_rows<ND, 1>(p, sc, r0, kt, first, end, rows, key_pos); break;
+  }
+}
+
+// Bf16InPlace: a bf16 cache and bf16 q on a CPU with AVX512-BF16 (Problem::bf16_dot):
+// rows are read in place as bf16 (Bf16Rows); otherwise converted to float32 (F32Rows).
+template <typename KV, int ND, bool Bf16InPlace>
 void attend_simd(const Problem& p, const Task& t, const KV* k_cache, const KV* v_cache,
                  Scratch& sc) {
   constexpr int64_t D = int64_t(ND) * W;
   constexpr int NBmax = kMaxRowBlock<ND>;
+  using Row = std::conditional_t<Bf16InPlace, const uint16_t*, const float*>;
   const int64_t R = (t.t1 - t.t0) * p.group;  // rows per kv head
   const int32_t* table = p.block_tables + int64_t(t.seq) * p.max_blocks;
   int64_t slot[W];
-  const float* krow[W];
-  const float* vrow[W];
+  Row krow[W];
+  Row vrow[W];
 
   for (int64_t kt = (t.key_lo / W) * W; kt < t.key_hi; kt += W) {
     const int64_t first = std::max(kt, t.key_lo), end = std::min(kt + W, t.key_hi);
@@ -511,27 +497,28 @@ void attend_simd(const Problem& p, const Task& t, const KV* k_cache, const KV* v
     const vi key_pos = kIota + int32_t(kt);  // positions fit int32 (kv_lens are int32)
     for (int64_t h = t.h0; h < t.h1; ++h) {
       for (int64_t i = 0; i < W; ++i) {
-        if (slot[i] < 0) {
+        if constexpr (Bf16InPlace) {
+          const int64_t at = (slot[i] * p.Hkv + h) * D;
+          krow[i] = slot[i] < 0 ? sc.zero_h.data() : &k_cache[at].bits;
+          vrow[i] = slot[i] < 0 ? sc.zero_h.data() : &v_cache[at].bits;
+        } else if (slot[i] < 0) {
           krow[i] = vrow[i] = sc.zero.data();
         } else {
           krow[i] = cache_row(k_cache, p, slot[i], h, sc.k.data() + i * D, p.k_scale);
           vrow[i] = cache_row(v_cache, p, slot[i], h, sc.v.data() + i * D, p.v_scale);
         }
       }
+      using Rows = std::conditional_t<Bf16InPlace, Bf16Rows<ND>, F32Rows<ND>>;
+      const Rows rows{krow, vrow};
       const int64_t base = (h - t.h0) * R;
       for (int64_t r = 0; r < R;) {
         const int64_t nb = std::min<int64_t>(NBmax, R - r);
-        const int64_t r0 = base + r;
-        switch (nb) {
-          case 4: if constexpr (NBmax >= 4) tile_rows<ND, 4>(p, sc, r0, kt, first, end, krow, vrow, key_pos); break;
-          case 3: if constexpr (NBmax >= 3) tile_rows<ND, 3>(p, sc, r0, kt, first, end, krow, vrow, key_pos); break;
-          case 2: if constexpr (NBmax >= 2) tile_rows<ND, 2>(p, sc, r0, kt, first, end, krow, vrow, key_pos); break;
-          default: tile_rows<ND, 1>(p, sc, r0, kt, first, end, krow, vrow, key_pos); break;
-        }
+        tile_row_block<ND, NBmax>(p, sc, nb, base + r, kt, first, end, rows, key_pos);
         r += nb;
       }
     }
   }
+  if constexpr (Bf16InPlace) unpermute_even_odd(sc, (t.h1 - t.h0) * R, D);
 }
 
 // Scalar attention of one task, any D (the fallback for D not a multiple of W).
@@ -570,16 +557,24 @@ void attend_scalar(const Problem& p, const Task& t, const KV* k_cache, const KV*
   }
 }
 
+template <typename KV, int ND>
+void attend(const Problem& p, const Task& t, const KV* k, const KV* v, Scratch& sc) {
+  if constexpr (std::is_same_v<KV, bf16_t> && kBf16Dot) {
+    if (p.bf16_dot) return attend_simd<KV, ND, true>(p, t, k, v, sc);
+  }
+  attend_simd<KV, ND, false>(p, t, k, v, sc);
+}
+
 template <typename KV>
 void run_task(const Problem& p, const Task& t, const KV* k, const KV* v, const QOut& io,
               Scratch& sc) {
   load_q(p, t, io, sc);
   switch (p.D) {
-    case 1 * W: attend_simd<KV, 1>(p, t, k, v, sc); break;
-    case 2 * W: attend_simd<KV, 2>(p, t, k, v, sc); break;
-    case 4 * W: attend_simd<KV, 4>(p, t, k, v, sc); break;
-    case 8 * W: attend_simd<KV, 8>(p, t, k, v, sc); break;
-    case 16 * W: attend_simd<KV, 16>(p, t, k, v, sc); break;
+    case 1 * W: attend_simd<KV, 1, false>(p, t, k, v, sc); break;
+    case 2 * W: attend<KV, 2>(p, t, k, v, sc); break;
+    case 4 * W: attend<KV, 4>(p, t, k, v, sc); break;
+    case 8 * W: attend<KV, 8>(p, t, k, v, sc); break;
+    case 16 * W: attend<KV, 16>(p, t, k, v, sc); break;
     default: attend_scalar<KV>(p, t, k, v, sc); break;
   }
   store_out(p, t, io, sc);
@@ -711,6 +706,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   p.kv_lens = kv_lens.typed_data();
   p.block_tables = block_tables.typed_data();
   p.qsl = query_start_loc.typed_data();
+  p.bf16_dot = kBf16Dot && q.element_type() == ffi::DataType::BF16 &&
+               k_cache.element_type() == ffi::DataType::BF16 && p.D % (2 * W) == 0;
   if (quantized) {
     p.k_scale = static_cast<const int8_t*>(k_scale.untyped_data());
     p.v_scale = static_cast<const int8_t*>(v_scale.untyped_data());
