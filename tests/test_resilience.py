@@ -307,8 +307,11 @@ async def _admit_or_refuse(client: httpx.AsyncClient, body: dict, burst: _Burst
     return r, seconds
 
 
-# Polls /health every 0.1 s from its own process (the test's event loop is busy with 200
-# clients) until stdin closes; prints the status codes and latencies as JSON.
+# Polls /health every 20 ms from its own process (the test's event loop is busy with 200
+# clients) until stdin closes; says "ready" after its first answer, then prints the status
+# codes and latencies as JSON. The test starts the overload only once the poller is ready:
+# the interpreter and httpx take ~0.5 s to start, and on a fast box the whole burst is
+# answered in less (the poller then saw 2 polls of it: CI's flake of 2026-12-07).
 _HEALTH_POLLER = """
 import json, sys, threading, time, httpx
 done = threading.Event()
@@ -319,7 +322,9 @@ with httpx.Client(timeout=10) as client:
         start = time.monotonic()
         codes.append(client.get(sys.argv[1] + "/health").status_code)
         times.append(time.monotonic() - start)
-        time.sleep(0.1)
+        if len(codes) == 1:
+            print("ready", flush=True)
+        time.sleep(0.02)
 print(json.dumps({"codes": codes, "times": times}))
 """
 
@@ -328,10 +333,11 @@ class HealthPoller:
     def __init__(self, url: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", _HEALTH_POLLER, url],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline() == "ready\n", "the /health poller did not start"
 
     def stop(self) -> tuple[list[int], list[float]]:
         out, _ = self.proc.communicate("", timeout=30)
-        result = json.loads(out)
+        result = json.loads(out.strip().splitlines()[-1])
         return result["codes"], result["times"]
 
 
@@ -385,6 +391,7 @@ def test_overload_gets_503_at_once_then_sigterm_drains(make_tiny_model, tmp_path
                     for i in range(200)])
             return results, max(baseline)
 
+        srv.wait_background_compiles()
         poller = HealthPoller(srv.url)
         results, baseline = asyncio.run(overload())
         health_codes, health_times = poller.stop()

@@ -72,6 +72,26 @@ class ServerProcess:
         self.proc.kill()
         raise AssertionError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.log_tail()}")
 
+    def wait_background_compiles(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Until the server's background compile thread is done, as its log says (the
+        warm-up line announces its work; runner/step_compilation.py logs each end). A test
+        that times the server's answers waits here first: the thread traces and lowers, and
+        holds the GIL meanwhile (CI once saw every refusal of a burst wait 1.75 s against
+        a 0.13 s yardstick, likely the store's refill)."""
+        ends = []
+        text = self.log_path.read_text(errors="replace")
+        if "more in the background" in text:
+            ends.append(("background compile of",))
+        if "to be compiled again in the background" in text:
+            ends.append(("step executables that JAX's compilation cache had served",
+                         "cannot be stored", "storing the step executables failed"))
+        deadline = time.monotonic() + timeout
+        while any(not any(e in text for e in end) for end in ends):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"background compiles not done:\n{self.log_tail()}")
+            time.sleep(0.1)
+            text = self.log_path.read_text(errors="replace")
+
     def log_tail(self, lines: int = 40) -> str:
         self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

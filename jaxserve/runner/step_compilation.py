@@ -203,8 +203,11 @@ class StepCompilation:
         elapsed = time.perf_counter() - start
         cache = self.executable_cache
         loaded = f" ({cache.hits} loaded serialized, {cache.misses} compiled)" if cache else ""
-        logger.info("warm-up compiled %d step shapes in %.1f s%s%s", len(self._steps), elapsed,
-                    loaded, f"; compiling {len(rest)} more in the background" if rest else "")
+        unstored = len(getattr(self.executable_cache, "unstored", ()) or ())
+        logger.info("warm-up compiled %d step shapes in %.1f s%s%s%s", len(self._steps), elapsed,
+                    loaded, f"; compiling {len(rest)} more in the background" if rest else "",
+                    f"; {unstored} came from JAX's compilation cache, to be compiled again in "
+                    "the background and stored" if unstored else "")
         if not rest:
             self.all_compiled.set()
         if not rest and not getattr(self.executable_cache, "unstored", None):
