@@ -40,7 +40,9 @@ class CpuAttentionBuildError(CpuKernelBuildError):
 
 
 LIBRARY = KernelLibrary(name="paged_attention",
-                        sources=(SOURCE, SOURCE.with_name("attention_simd.h"),
+                        sources=(SOURCE, SOURCE.with_name("write_kv.cc"),
+                                 SOURCE.with_name("attention_simd.h"),
+                                 SOURCE.with_name("element_types.h"),
                                  kernel_build.HERE / "parallel_for.h"),
                         fallback_hint=_FALLBACK_HINT, error=CpuAttentionBuildError)
 _FFI_TARGET = FfiTarget(TARGET_NAME, HANDLER_SYMBOL, lambda: LIBRARY, "the CPU attention kernel")

@@ -45,92 +45,19 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "attention_simd.h"
+#include "element_types.h"
 #include "parallel_for.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jaxserve_cpu::elements;  // bf16_t, to_f32, from_f32, dtype_size ...
 using jaxserve_cpu::dims_str;
 using jaxserve_cpu::parallel_for;
 using jaxserve_cpu::streaming_workers;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// ---------------------------------------------------------------------------
-// Element conversions (bit-exact with XLA: bf16/f16 rounding is to nearest even).
-// ---------------------------------------------------------------------------
-
-struct bf16_t { uint16_t bits; };
-struct f16_t { uint16_t bits; };
-struct f8e4m3_t { uint8_t bits; };   // float8 e4m3fn (no inf; 0x7f / 0xff are NaN)
-
-inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t f32_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16_t x) { return bits_to_f32(uint32_t(x.bits) << 16); }
-inline float to_f32(f16_t x) {
-  const uint32_t h = x.bits;
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in f32
-    const float v = float(mant) * 5.9604644775390625e-08f;
-    return sign ? -v : v;
-  }
-  if (exp == 31) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
-  return bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-inline float to_f32(int8_t x) { return float(x); }
-
-// e4m3fn -> f32 through a 256-entry table at namespace scope (1 KiB, stays in L1; a
-// function-local static would pay its init guard per element): sign, 4-bit exponent with
-// bias 7, 3-bit mantissa; exponent 0 is subnormal, m * 2^-9; 0x7f / 0xff are NaN (never
-// stored: write_kv saturates at +-448).
-struct F8Table {
-  float v[256];
-  F8Table() {
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      float x = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
-      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
-      v[b] = (b & 128) ? -x : x;
-    }
-  }
-};
-const F8Table kF8Table;
-inline float to_f32(f8e4m3_t x) { return kF8Table.v[x.bits]; }
-
-// Scale codes of a quantized cache (jaxserve/quantization/kv.py): scale = 2^(code / 8).
-struct ScaleTable {
-  float v[256];
-  ScaleTable() { for (int c = -128; c < 128; ++c) v[c + 128] = std::exp2(c / 8.0f); }
-};
-const ScaleTable kScaleTable;   // namespace scope: no per-call static-init guard
-inline float decode_scale(int8_t code) { return kScaleTable.v[int(code) + 128]; }
-
-template <typename T> T from_f32(float f);
-template <> inline float from_f32<float>(float f) { return f; }
-template <> inline bf16_t from_f32<bf16_t>(float f) {
-  const uint32_t u = f32_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40u)};  // quiet NaN
-  return {uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
-}
-template <> inline f16_t from_f32<f16_t>(float f) {
-  uint32_t u = f32_to_bits(f);
-  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
-  u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return {uint16_t(sign | 0x7e00u)};   // NaN
-  if (u >= 0x477ff000u) return {uint16_t(sign | 0x7c00u)};  // >= 65520 rounds to inf
-  if (u < 0x38800000u) {                                     // below 2^-14: subnormal / 0
-    const float scaled = bits_to_f32(u) * 16777216.0f;        // exact: * 2^24
-    return {uint16_t(sign | uint32_t(std::nearbyint(scaled)))};
-  }
-  u += 0xfffu + ((u >> 13) & 1u);
-  return {uint16_t(sign | ((u - (112u << 23)) >> 13))};
-}
 
 // ---------------------------------------------------------------------------
 // Vectorizable exp and tanh (Cephes-style, ~1-2 ulp in float32).
@@ -679,18 +606,6 @@ std::vector<Task> make_tasks(const Problem& p, int64_t num_seqs, std::vector<cha
   return tasks;
 }
 
-size_t dtype_size(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return 4;
-    case ffi::DataType::BF16:
-    case ffi::DataType::F16: return 2;
-    case ffi::DataType::S8:
-    case ffi::DataType::F8E4M3FN: return 1;   // quantized caches only, never q
-    default: return 0;
-  }
-}
-
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                               ffi::AnyBuffer v_cache, ffi::AnyBuffer k_scale,
                               ffi::AnyBuffer v_scale, ffi::Buffer<ffi::S32> kv_lens,
@@ -774,49 +689,6 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// write_kv: this step's K/V rows into the caches at their slots, in place (the results alias
-// the cache operands). XLA:CPU's own scatter rewrites a bf16 / f16 / fp8 cache whole on every
-// call (it computes those types in f32: 33 ms per 12.6M-value cache and layer, ~2 s per
-// SmolLM2 step with a 256 MiB cache); float32 and int8 scatters are in place and stay in XLA.
-ffi::Error write_rows(const ffi::AnyBuffer& cache, ffi::Result<ffi::AnyBuffer>& out,
-                      const ffi::AnyBuffer& rows, const int32_t* slots, int64_t num_tokens,
-                      int64_t num_slots, size_t row_bytes) {
-  char* dst = static_cast<char*>(out->untyped_data());
-  const size_t cache_bytes = size_t(num_slots) * row_bytes;
-  if (dst != cache.untyped_data())   // XLA did not alias: start from the operand's contents
-    std::memcpy(dst, cache.untyped_data(), cache_bytes);
-  const char* src = static_cast<const char*>(rows.untyped_data());
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0 || slot >= num_slots) continue;   // -1: padding rows write nothing
-    std::memcpy(dst + size_t(slot) * row_bytes, src + size_t(t) * row_bytes, row_bytes);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error WriteKVImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k,
-                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots,
-                       ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
-  const auto cd = k_cache.dimensions();
-  const auto kd = k.dimensions();
-  if (cd.size() != 4 || kd.size() != 3 || dims_str(cd) != dims_str(v_cache.dimensions()) ||
-      dims_str(kd) != dims_str(v.dimensions()) || kd[1] != cd[2] || kd[2] != cd[3] ||
-      slots.element_count() != size_t(kd[0]))
-    return ffi::Error::InvalidArgument("write_kv: want caches [blocks, block_size, Hkv, D], "
-                                       "k/v [T, Hkv, D] and slots [T]; got " + dims_str(cd) +
-                                       ", " + dims_str(kd));
-  const ffi::DataType t = k_cache.element_type();
-  if (dtype_size(t) == 0 || v_cache.element_type() != t || k.element_type() != t ||
-      v.element_type() != t)
-    return ffi::Error::InvalidArgument("write_kv: caches and rows must share one dtype");
-  const int64_t num_slots = cd[0] * cd[1];
-  const size_t row_bytes = size_t(cd[2] * cd[3]) * dtype_size(t);
-  const int32_t* s = slots.typed_data();
-  ffi::Error e = write_rows(k_cache, k_out, k, s, kd[0], num_slots, row_bytes);
-  if (e.failure()) return e;
-  return write_rows(v_cache, v_out, v, s, kd[0], num_slots, row_bytes);
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
@@ -836,13 +708,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("logits_soft_cap")
                                   .Attr<int64_t>("max_threads"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKV, WriteKVImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()       // k_cache (aliased to out 0)
-                                  .Arg<ffi::AnyBuffer>()       // v_cache (aliased to out 1)
-                                  .Arg<ffi::AnyBuffer>()       // k rows [T, Hkv, D]
-                                  .Arg<ffi::AnyBuffer>()       // v rows
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [T], -1 = skip
-                                  .Ret<ffi::AnyBuffer>()       // k_cache
-                                  .Ret<ffi::AnyBuffer>());     // v_cache
