@@ -210,7 +210,7 @@ class StepCompilation:
                     "the background and stored" if unstored else "")
         if not rest:
             self.all_compiled.set()
-        if not rest and not getattr(self.executable_cache, "unstored", None):
+        if not rest and not unstored:
             self.background_done.set()
             return
         self._compile_thread = threading.Thread(

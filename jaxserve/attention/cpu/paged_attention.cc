@@ -168,9 +168,12 @@ void load_q_typed(const Problem& p, const Task& t, const QT* q, Scratch& sc) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = (h - t.h0) * rows_per_head + ti * G + g;
         const QT* src = q + ((t.t0 + ti) * p.Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = to_f32(src[d]) * p.scale;
-        if constexpr (std::is_same_v<QT, bf16_t>)   // Bf16Rows: unscaled, scaled after q.k
-          for (int64_t d = 0; d < D; ++d) sc.qh[r * D + d] = src[d].bits;
+        if (std::is_same_v<QT, bf16_t> && p.bf16_dot) {   // Bf16Rows: scaled after q.k
+          if constexpr (std::is_same_v<QT, bf16_t>)
+            for (int64_t d = 0; d < D; ++d) sc.qh[r * D + d] = src[d].bits;
+        } else {
+          for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = to_f32(src[d]) * p.scale;
+        }
         sc.pos[r] = t.pos0 + ti;
         sc.m[r] = kNegInf;
         sc.l[r] = 0.0f;
