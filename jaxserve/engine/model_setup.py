@@ -26,8 +26,10 @@ from jaxserve.engine.runner_setup import (
     gemv_rows,
     lora_slots,
     prepare_config,
+    reads_weights_in_place,
     step_shape,
 )
+from jaxserve.engine.weight_packing import pack_for_serving
 from jaxserve.loader.hub_download import HubOptions
 from jaxserve.models.arch import ModelArch
 from jaxserve.models.registry import family_for
@@ -125,6 +127,8 @@ def setup_model(config: EngineConfig, mesh: Any = None, *,
     dtype, placement = placed.dtype, placed.placement
     family = family_for(placed.source_arch.architecture)
     shape = step_shape(config, placed, platform)
+    if target_platform is None:       # the layout is this machine's (engine/weight_packing.py)
+        pack_for_serving(config, placed, reads_weights_in_place(shape))
     config, kv_dtype, max_model_len = shape.config, shape.kv_dtype, shape.max_model_len
     num_params = sum(int(np.prod(s)) for s in family.weight_shapes(placed.source_arch).values())
     arch = placed.arch

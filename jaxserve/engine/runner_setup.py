@@ -99,11 +99,15 @@ def gemv_rows(shape: StepShape, cache_dir: str | None) -> int:
     """The platform's measured matmul choice for this model: up to how many rows float
     projections take the streaming GEMV (0: never)."""
     placed = shape.placed
-    mesh = getattr(placed.placement, "mesh", None)
-    in_place = choose_execution_plan(shape.platform, shape.backend.name,
-                                     1 if mesh is None else mesh.size, placed.dtype).cpu_matmul
     return shape.platform.gemv_rows(shape.config.model_config.cpu_gemv_rows, placed.arch,
-                                    placed.dtype, in_place, cache_dir)
+                                    placed.dtype, reads_weights_in_place(shape), cache_dir)
+
+
+def reads_weights_in_place(shape: StepShape) -> bool:
+    """Whether the step's plan has the CPU matmul library read the weights in place."""
+    mesh = getattr(shape.placed.placement, "mesh", None)
+    return choose_execution_plan(shape.platform, shape.backend.name,
+                                 1 if mesh is None else mesh.size, shape.placed.dtype).cpu_matmul
 
 
 def lora_slots(config: EngineConfig, family: Any, placement: Any, targets: dict, dtype: Any,

@@ -28,7 +28,11 @@ from jaxserve.models.layer_matmul import (
     layer_matmul,
     small_logits,
 )
-from jaxserve.models.linear_method import float32_accumulating_dot, linear_method_for
+from jaxserve.models.linear_method import (
+    PACKED_LEAF,
+    float32_accumulating_dot,
+    linear_method_for,
+)
 from jaxserve.models.lora import lora_delta
 from jaxserve.quantization.gguf_packed import (
     GGUF_BLOCK_ROWS,
@@ -132,7 +136,8 @@ def sibling_projections(x: jax.Array, layers: tuple[Linear, ...],
     float copies stored side by side (models/sibling_fusion.py), which steps of more than
     GGUF_BLOCK_ROWS rows read in one matmul instead of one per layer."""
     if fused is not None and x.ndim == 2 and x.shape[0] > GGUF_BLOCK_ROWS:
-        products = _fused_products(x, fused, [layer.features for layer in layers])
+        products = _fused_products(x, fused, [layer.features for layer in layers],
+                                   layers[0].dtype)
         return tuple(layer(x, lora_slots, product=p) for layer, p in zip(layers, products))
     operands = [layer.gemv_operand(x) for layer in layers]
     products = grouped_gemv(x, operands) if all(op is not None for op in operands) else None
@@ -141,9 +146,16 @@ def sibling_projections(x: jax.Array, layers: tuple[Linear, ...],
     return tuple(layer(x, lora_slots, product=p) for layer, p in zip(layers, products))
 
 
-def _fused_products(x: jax.Array, fused: ProjectionWeights, features: list[int]
-                    ) -> list[jax.Array]:
+def _fused_products(x: jax.Array, fused: ProjectionWeights, features: list[int],
+                    dtype: Any) -> list[jax.Array]:
     """x @ each member's float copy, from one product with their concatenation (float32)."""
+    packed = fused.leaves.get(PACKED_LEAF)
+    if packed is not None:            # packed for oneDNN at startup (engine/weight_packing.py)
+        from jaxserve.kernels.cpu.packed_matmul import packed_layer_matmul
+
+        y = packed_layer_matmul(x, packed, fused.layer, sum(features), dtype)
+        ends = [sum(features[:i + 1]) for i in range(len(features))]
+        return [y[:, end - width:end] for end, width in zip(ends, features)]
     kernel, layer = fused.leaves["kernel"], fused.layer
     if x.shape[0] <= MAX_ROWS:        # read in place by the library (models/layer_matmul.py)
         y = layer_matmul(x, kernel, layer, jnp.float32, fused.gemv_rows)

@@ -107,6 +107,40 @@ def float32_accumulating_dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return out[:1].reshape(*x.shape[:-1], kernel.shape[-1])
 
 
+PACKED_LEAF = "packed_kernel"     # engine/weight_packing.py
+
+
+def packed_product(layer: nn.Module, x: jax.Array) -> jax.Array:
+    """x [..., in] @ the layer's weights packed for oneDNN (``packed_kernel`` uint8
+    [L, bytes], kernels/cpu/packed_matmul.py) -> [..., layer.features] float32. Under the
+    CPU's layer scan the stack is read in place at the layer; a step without in-place
+    weights (more rows than the plan's library rows) reads its layer's own slice."""
+    from jaxserve.kernels.cpu.packed_matmul import packed_layer_matmul
+
+    found = stacked_params(layer.in_place)
+    if found is not None and found[0].get(PACKED_LEAF) is not None:
+        packed, index = found[0][PACKED_LEAF], found[1]
+    else:
+        packed, index = layer.get_variable("params", PACKED_LEAF), 0
+        packed = packed[None] if packed.ndim == 1 else packed
+    rows = x.reshape(-1, x.shape[-1])
+    y = packed_layer_matmul(rows, packed, index, layer.features, layer.dtype)
+    return y.reshape(*x.shape[:-1], layer.features)
+
+
+class PackedDenseMethod:
+    """A float kernel packed at startup into oneDNN's blocked layout (``packed_kernel``,
+    engine/weight_packing.py): read in place by the library at every row count, float32
+    out as `DenseMethod`."""
+    name = "onednn-packed"
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return PACKED_LEAF in params and packed_format_of(params) is None
+
+    def apply(self, layer: nn.Module, x: jax.Array) -> jax.Array:
+        return packed_product(layer, x)
+
+
 class Int8PerChannelMethod:
     """kernel [in, out] int8 + scale [out]: (x @ kernel) * scale. On CPU under the layer
     scan, the int8 weights read in place by the library: W8A16 up to 8 rows, W8A8 with
@@ -194,6 +228,8 @@ class GGUFPackedMethod:
         operand = self.gemv_operand(layer, x)
         if operand is not None:
             return grouped_gemv(x, [operand], min_operands=1)[0]
+        if PACKED_LEAF in layer.variables.get("params", {}):
+            return packed_product(layer, x)
         if "kernel" in layer.variables.get("params", {}):
             return _DENSE.apply(layer, x)
         fmt = packed_format_of(layer.variables.get("params", {}))
@@ -204,7 +240,7 @@ class GGUFPackedMethod:
         siblings: q/k/v, gate/up), under the CPU's stacked layer scan; else None."""
         params = layer.variables.get("params", {})
         fmt = packed_format_of(params)
-        limit = GGUF_BLOCK_ROWS if "kernel" in params else MAX_ROWS
+        limit = GGUF_BLOCK_ROWS if "kernel" in params or PACKED_LEAF in params else MAX_ROWS
         found = stacked_params(layer.in_place) if x.ndim == 2 \
             and x.shape[0] <= limit and x.shape[-1] % WEIGHTS_PER_BLOCK[fmt] == 0 else None
         if found is None or found[0].get(fmt) is None or found[0][fmt].ndim != 3:
@@ -226,8 +262,8 @@ class AwqGptqMethod:
                                      for leaf in AWQ_GPTQ_LEAVES if leaf in names}, layer.dtype)
 
 
-_METHODS: list[Any] = [GGUFPackedMethod(), AwqGptqMethod(), Int8GroupedMethod(),
-                       Int8PerChannelMethod()]
+_METHODS: list[Any] = [GGUFPackedMethod(), PackedDenseMethod(), AwqGptqMethod(),
+                       Int8GroupedMethod(), Int8PerChannelMethod()]
 _DENSE = DenseMethod()
 
 
@@ -247,5 +283,6 @@ def linear_method_for(params: Mapping[str, Any]) -> Any:
     return _DENSE
 
 
-__all__ = ["LinearMethod", "DenseMethod", "AwqGptqMethod", "Int8PerChannelMethod", "Int8GroupedMethod",
-           "GGUFPackedMethod", "register_linear_method", "linear_method_for"]
+__all__ = ["LinearMethod", "DenseMethod", "PackedDenseMethod", "AwqGptqMethod",
+           "Int8PerChannelMethod", "Int8GroupedMethod", "GGUFPackedMethod",
+           "register_linear_method", "linear_method_for"]

@@ -34,6 +34,7 @@ TARGET = "jaxserve_matmul"
 SYMBOL = "JaxserveMatmul"
 GROUP_TARGET = "jaxserve_matmul_group"
 GGUF_TARGET = "jaxserve_gguf_matmul"
+PACKED_TARGET = "jaxserve_packed_matmul"     # onednn_packed.cc (packed_matmul.py)
 # gemv_gguf.h's GgufFormat
 GGUF_FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}
 GGUF_BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
@@ -69,7 +70,8 @@ def library() -> KernelLibrary:
         raise CpuMatmulBuildError(f"oneDNN not found under {sys.prefix}: {hint}")
     lib_dir = prefix / "lib"
     return KernelLibrary(
-        name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv_gguf_entry.cc", HERE / "gemv.h",
+        name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv_gguf_entry.cc",
+                                HERE / "onednn_packed.cc", HERE / "gemv.h",
                  HERE / "gemv_gguf.h", HERE / "parallel_for.h"),
         include_dirs=(HERE, prefix / "include"),
         link_flags=(f"-L{lib_dir}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib_dir}"),
@@ -78,7 +80,8 @@ def library() -> KernelLibrary:
 
 _FFI_TARGET = FfiTarget(TARGET, SYMBOL, library, "the oneDNN matmul library",
                         more=((GROUP_TARGET, "JaxserveMatmulGroup"),
-                              (GGUF_TARGET, "JaxserveGgufMatmul")))
+                              (GGUF_TARGET, "JaxserveGgufMatmul"),
+                              (PACKED_TARGET, "JaxservePackedMatmul")))
 
 
 def register() -> Path:

@@ -1,0 +1,176 @@
+"""Projection weights packed at startup into oneDNN's blocked layout
+(kernels/cpu/packed_matmul.py, onednn_packed.cc, engine/weight_packing.py): the packed call
+against float64 numpy on random inputs, the rule that keeps weights plain where packing buys
+nothing, and a served model's logits and tokens with packed weights against the same model
+with plain ones."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _library_or_skip():
+    from jaxserve.kernels.cpu.matmul import available
+
+    if not available():
+        pytest.skip("the CPU matmul library does not build here (no C++ compiler / oneDNN)")
+
+
+def _packs_or_skip(dtype, n_in=64, n_out=64):
+    from jaxserve.kernels.cpu.packed_matmul import packed_bytes
+
+    _library_or_skip()
+    if packed_bytes(n_in, n_out, dtype) == 0:
+        pytest.skip(f"oneDNN reads {jnp.dtype(dtype).name} weights plain on this CPU "
+                    "(nothing is packed here)")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_the_packed_matmul_matches_float64_at_every_row_count_and_layer(dtype):
+    from jaxserve.kernels.cpu.packed_matmul import pack_stacked, packed_layer_matmul
+
+    _packs_or_skip(dtype)
+    rng = np.random.default_rng(3)
+    # widths off the 64-column blocks, a width under one block, inputs off 16 / 32
+    for n_in, n_out in ((100, 70), (96, 320), (200, 40)):
+        w = rng.standard_normal((3, n_in, n_out)).astype(np.float32).astype(dtype)
+        packed = pack_stacked(np.asarray(w))
+        assert packed is not None and packed.dtype == np.uint8 and packed.shape[0] == 3
+        for rows in (1, 5, 64, 530):
+            x = rng.standard_normal((rows, n_in)).astype(np.float32).astype(dtype)
+            for layer in (0, 2):
+                y = jax.jit(packed_layer_matmul, static_argnums=(3, 4))(
+                    x, packed, layer, n_out, dtype)
+                want = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
+                assert y.dtype == jnp.float32 and y.shape == (rows, n_out)
+                # bf16 products are exact in float32: only the sums' order and rounding differ
+                np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5,
+                                           atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.fast
+def test_packed_weights_of_another_shape_or_cpu_are_refused_with_a_clear_error():
+    from jaxserve.kernels.cpu.packed_matmul import pack_stacked, packed_layer_matmul
+
+    _packs_or_skip(jnp.bfloat16)
+    w = np.random.default_rng(0).standard_normal((2, 64, 128)).astype(jnp.bfloat16)
+    packed = pack_stacked(w)
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    with pytest.raises(Exception, match="packed on another CPU or for another shape"):
+        jax.block_until_ready(packed_layer_matmul(x, packed, 0, 192, jnp.bfloat16))
+
+
+@pytest.mark.fast
+def test_an_avx2_cpu_keeps_weights_plain():
+    """oneDNN capped to AVX2 (an AVX2-only CPU's path) has no blocked kernel for either
+    dtype: packed_bytes says 0 and nothing is packed."""
+    _library_or_skip()
+    code = ("import numpy as np, jax.numpy as jnp\n"
+            "from jaxserve.kernels.cpu.packed_matmul import pack_stacked, packed_bytes\n"
+            "print(packed_bytes(576, 1536, jnp.bfloat16), packed_bytes(576, 1536, jnp.float32),"
+            " pack_stacked(np.ones((1, 64, 64), jnp.bfloat16)))\n")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "0", "None"]
+
+
+@pytest.mark.fast
+def test_the_rule_packs_bf16_on_bf16_units_reading_in_place_only():
+    from jaxserve.engine.weight_packing import why_not_packed
+
+    _library_or_skip()
+    assert "float32" in why_not_packed(jnp.float32, True, True, False)
+    assert "matrix units" in why_not_packed(jnp.bfloat16, False, True, False)
+    assert "in place" in why_not_packed(jnp.bfloat16, True, False, False)
+    assert "aot" in why_not_packed(jnp.bfloat16, True, True, True)
+
+
+@pytest.mark.fast
+def test_packing_a_tree_replaces_only_stacked_projection_kernels_and_its_spec_agrees():
+    from jaxserve.engine.weight_packing import (
+        PackedOnArrival,
+        pack_layer_weights,
+        packed_spec,
+    )
+
+    _packs_or_skip(jnp.bfloat16)
+    rng = np.random.default_rng(5)
+
+    def bf16(*shape):
+        return jax.device_put(rng.standard_normal(shape).astype(jnp.bfloat16))
+
+    def tree():
+        return {"params": {"embed_tokens": {"embedding": bf16(32, 64)},
+                           "layers": {"q_proj": {"kernel": bf16(2, 64, 64), "bias": bf16(2, 64)},
+                                      "gate_up_proj": {"kernel": bf16(2, 64, 256)},
+                                      "router": {"kernel": bf16(2, 64, 8)},
+                                      "down_proj": {"kernel": jax.device_put(
+                                          np.ones((2, 128, 64), np.float32))}}}}
+
+    params = tree()
+    spec = packed_spec(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+                       jnp.bfloat16)
+    packed, names, _ = pack_layer_weights(params, jnp.bfloat16)
+    assert sorted(names) == ["gate_up_proj", "q_proj"]
+    layers = packed["params"]["layers"]
+    assert set(layers["q_proj"]) == {"packed_kernel", "bias"}
+    assert "kernel" in layers["router"] and "kernel" in layers["down_proj"]   # not a Linear / f32
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), packed) == \
+        jax.tree.map(lambda s: (s.shape, s.dtype), spec)
+
+    class Restoring:       # engine/model_source.RestoringParams' contract
+        def __init__(self, params):
+            self.params = params
+            self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+
+        def result(self):
+            return self.params
+
+    arriving = PackedOnArrival(Restoring(tree()), jnp.bfloat16)
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), arriving.spec) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype), arriving.result())
+
+
+def test_a_served_bf16_model_with_packed_weights_gives_the_plain_weights_logits_and_tokens(
+        make_tiny_model):
+    """The same tiny llama in bfloat16, served with its projections packed (bf16 units) and
+    plain (--matrix-units none): prompt logits of a short step, of one wider than the plan's
+    in-place rows (each layer's own packed slice), and greedy tokens agree."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.models.execution_plan import MAX_LIBRARY_ROWS
+
+    _packs_or_skip(jnp.bfloat16)
+    model = make_tiny_model("llama", num_hidden_layers=2, max_position_embeddings=1024)
+    rng = np.random.default_rng(11)
+    short = [int(t) for t in rng.integers(3, 200, 14)]
+    wide = [int(t) for t in rng.integers(3, 200, MAX_LIBRARY_ROWS + 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results = {}
+    for units in ("avx512", "none"):
+        llm = LLM(str(model), dtype="bfloat16", max_model_len=1024, max_num_seqs=2,
+                  max_num_batched_tokens=1024, kv_cache_memory_bytes=8 << 20,
+                  matrix_units=units)
+        layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
+        assert ("packed_kernel" in layers["q_proj"]) == (units == "avx512")
+        assert ("kernel" in layers["down_proj"]) == (units == "none")
+        results[units] = (np.asarray(llm.llm_engine.prompt_logits(short)),
+                          np.asarray(llm.llm_engine.prompt_logits(wide)),
+                          [o.outputs[0].token_ids for o in llm.generate(
+                              [short, short[:9]], params, use_tqdm=False)])
+    for got, want in zip(results["avx512"][:2], results["none"][:2]):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+    assert results["avx512"][2] == results["none"][2]
