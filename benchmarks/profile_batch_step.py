@@ -46,7 +46,7 @@ GROUPS = (  # (group, regex on the thunk's label), first match wins
     ("attention", r"paged_attention|attention"),
     ("cache writes", r"write_kv|scatter"),
     ("lm head", r"lm_head|logits|embed"),
-    ("projections", r"jaxserve_(layer_)?matmul|_proj|mlp"),
+    ("projections", r"jaxserve_(layer_|packed_)?matmul|_proj|mlp"),
     ("sampler", r"sampl|argmax|reduce|sort|top"),
     ("copies", r"^(copy|dynamic-update-slice|dynamic-slice|slice|concatenate|bitcast)"),
     ("norms/rope/adds/act", r"fusion|add|multiply|convert|rsqrt|exp"),
