@@ -183,6 +183,10 @@ def test_a_default_packed_gguf_reads_its_float_copy_fused(k_quant_gguf, monkeypa
         assert not any("kernel" in leaves for leaves in layers.values()) or copy == "kernel"
         if fused and copy == "kernel":
             assert layers["gate_up_proj"]["kernel"].shape[1:] == (256, 2 * 256)
+        # the tied table's float copy: plain, or packed for the LM head alone
+        embed = llm.llm_engine.engine_core.setup.runner.params["params"]["embed_tokens"]
+        assert set(embed) & {"embedding", "packed_head"} == \
+            {"packed_head" if copy == "packed_kernel" else "embedding"}
         results[fused] = (np.asarray(llm.llm_engine.prompt_logits(prompt)),
                           [o.outputs[0].token_ids for o in llm.generate(
                               [prompt, prompt[:9]], params, use_tqdm=False)])
@@ -190,6 +194,39 @@ def test_a_default_packed_gguf_reads_its_float_copy_fused(k_quant_gguf, monkeypa
         runner.wait_until_compiled()
         # the widest step reads float copies only (the blocks at most in the tied LM head)
         assert runner._steps[max(runner._steps)].as_text().count(GGUF_TARGET) <= 1
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=2e-2, atol=2e-2)
+    assert np.mean(results[True][0].argmax(-1) == results[False][0].argmax(-1)) >= 0.9
+    assert results[True][1] == results[False][1]
+
+
+def test_the_float_copies_packed_for_onednn_give_the_plain_copies_logits(k_quant_gguf,
+                                                                          monkeypatch):
+    """Where this CPU computes bf16 natively the float copy of every projection and of the
+    tied table are packed at startup (engine/weight_packing.py): the prompt logits of a
+    14-token step (the copies' rows: projections and LM head) and greedy tokens are those of
+    the same copies kept plain."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.engine import weight_packing
+    from jaxserve.kernels.cpu.matmul import onednn_native_bf16
+
+    if not onednn_native_bf16():
+        pytest.skip("oneDNN has no bf16 kernel on this CPU: nothing is packed")
+    model_dir, path, _ = k_quant_gguf
+    prompt = [11, 23, 98, 421, 77, 5, 300, 301, 7, 8, 99, 100, 12, 13]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(weight_packing, "why_not_packed", lambda *args: "test: off")
+        llm = LLM(str(path), tokenizer=str(model_dir), dtype="bfloat16", max_model_len=64,
+                  max_num_seqs=2, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20,
+                  matrix_units="avx512")
+        tree = llm.llm_engine.engine_core.setup.runner.params["params"]
+        assert ("packed_head" in tree["embed_tokens"]) == packed
+        assert ("packed_kernel" in tree["layers"]["down_proj"]) == packed
+        results[packed] = (np.asarray(llm.llm_engine.prompt_logits(prompt)),
+                           [o.outputs[0].token_ids for o in llm.generate(
+                               [prompt, prompt[:9]], params, use_tqdm=False)])
     np.testing.assert_allclose(results[True][0], results[False][0], rtol=2e-2, atol=2e-2)
     assert np.mean(results[True][0].argmax(-1) == results[False][0].argmax(-1)) >= 0.9
     assert results[True][1] == results[False][1]

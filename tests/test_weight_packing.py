@@ -60,6 +60,20 @@ def test_the_packed_matmul_matches_float64_at_every_row_count_and_layer(dtype):
 
 
 @pytest.mark.fast
+def test_a_table_packed_transposed_gives_the_tied_heads_logits():
+    from jaxserve.kernels.cpu.packed_matmul import pack_stacked, packed_layer_matmul
+
+    _packs_or_skip(jnp.bfloat16)
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((1, 300, 96)).astype(jnp.bfloat16)     # [1, V, H]
+    packed = pack_stacked(table, transposed=True)
+    x = rng.standard_normal((20, 96)).astype(jnp.bfloat16)
+    y = packed_layer_matmul(x, packed, 0, 300, jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(table[0], np.float64).T
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.fast
 def test_packed_weights_of_another_shape_or_cpu_are_refused_with_a_clear_error():
     from jaxserve.kernels.cpu.packed_matmul import pack_stacked, packed_layer_matmul
 
@@ -112,8 +126,11 @@ def test_packing_a_tree_replaces_only_stacked_projection_kernels_and_its_spec_ag
     def bf16(*shape):
         return jax.device_put(rng.standard_normal(shape).astype(jnp.bfloat16))
 
-    def tree():
-        return {"params": {"embed_tokens": {"embedding": bf16(32, 64)},
+    def tree(gguf_table=False):
+        table = {"embedding": bf16(32, 64)}
+        if gguf_table:       # GGUF blocks with their float copy: the copy serves the head
+            table["q8_0"] = jax.device_put(np.zeros((32, 68), np.uint8))
+        return {"params": {"embed_tokens": table,
                            "layers": {"q_proj": {"kernel": bf16(2, 64, 64), "bias": bf16(2, 64)},
                                       "gate_up_proj": {"kernel": bf16(2, 64, 256)},
                                       "router": {"kernel": bf16(2, 64, 8)},
@@ -124,7 +141,8 @@ def test_packing_a_tree_replaces_only_stacked_projection_kernels_and_its_spec_ag
     spec = packed_spec(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
                        jnp.bfloat16)
     packed, names, _ = pack_layer_weights(params, jnp.bfloat16)
-    assert sorted(names) == ["gate_up_proj", "q_proj"]
+    assert sorted(names) == ["layers.gate_up_proj", "layers.q_proj"]
+    assert set(packed["params"]["embed_tokens"]) == {"embedding"}   # lookups read it
     layers = packed["params"]["layers"]
     assert set(layers["q_proj"]) == {"packed_kernel", "bias"}
     assert "kernel" in layers["router"] and "kernel" in layers["down_proj"]   # not a Linear / f32
@@ -139,7 +157,10 @@ def test_packing_a_tree_replaces_only_stacked_projection_kernels_and_its_spec_ag
         def result(self):
             return self.params
 
-    arriving = PackedOnArrival(Restoring(tree()), jnp.bfloat16)
+    gguf, names, _ = pack_layer_weights(tree(gguf_table=True), jnp.bfloat16)
+    assert "embed_tokens" in names
+    assert set(gguf["params"]["embed_tokens"]) == {"q8_0", "packed_head"}
+    arriving = PackedOnArrival(Restoring(tree(gguf_table=True)), jnp.bfloat16)
     assert jax.tree.map(lambda s: (s.shape, s.dtype), arriving.spec) == \
         jax.tree.map(lambda a: (a.shape, a.dtype), arriving.result())
 

@@ -14,7 +14,9 @@ the library loads: runner/execution_plan.py), and no executables compiled ahead 
 (`jaxserve compile` builds the plain layout). float32 stays plain: packed it won at a few
 rows and lost 14 % at 64 (brg:avx512_core against gemm:jit), and on an AVX2 CPU oneDNN keeps
 it plain anyway. Each packed ``kernel`` becomes ``packed_kernel`` uint8 [L, bytes]
-(models/linear_method.PackedDenseMethod reads it; the GGUF float copy's too). The layout is
+(models/linear_method.PackedDenseMethod reads it; the GGUF float copy's too), and a GGUF
+embedding table's float copy, which only the tied LM head's steps of many rows read, becomes
+``packed_head`` [1, bytes] (models/layers.Embedding; its lookups read the blocks). The layout is
 this CPU's and this process's thread count's, so packing happens here, after loading, on
 the serving machine, and is never saved (`jaxserve convert` writes the plain layout).
 """
@@ -22,13 +24,15 @@ the serving machine, and is never saved (`jaxserve convert` writes the plain lay
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.linear_method import PACKED_LEAF
+from jaxserve.models.linear_method import PACKED_HEAD_LEAF, PACKED_LEAF
+from jaxserve.quantization.gguf_packed import packed_format_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,59 +59,101 @@ def why_not_packed(dtype: Any, bf16_units: bool, in_place: bool, aot: bool) -> s
     return None
 
 
-def _packable(params: Any, dtype: Any) -> dict[str, int]:
-    """{projection: packed bytes per layer} of the stacked ``dtype`` kernels of
-    ``params["params"]["layers"]`` (arrays or ShapeDtypeStructs) that oneDNN blocks here."""
+@dataclass(frozen=True)
+class Target:
+    """One array to pack: ``params["params"][scope][module][leaf]`` (scope "" for a
+    top-level module), stacked [L, in, out] (or a table [V, H] read transposed), replaced by
+    ``packed_leaf``."""
+    scope: str
+    module: str
+    leaf: str
+    packed_leaf: str
+    transposed: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.scope}.{self.module}" if self.scope else self.module
+
+    def get(self, params: Any) -> Any:
+        tree = params["params"]
+        tree = tree.get(self.scope, {}) if self.scope else tree
+        leaves = tree.get(self.module)
+        return leaves.get(self.leaf) if isinstance(leaves, dict) else None
+
+    def stacked_shape(self, array: Any) -> tuple[int, int, int]:
+        """(L, in, out) of the product the packed array serves."""
+        if self.transposed:            # a table [V, H]: logits = x @ table^T
+            return 1, array.shape[1], array.shape[0]
+        return tuple(array.shape)
+
+
+def _targets(params: Any) -> list[Target]:
+    """The layer projections, and a GGUF table's float copy (which then serves only the tied
+    LM head's rows above the block kernel's: lookups read the blocks, the same numbers)."""
+    targets = [Target("layers", name, "kernel", PACKED_LEAF) for name in PROJECTIONS]
+    embed = params["params"].get("embed_tokens", {})
+    if isinstance(embed, dict) and packed_format_of(embed) is not None:
+        targets.append(Target("", "embed_tokens", "embedding", PACKED_HEAD_LEAF,
+                              transposed=True))
+    return targets
+
+
+def _packable(params: Any, dtype: Any) -> dict[Target, int]:
+    """{target: packed bytes per layer} of ``params``'s (arrays or ShapeDtypeStructs)
+    ``dtype`` targets that oneDNN lays out blocked here."""
     from jaxserve.kernels.cpu.packed_matmul import packed_bytes
 
-    layers = params["params"].get("layers", {})
     found = {}
-    for name in PROJECTIONS:
-        leaves = layers.get(name)
-        kernel = leaves.get("kernel") if isinstance(leaves, dict) else None
-        if kernel is None or len(kernel.shape) != 3 or kernel.dtype != jnp.dtype(dtype):
+    for target in _targets(params):
+        array = target.get(params)
+        if array is None or array.dtype != jnp.dtype(dtype) \
+                or len(array.shape) != (2 if target.transposed else 3):
             continue
-        size = packed_bytes(kernel.shape[1], kernel.shape[2], kernel.dtype)
+        _, n_in, n_out = target.stacked_shape(array)
+        size = packed_bytes(n_in, n_out, array.dtype)
         if size:
-            found[name] = size
+            found[target] = size
     return found
 
 
-def _replaced(params: Any, new: dict[str, Any]) -> Any:
-    """params with each projection's ``kernel`` replaced by its packed leaf in ``new``."""
-    inner = params["params"]
-    layers = dict(inner["layers"])
-    for name, leaf in new.items():
-        layers[name] = {**{k: v for k, v in layers[name].items() if k != "kernel"},
-                        PACKED_LEAF: leaf}
-    return {**params, "params": {**inner, "layers": layers}}
+def _replaced(params: Any, new: dict[Target, Any]) -> Any:
+    """params with each target's plain leaf replaced by its packed one in ``new``."""
+    inner = dict(params["params"])
+    for target, packed in new.items():
+        tree = dict(inner[target.scope]) if target.scope else inner
+        tree[target.module] = {**{k: v for k, v in tree[target.module].items()
+                                  if k != target.leaf}, target.packed_leaf: packed}
+        if target.scope:
+            inner[target.scope] = tree
+    return {**params, "params": inner}
 
 
 def packed_spec(spec: Any, dtype: Any) -> Any:
     """The ShapeDtypeStructs `pack_layer_weights` turns ``spec``'s arrays into."""
-    layers = spec["params"].get("layers", {})
     return _replaced(spec, {
-        name: jax.ShapeDtypeStruct((layers[name]["kernel"].shape[0], size), jnp.uint8,
-                                   sharding=getattr(layers[name]["kernel"], "sharding", None))
-        for name, size in _packable(spec, dtype).items()})
+        target: jax.ShapeDtypeStruct((target.stacked_shape(target.get(spec))[0], size),
+                                     jnp.uint8,
+                                     sharding=getattr(target.get(spec), "sharding", None))
+        for target, size in _packable(spec, dtype).items()})
 
 
 def pack_layer_weights(params: Any, dtype: Any) -> tuple[Any, list[str], int]:
-    """(params with every stacked ``dtype`` projection kernel of ``params["params"]["layers"]``
-    packed, the projections packed, bytes before minus after). The plain arrays are freed
-    as each is replaced; a kernel oneDNN would read plain here stays."""
+    """(params with every ``dtype`` target packed, the targets' names, bytes before minus
+    after). The plain arrays are freed as each is replaced; one oneDNN would read plain here
+    stays."""
     from jaxserve.kernels.cpu.packed_matmul import pack_stacked
 
-    layers = params["params"].get("layers", {})
     new, saved = {}, 0
-    for name in _packable(params, dtype):
-        kernel = layers[name]["kernel"]
-        packed = pack_stacked(np.asarray(kernel))
-        new[name] = jax.device_put(packed, getattr(kernel, "sharding", None))
-        saved += kernel.nbytes - packed.nbytes
-        if isinstance(kernel, jax.Array):
-            kernel.delete()
-    return _replaced(params, new), list(new), saved
+    for target in _packable(params, dtype):
+        plain = target.get(params)
+        host = np.asarray(plain)
+        packed = pack_stacked(host[None] if target.transposed else host,
+                              transposed=target.transposed)
+        new[target] = jax.device_put(packed, getattr(plain, "sharding", None))
+        saved += plain.nbytes - packed.nbytes
+        if isinstance(plain, jax.Array):
+            plain.delete()
+    return _replaced(params, new), [t.name for t in new], saved
 
 
 class PackedOnArrival:
@@ -136,7 +182,7 @@ def pack_for_serving(config: Any, placed: Any, in_place: bool) -> None:
         logger.debug("projection weights plain: %s", why)
         return
     if hasattr(placed.params, "result"):      # being restored: packed on arrival
-        names = list(_packable(placed.params.spec, placed.dtype))
+        names = [t.name for t in _packable(placed.params.spec, placed.dtype)]
         placed.params = PackedOnArrival(placed.params, placed.dtype)
     else:
         placed.params, names, saved = pack_layer_weights(placed.params, placed.dtype)

@@ -29,6 +29,7 @@ from jaxserve.models.layer_matmul import (
     small_logits,
 )
 from jaxserve.models.linear_method import (
+    PACKED_HEAD_LEAF,
     PACKED_LEAF,
     float32_accumulating_dot,
     linear_method_for,
@@ -175,11 +176,15 @@ class Embedding(nn.Module):
     dtype: Any = jnp.float32
 
     def setup(self) -> None:
-        fmt = packed_format_of(self.variables.get("params", {}))
+        params = self.variables.get("params", {})
+        fmt = packed_format_of(params)
         self.packed_format = fmt
-        # a packed table may come with its float copy (engine/gguf_packing.py)
-        self.float_copy = fmt is not None and "embedding" in self.variables.get("params", {})
-        if fmt is None or self.float_copy:
+        # a packed table may come with its float copy (engine/gguf_packing.py), which
+        # startup may have packed for oneDNN (``packed_head``, engine/weight_packing.py):
+        # then only the LM head reads it, and lookups read the blocks
+        self.packed_head = fmt is not None and PACKED_HEAD_LEAF in params
+        self.float_copy = fmt is not None and ("embedding" in params or self.packed_head)
+        if fmt is None or (self.float_copy and not self.packed_head):
             self.embedding = self.param(
                 "embedding", nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
                 (self.num_embeddings, self.features), self.dtype)
@@ -192,7 +197,7 @@ class Embedding(nn.Module):
         return packed
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        if self.packed_format is None or self.float_copy:
+        if self.packed_format is None or (self.float_copy and not self.packed_head):
             return jnp.take(self.embedding, ids, axis=0)
         return dequantize(jnp.take(self._packed(), ids, axis=0), self.packed_format, self.dtype)
 
@@ -213,6 +218,13 @@ class Embedding(nn.Module):
         table, where XLA's GEMV is as fast as oneDNN."""
         packed_rows = small_rows_kernel and query.ndim == 2 and self.packed_format is not None \
             and self.streams_logits(query.shape[0], gemv_rows)
+        if self.packed_head and not packed_rows:
+            from jaxserve.kernels.cpu.packed_matmul import packed_layer_matmul
+
+            rows = query.reshape(-1, query.shape[-1])
+            logits = packed_layer_matmul(rows, self.get_variable("params", PACKED_HEAD_LEAF),
+                                         0, self.num_embeddings, self.dtype)
+            return logits.reshape(*query.shape[:-1], self.num_embeddings)
         if self.packed_format is None or (self.float_copy and not packed_rows):
             if self.packed_format is None and small_rows_kernel and query.ndim == 2 \
                     and self.streams_logits(query.shape[0], gemv_rows):

@@ -108,6 +108,7 @@ def float32_accumulating_dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 PACKED_LEAF = "packed_kernel"     # engine/weight_packing.py
+PACKED_HEAD_LEAF = "packed_head"   # a GGUF table's float copy, packed (layers.Embedding)
 
 
 def packed_product(layer: nn.Module, x: jax.Array) -> jax.Array:

@@ -256,10 +256,12 @@ extern "C" int64_t jaxserve_onednn_packed_bytes(int64_t in, int64_t out, int64_t
   }
 }
 
-// Packs `layers` layers of plain [in, out] weights (row-major, back to back) into `dst`
-// (layers * jaxserve_onednn_packed_bytes bytes). 0 on success, -1 on an error.
+// Packs `layers` layers of plain [in, out] weights (row-major, back to back; transposed:
+// [out, in], a tied embedding table) into `dst` (layers * jaxserve_onednn_packed_bytes
+// bytes). 0 on success, -1 on an error.
 extern "C" int32_t jaxserve_onednn_pack(const void* src, int64_t layers, int64_t in,
-                                        int64_t out, int64_t parts, int32_t bf16, void* dst) {
+                                        int64_t out, int64_t parts, int32_t bf16,
+                                        int32_t transposed, void* dst) {
   dt wt;
   if (!to_dt(bf16, &wt)) return -1;
   try {
@@ -273,8 +275,10 @@ extern "C" int32_t jaxserve_onednn_pack(const void* src, int64_t layers, int64_t
       const char* w = static_cast<const char*>(src) + layer * in * out * esize;
       char* d = static_cast<char*>(dst) + layer * l.bytes;
       for (const Part& part : l.parts) {
-        dnnl::memory from(md({in, part.c1 - part.c0}, wt, {out, 1}), e,
-                          const_cast<char*>(w + part.c0 * esize));
+        const md plain = transposed ? md({in, part.c1 - part.c0}, wt, {1, in})
+                                    : md({in, part.c1 - part.c0}, wt, {out, 1});
+        dnnl::memory from(plain, e, const_cast<char*>(w + part.c0 * (transposed ? in : 1) *
+                                                      esize));
         dnnl::memory to(part.w, e, d + part.offset);
         dnnl::reorder(from, to).execute(s, from, to);
       }

@@ -48,7 +48,7 @@ def _library() -> ctypes.CDLL:
     lib.jaxserve_onednn_packed_bytes.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32]
     lib.jaxserve_onednn_pack.restype = ctypes.c_int32
     lib.jaxserve_onednn_pack.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [
-        ctypes.c_int32, ctypes.c_void_p]
+        ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
     return lib
 
 
@@ -66,12 +66,16 @@ def packed_bytes(n_in: int, n_out: int, dtype, parts: int | None = None) -> int:
     return found
 
 
-def pack_stacked(weights: np.ndarray, parts: int | None = None) -> np.ndarray | None:
-    """Host weights [L, in, out] (bfloat16 / float32) packed, uint8 [L, bytes]; None where
-    `packed_bytes` says packing buys nothing here."""
+def pack_stacked(weights: np.ndarray, parts: int | None = None,
+                 transposed: bool = False) -> np.ndarray | None:
+    """Host weights [L, in, out] (``transposed``: [L, out, in], a tied embedding table as
+    [1, V, H]; bfloat16 / float32) packed, uint8 [L, bytes]; None where `packed_bytes` says
+    packing buys nothing here."""
     if weights.ndim != 3:
         raise ValueError(f"pack_stacked wants [L, in, out] weights; got {weights.shape}")
     layers, n_in, n_out = weights.shape
+    if transposed:
+        n_in, n_out = n_out, n_in
     parts = parts or packing_parts()
     size = packed_bytes(n_in, n_out, weights.dtype, parts)
     if size == 0:
@@ -79,7 +83,8 @@ def pack_stacked(weights: np.ndarray, parts: int | None = None) -> np.ndarray | 
     src = np.ascontiguousarray(weights)
     dst = np.zeros((layers, size), np.uint8)      # zeros: the alignment gaps are defined
     if _library().jaxserve_onednn_pack(src.ctypes.data, layers, n_in, n_out, parts,
-                                       _DTYPES[jnp.dtype(weights.dtype)], dst.ctypes.data):
+                                       _DTYPES[jnp.dtype(weights.dtype)], int(transposed),
+                                       dst.ctypes.data):
         raise RuntimeError(f"oneDNN failed to pack [{n_in}, {n_out}] {weights.dtype} weights")
     return dst
 
