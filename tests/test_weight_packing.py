@@ -165,11 +165,46 @@ def test_packing_a_tree_replaces_only_stacked_projection_kernels_and_its_spec_ag
         jax.tree.map(lambda a: (a.shape, a.dtype), arriving.result())
 
 
+@pytest.mark.fast
+def test_plain_siblings_are_fused_before_packing_and_keep_their_other_leaves():
+    from jaxserve.engine.weight_packing import pack_layer_weights, packed_spec
+    from jaxserve.kernels.cpu.packed_matmul import packed_layer_matmul
+
+    _packs_or_skip(jnp.bfloat16)
+    rng = np.random.default_rng(6)
+    host = {name: rng.standard_normal((2, 64, out)).astype(jnp.bfloat16)
+            for name, out in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32),
+                              ("gate_proj", 96), ("up_proj", 96))}
+
+    def tree():
+        layers = {name: {"kernel": jax.device_put(w)} for name, w in host.items()}
+        layers["q_proj"]["bias"] = jax.device_put(np.ones((2, 64), jnp.bfloat16))
+        layers["up_proj"]["kernel"] = jax.device_put(host["up_proj"].astype(np.float32))
+        return {"params": {"layers": layers}}
+
+    spec = packed_spec(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree()),
+                       jnp.bfloat16)
+    packed, names, _ = pack_layer_weights(tree(), jnp.bfloat16)
+    layers = packed["params"]["layers"]
+    # q|k|v fuse (one dtype); gate|up do not (up is float32): gate is packed alone
+    assert sorted(names) == ["layers.gate_proj", "layers.qkv_proj"]
+    assert set(layers["q_proj"]) == {"bias"} and layers["k_proj"] == {} == layers["v_proj"]
+    assert "kernel" in layers["up_proj"] and "gate_up_proj" not in layers
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), packed) == \
+        jax.tree.map(lambda s: (s.shape, s.dtype), spec)
+    x = rng.standard_normal((9, 64)).astype(jnp.bfloat16)
+    y = packed_layer_matmul(x, layers["qkv_proj"]["packed_kernel"], 1, 128, jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.concatenate(
+        [np.asarray(host[n][1], np.float64) for n in ("q_proj", "k_proj", "v_proj")], axis=1)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_a_served_bf16_model_with_packed_weights_gives_the_plain_weights_logits_and_tokens(
         make_tiny_model):
-    """The same tiny llama in bfloat16, served with its projections packed (bf16 units) and
-    plain (--matrix-units none): prompt logits of a short step, of one wider than the plan's
-    in-place rows (each layer's own packed slice), and greedy tokens agree."""
+    """The same tiny llama in bfloat16, served with its projections packed (bf16 units: q|k|v
+    and gate|up fused too) and plain (--matrix-units none): prompt logits of a short step, of
+    one wider than the plan's library rows (packed weights are read in place there too), and
+    greedy tokens agree."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.models.execution_plan import MAX_LIBRARY_ROWS
 
@@ -185,8 +220,13 @@ def test_a_served_bf16_model_with_packed_weights_gives_the_plain_weights_logits_
                   max_num_batched_tokens=1024, kv_cache_memory_bytes=8 << 20,
                   matrix_units=units)
         layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
-        assert ("packed_kernel" in layers["q_proj"]) == (units == "avx512")
-        assert ("kernel" in layers["down_proj"]) == (units == "none")
+        packed = units == "avx512"
+        # packed: q|k|v and gate|up fused (one call per group), each member's kernel gone
+        assert ("qkv_proj" in layers and "gate_up_proj" in layers) == packed
+        assert ("kernel" in layers["q_proj"]) != packed
+        assert ("packed_kernel" in layers["down_proj"]) == packed
+        if packed:
+            assert llm.llm_engine.engine_core.runner.plan.packed_weights
         results[units] = (np.asarray(llm.llm_engine.prompt_logits(short)),
                           np.asarray(llm.llm_engine.prompt_logits(wide)),
                           [o.outputs[0].token_ids for o in llm.generate(
@@ -195,3 +235,33 @@ def test_a_served_bf16_model_with_packed_weights_gives_the_plain_weights_logits_
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
         assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
     assert results["avx512"][2] == results["none"][2]
+
+
+def test_lora_adapters_on_packed_and_fused_projections_give_the_plain_weights_logits(
+        make_tiny_model, tmp_path, monkeypatch):
+    """LoRA deltas are added per member after the fused packed product (q|k|v, gate|up):
+    a bf16 engine with packed weights gives the logits of the same engine with plain ones,
+    for the base model and under an adapter (which must change them)."""
+    from jaxserve import LLM
+    from jaxserve.engine import weight_packing
+    from jaxserve.lora.request import LoRARequest
+    from tests.lora_adapters import make_peft_adapter
+
+    _packs_or_skip(jnp.bfloat16)
+    model = make_tiny_model("llama", num_hidden_layers=2)
+    make_peft_adapter(model, tmp_path / "adapter", rank=8, alpha=16, std=0.2)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    ids = list(range(3, 17))
+    results = {}
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(weight_packing, "why_not_packed", lambda *args: "test: off")
+        llm = LLM(str(model), dtype="bfloat16", max_model_len=64, max_num_seqs=2,
+                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, enable_lora=True,
+                  max_lora_rank=8, matrix_units="avx512")
+        layers = llm.llm_engine.engine_core.setup.runner.params["params"]["layers"]
+        assert ("qkv_proj" in layers) == packed
+        results[packed] = [np.asarray(llm.llm_engine.prompt_logits(ids, r)) for r in (None, lora)]
+    assert np.abs(results[True][1] - results[True][0]).max() > 0.1    # the adapter matters
+    for got, want in zip(results[True], results[False]):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.linear_method import PACKED_HEAD_LEAF, PACKED_LEAF
+from jaxserve.models.sibling_fusion import SIBLING_GROUPS
 from jaxserve.quantization.gguf_packed import packed_format_of
 
 logger = logging.getLogger(__name__)
@@ -130,11 +131,59 @@ def _replaced(params: Any, new: dict[Target, Any]) -> Any:
 
 def packed_spec(spec: Any, dtype: Any) -> Any:
     """The ShapeDtypeStructs `pack_layer_weights` turns ``spec``'s arrays into."""
+    spec = _fused(spec, _fusable(spec, dtype), _fuse_specs)
     return _replaced(spec, {
         target: jax.ShapeDtypeStruct((target.stacked_shape(target.get(spec))[0], size),
                                      jnp.uint8,
                                      sharding=getattr(target.get(spec), "sharding", None))
         for target, size in _packable(spec, dtype).items()})
+
+
+def _fusable(params: Any, dtype: Any) -> list[str]:
+    """Sibling groups (q|k|v, gate|up: models/sibling_fusion.py) whose members all hold a
+    plain stacked ``dtype`` kernel of one input size and nothing quantized: stored side by
+    side they take one packed call where they took one each (a step's calls each pay a
+    thread-pool wake-up; the narrow k and v run far under the units' rate alone)."""
+    layers = params["params"].get("layers", {})
+    groups = []
+    for group, members in SIBLING_GROUPS.items():
+        leaves = [layers.get(name) for name in members]
+        if group in layers or not all(isinstance(leaf, dict) for leaf in leaves):
+            continue
+        kernels = [leaf.get("kernel") for leaf in leaves]
+        if any(k is None or len(k.shape) != 3 or k.dtype != jnp.dtype(dtype) for k in kernels) \
+                or any(packed_format_of(leaf) is not None for leaf in leaves) \
+                or len({tuple(k.shape[:2]) for k in kernels}) != 1:
+            continue
+        groups.append(group)
+    return groups
+
+
+def _fused(params: Any, groups: list[str], concatenate: Any) -> Any:
+    """params with each group's members' kernels concatenated (``concatenate(kernels)``)
+    into the group's ``kernel``; the members keep their other leaves (bias, LoRA)."""
+    inner = params["params"]
+    layers = dict(inner["layers"])
+    for group in groups:
+        members = SIBLING_GROUPS[group]
+        layers[group] = {"kernel": concatenate([layers[name]["kernel"] for name in members])}
+        for name in members:
+            layers[name] = {k: v for k, v in layers[name].items() if k != "kernel"}
+    return {**params, "params": {**inner, "layers": layers}}
+
+
+def _fuse_arrays(kernels: list[Any]) -> Any:
+    fused = jnp.concatenate(kernels, axis=2)
+    for kernel in kernels:
+        if isinstance(kernel, jax.Array):
+            kernel.delete()
+    return fused
+
+
+def _fuse_specs(kernels: list[Any]) -> Any:
+    first = kernels[0]
+    return jax.ShapeDtypeStruct((*first.shape[:2], sum(k.shape[2] for k in kernels)),
+                                first.dtype, sharding=getattr(first, "sharding", None))
 
 
 def pack_layer_weights(params: Any, dtype: Any) -> tuple[Any, list[str], int]:
@@ -143,6 +192,7 @@ def pack_layer_weights(params: Any, dtype: Any) -> tuple[Any, list[str], int]:
     stays."""
     from jaxserve.kernels.cpu.packed_matmul import pack_stacked
 
+    params = _fused(params, _fusable(params, dtype), _fuse_arrays)
     new, saved = {}, 0
     for target in _packable(params, dtype):
         plain = target.get(params)
@@ -182,7 +232,9 @@ def pack_for_serving(config: Any, placed: Any, in_place: bool) -> None:
         logger.debug("projection weights plain: %s", why)
         return
     if hasattr(placed.params, "result"):      # being restored: packed on arrival
-        names = [t.name for t in _packable(placed.params.spec, placed.dtype)]
+        spec = placed.params.spec
+        names = [t.name for t in _packable(_fused(spec, _fusable(spec, placed.dtype),
+                                                  _fuse_specs), placed.dtype)]
         placed.params = PackedOnArrival(placed.params, placed.dtype)
     else:
         placed.params, names, saved = pack_layer_weights(placed.params, placed.dtype)

@@ -131,7 +131,7 @@ class CausalLM(nn.Module):
         xs = (jnp.arange(a.num_layers, dtype=jnp.int32), windows, constants["layer_rope"])
         # Steps the plan sends to the CPU library hand the layers their weights to read in
         # place (models/layer_matmul.py); init has no weights yet.
-        in_place = self.plan.library_rows(x.shape[0]) and not self.is_initializing()
+        in_place = self.plan.reads_in_place(x.shape[0]) and not self.is_initializing()
         params, gemv_rows = self.variables.get("params", {}), self.plan.gemv_rows
         carry = (x, k_cache, v_cache)
         if self.plan.layer_loop is LayerLoop.PER_LAYER:

@@ -39,6 +39,10 @@ class ExecutionPlan:
     # the library's streaming GEMV instead of oneDNN (kernels/cpu/gemv_choice.py measures it).
     gemv_rows: int = 0
     max_library_rows: int = MAX_LIBRARY_ROWS
+    # With cpu_matmul: projection weights packed at startup into oneDNN's blocked layout
+    # (engine/weight_packing.py), which only the library reads: every step hands the layers
+    # their weights in place (above max_library_rows plain weights keep XLA's dot).
+    packed_weights: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_loop, LayerLoop):
@@ -50,3 +54,8 @@ class ExecutionPlan:
     def library_rows(self, num_tokens: int) -> bool:
         """Whether a step of num_tokens tokens takes the CPU library for its projections."""
         return self.cpu_matmul and num_tokens <= self.max_library_rows
+
+    def reads_in_place(self, num_tokens: int) -> bool:
+        """Whether a step of num_tokens tokens hands its layers their weights in place:
+        where it takes the library, and at every row count for packed weights."""
+        return self.library_rows(num_tokens) or (self.cpu_matmul and self.packed_weights)

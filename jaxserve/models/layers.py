@@ -134,14 +134,18 @@ def sibling_projections(x: jax.Array, layers: tuple[Linear, ...],
     step of a few rows), their products come from one library call: a decode layer's q/k/v
     and gate/up are small (SmolLM2's k_proj streams 0.44 MB in ~20 us) and each call of its
     own paid ~25-30 us of thunk and thread-pool wake-up beyond that. ``fused``: the layers'
-    float copies stored side by side (models/sibling_fusion.py), which steps of more than
-    GGUF_BLOCK_ROWS rows read in one matmul instead of one per layer."""
-    if fused is not None and x.ndim == 2 and x.shape[0] > GGUF_BLOCK_ROWS:
+    float weights stored side by side -- a GGUF's float copies (models/sibling_fusion.py),
+    which steps of more than GGUF_BLOCK_ROWS rows read, or plain weights packed for oneDNN
+    (engine/weight_packing.py), read at every row count -- one matmul instead of one per
+    layer."""
+    products = None
+    if fused is None or x.ndim != 2 or x.shape[0] <= GGUF_BLOCK_ROWS:
+        operands = [layer.gemv_operand(x) for layer in layers]
+        if all(op is not None for op in operands):
+            products = grouped_gemv(x, operands)
+    if products is None and fused is not None and x.ndim == 2:
         products = _fused_products(x, fused, [layer.features for layer in layers],
                                    layers[0].dtype)
-        return tuple(layer(x, lora_slots, product=p) for layer, p in zip(layers, products))
-    operands = [layer.gemv_operand(x) for layer in layers]
-    products = grouped_gemv(x, operands) if all(op is not None for op in operands) else None
     if products is None:
         return tuple(layer(x, lora_slots) for layer in layers)
     return tuple(layer(x, lora_slots, product=p) for layer, p in zip(layers, products))

@@ -111,6 +111,13 @@ PACKED_LEAF = "packed_kernel"     # engine/weight_packing.py
 PACKED_HEAD_LEAF = "packed_head"   # a GGUF table's float copy, packed (layers.Embedding)
 
 
+def holds_packed_weights(params: Any) -> bool:
+    """Whether a params tree (arrays or ShapeDtypeStructs) holds weights packed for oneDNN."""
+    layers = params.get("params", {}).get("layers", {}) if isinstance(params, Mapping) else {}
+    return any(isinstance(leaves, Mapping) and PACKED_LEAF in leaves
+               for leaves in layers.values())
+
+
 def packed_product(layer: nn.Module, x: jax.Array) -> jax.Array:
     """x [..., in] @ the layer's weights packed for oneDNN (``packed_kernel`` uint8
     [L, bytes], kernels/cpu/packed_matmul.py) -> [..., layer.features] float32. Under the

@@ -20,16 +20,18 @@ from jaxserve.platforms import Platform, platform_named
 
 
 def choose_execution_plan(platform: Platform | str, backend_name: str, num_devices: int, dtype: Any,
-                          gemv_rows: int = 0) -> ExecutionPlan:
+                          gemv_rows: int = 0, packed_weights: bool = False) -> ExecutionPlan:
     """The plan for a model whose parameters live on ``platform`` ("cpu", "gpu"/"cuda",
     "tpu"), attended by backend ``backend_name`` over ``num_devices`` devices, computing in
-    ``dtype``; gemv_rows: the measured streaming-GEMV row limit (kernels/cpu/gemv_choice.py)."""
+    ``dtype``; gemv_rows: the measured streaming-GEMV row limit (kernels/cpu/gemv_choice.py);
+    packed_weights: the parameters hold weights packed for oneDNN (engine/weight_packing.py)."""
     platform = platform if isinstance(platform, Platform) else platform_named(platform)
     if platform.unroll_layers:          # the platform's layer loop (jaxserve/platforms/)
         return ExecutionPlan(LayerLoop.UNROLLED)
     if backend_name == "cpu" and num_devices == 1 and jnp.dtype(dtype) in IN_PLACE_DTYPES \
             and _library_loads():
-        return ExecutionPlan(LayerLoop.SCANNED, cpu_matmul=True, gemv_rows=gemv_rows)
+        return ExecutionPlan(LayerLoop.SCANNED, cpu_matmul=True, gemv_rows=gemv_rows,
+                             packed_weights=packed_weights)
     return ExecutionPlan(LayerLoop.SCANNED)
 
 

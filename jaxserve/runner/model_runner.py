@@ -26,6 +26,7 @@ from jaxserve.attention.backend import AttentionBackend
 from jaxserve.lora.stacks import LoRAStacks, with_lora
 from jaxserve.mesh import put_replicated
 from jaxserve.models.arch import ModelArch
+from jaxserve.models.linear_method import holds_packed_weights
 from jaxserve.models.registry import family_for
 from jaxserve.models.tracing import apply_model
 from jaxserve.platforms import Platform, platform_of_device
@@ -141,7 +142,7 @@ class ModelRunner(StepCompilation):
         mesh = getattr(self.input_sharding, "mesh", None)
         self.plan = choose_execution_plan(self._params_platform(), backend.name,
                                           1 if mesh is None else mesh.size, self.dtype,
-                                          gemv_rows)
+                                          gemv_rows, holds_packed_weights(self._param_specs))
         self.model = family.build(self.arch, backend, self.num_blocks, self.block_size,
                                   self.dtype, self.plan)
         constants = family.constants(self.arch)
