@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+
+#include "bf16_bits.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -131,12 +133,11 @@ inline vf dot_bf16(vf acc, const uint16_t*, const uint16_t*) { return acc; }  //
 #endif
 
 // 2W bf16 values at p (one vector of W little-endian pairs) as two f32 vectors: the
-// even-indexed values and the odd-indexed ones (a shift and a mask, no conversion).
+// even-indexed values and the odd-indexed ones (bf16_bits.h: a shift and a mask).
 inline void load_bf16_even_odd(const uint16_t* p, vf* even, vf* odd) {
   vi pairs;
   std::memcpy(&pairs, p, sizeof(pairs));
-  *even = (vf)(pairs << 16);
-  *odd = (vf)(pairs & int32_t(0xffff0000u));
+  bf16::split_even_odd(pairs, even, odd);
 }
 
 }  // namespace jaxserve_cpu::simd

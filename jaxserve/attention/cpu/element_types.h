@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "bf16_bits.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve_cpu::elements {
@@ -22,7 +23,7 @@ inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f
 inline uint32_t f32_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
 inline float to_f32(float x) { return x; }
-inline float to_f32(bf16_t x) { return bits_to_f32(uint32_t(x.bits) << 16); }
+inline float to_f32(bf16_t x) { return bf16::to_f32(x.bits); }
 inline float to_f32(f16_t x) {
   const uint32_t h = x.bits;
   const uint32_t sign = (h & 0x8000u) << 16;
@@ -66,11 +67,7 @@ inline float decode_scale(int8_t code) { return kScaleTable.v[int(code) + 128]; 
 
 template <typename T> T from_f32(float f);
 template <> inline float from_f32<float>(float f) { return f; }
-template <> inline bf16_t from_f32<bf16_t>(float f) {
-  const uint32_t u = f32_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40u)};  // quiet NaN
-  return {uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
-}
+template <> inline bf16_t from_f32<bf16_t>(float f) { return {bf16::from_f32(f)}; }
 template <> inline f16_t from_f32<f16_t>(float f) {
   uint32_t u = f32_to_bits(f);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);

@@ -43,7 +43,8 @@ LIBRARY = KernelLibrary(name="paged_attention",
                         sources=(SOURCE, SOURCE.with_name("write_kv.cc"),
                                  SOURCE.with_name("attention_simd.h"),
                                  SOURCE.with_name("element_types.h"),
-                                 kernel_build.HERE / "parallel_for.h"),
+                                 kernel_build.HERE / "parallel_for.h",
+                                 kernel_build.HERE / "bf16_bits.h"),
                         fallback_hint=_FALLBACK_HINT, error=CpuAttentionBuildError)
 _FFI_TARGET = FfiTarget(TARGET_NAME, HANDLER_SYMBOL, lambda: LIBRARY, "the CPU attention kernel")
 WRITE_KV_TARGET = "jaxserve_write_kv"

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,24 +22,9 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// ---------------------------------------------------------------------------
-// Element types: f32, and bf16 as its raw 16 bits (the top half of an f32).
-// ---------------------------------------------------------------------------
-
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {   // round to nearest even (NaN stays NaN)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
+// bf16 as its raw 16 bits: bf16_bits.h.
+inline float bf16_to_f32(uint16_t h) { return bf16::to_f32(h); }
+inline uint16_t f32_to_bf16(float f) { return bf16::from_f32(f); }
 
 // ---------------------------------------------------------------------------
 // GEMV: a few rows, the weights streamed once in memory order. A tile of T rows x NV native
@@ -281,9 +267,8 @@ void dot_row(const float* X, const W* row, float* Y, int64_t H, int64_t V, int64
   }
 }
 
-// bf16 rows: 2 * kLanes weights per load, split into the even ones (the low halves of each
-// 32-bit lane, shifted up) and the odd ones (the high halves, masked): two plain integer ops
-// where widening each half takes a shuffle (one shuffle unit on AVX2 Zen). Xp is x with each
+// bf16 rows: 2 * kLanes weights per load, split into the even ones and the odd ones
+// (bf16::split_even_odd: two integer ops, no widening shuffles). Xp is x with each
 // 2 * kLanes chunk reordered to match: its even elements, then its odd ones (even_odd_chunks).
 template <int T>
 void dot_row(const float* Xp, const uint16_t* row, float* Y, int64_t H, int64_t V, int64_t v) {
@@ -293,10 +278,9 @@ void dot_row(const float* Xp, const uint16_t* row, float* Y, int64_t H, int64_t 
     JAXSERVE_UNROLL for (int t = 0; t < T; ++t) acc[u][t] = vf{};
   const int64_t chunk = 2 * kLanes, step = U * chunk;
   const int64_t body = H / step * step, pairs = H / chunk * chunk;
-  const vw high = vw{} + 0xffff0000u;
   auto fma_chunk = [&](int64_t h, vf* a) {
-    const vw w = *reinterpret_cast<const vwu*>(row + h);
-    const vf we = reinterpret_cast<vf>(w << 16), wo = reinterpret_cast<vf>(w & high);
+    vf we, wo;
+    bf16::split_even_odd(vw(*reinterpret_cast<const vwu*>(row + h)), &we, &wo);
     JAXSERVE_UNROLL for (int t = 0; t < T; ++t)
       a[t] += loadv(Xp + t * H + h) * we + loadv(Xp + t * H + h + kLanes) * wo;
   };

@@ -71,8 +71,8 @@ def library() -> KernelLibrary:
     lib_dir = prefix / "lib"
     return KernelLibrary(
         name="matmul", sources=(HERE / "matmul.cc", HERE / "gemv_gguf_entry.cc",
-                                HERE / "onednn_packed.cc", HERE / "gemv.h",
-                 HERE / "gemv_gguf.h", HERE / "parallel_for.h"),
+                                HERE / "onednn_packed.cc", HERE / "gemv.h", HERE / "bf16_bits.h",
+                                HERE / "gemv_gguf.h", HERE / "parallel_for.h"),
         include_dirs=(HERE, prefix / "include"),
         link_flags=(f"-L{lib_dir}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib_dir}"),
         fallback_hint=hint, error=CpuMatmulBuildError)

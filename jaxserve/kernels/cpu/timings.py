@@ -166,7 +166,7 @@ def _kernel_source() -> str:
     from jaxserve.kernels.cpu.build import HERE
 
     digest = hashlib.sha256()
-    for name in ("matmul.cc", "gemv.h", "parallel_for.h"):
+    for name in ("matmul.cc", "gemv.h", "bf16_bits.h", "parallel_for.h"):
         digest.update((HERE / name).read_bytes())
     return digest.hexdigest()[:16]
 
