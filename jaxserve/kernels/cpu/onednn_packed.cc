@@ -80,6 +80,21 @@ struct Layout {
 
 using LayoutKey = std::tuple<int64_t, int64_t, int64_t, dt>;   // in, out, parts, dtype
 
+// The layout is asked for kLayoutRows rows, and a call of another row count runs on it as
+// packed: where oneDNN would pick a kernel that cannot read it (another ISA's blocking for
+// few rows, as AMX might), the only primitive left is its reference loop, ~100x slower.
+// Weights are packed only where every row count a step has gets an optimized kernel.
+bool optimized_at_every_row_count(int64_t in, int64_t cols, const md& w, dt wt) {
+  for (int64_t rows : {int64_t(1), int64_t(8), int64_t(16), int64_t(512)}) {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::matmul::primitive_desc pd(cpu_engine(), md({rows, in}, wt, {in, 1}), w,
+                                    md({rows, cols}, dt::f32, {cols, 1}), attr);
+    if (std::string(pd.impl_info_str()).rfind("ref", 0) == 0) return false;
+  }
+  return true;
+}
+
 // What packing [in, out] weights into `parts` column ranges looks like on this CPU (cached).
 const Layout& layout(int64_t in, int64_t out, int64_t parts, dt wt) {
   static std::mutex mu;
@@ -104,7 +119,7 @@ const Layout& layout(int64_t in, int64_t out, int64_t parts, dt wt) {
         md({kLayoutRows, c1 - c0}, dt::f32, {c1 - c0, 1}), attr);
     const md w = pd.weights_desc();
     l.blocked = l.blocked && w.get_format_kind() == dnnl::memory::format_kind::blocked &&
-                w.get_inner_nblks() > 0;
+                w.get_inner_nblks() > 0 && optimized_at_every_row_count(in, c1 - c0, w, wt);
     l.parts.push_back(Part{c0, c1, l.bytes, w});
     l.bytes += round_up(int64_t(w.get_size()), kOffsetAlign);
   }
