@@ -194,9 +194,12 @@ def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(defaul
     layers = setup.runner.params["params"]["layers"]
     assert layers["q_proj"]["q4_1"].dtype == jnp.uint8
     assert "q8_0" in setup.runner.params["params"]["embed_tokens"]
-    blocks = sum(leaf.nbytes for leaf in jax.tree.leaves(setup.runner.params)
-                 if leaf.dtype == jnp.uint8)
-    assert blocks <= 0.2 * setup.num_params * 4
+    from jaxserve.quantization.gguf_packed import PACKED_FORMATS
+
+    blocks = sum(leaf.nbytes for path, leaf in
+                 jax.tree_util.tree_leaves_with_path(setup.runner.params)
+                 if getattr(path[-1], "key", None) in PACKED_FORMATS)
+    assert 0 < blocks <= 0.2 * setup.num_params * 4
     # beside the blocks, their float copy (engine/gguf_packing.py): steps of at most
     # GGUF_BLOCK_ROWS rows read the blocks (the scan's q/k/v, o, gate/up, down calls), more
     # rows the copy through oneDNN (at most the tied LM head's call on the blocks remains)
@@ -207,8 +210,15 @@ def test_default_gguf_served_packed_is_close_to_hf_on_dequantized_weights(defaul
 
     fused = fusion_pays(setup.runner.dtype, current_matrix_units().bf16)
     copy = layers["qkv_proj"] if fused else layers["q_proj"]
-    assert copy["kernel"].dtype == layers["o_proj"]["kernel"].dtype == setup.runner.dtype
-    assert ("kernel" not in layers["q_proj"]) == fused == ("gate_up_proj" in layers)
+    # the copy itself plain, or packed at startup for oneDNN (engine/weight_packing.py)
+    packed = "packed_kernel" in layers["o_proj"]
+    assert packed == setup.runner.plan.packed_weights
+    if packed:
+        assert copy["packed_kernel"].dtype == jnp.uint8 and setup.runner.dtype == jnp.bfloat16
+    else:
+        assert copy["kernel"].dtype == layers["o_proj"]["kernel"].dtype == setup.runner.dtype
+    leaf = "packed_kernel" if packed else "kernel"
+    assert (leaf not in layers["q_proj"]) == fused == ("gate_up_proj" in layers)
     runner = llm.llm_engine.engine_core.runner
     runner.wait_until_compiled()
     few, many = min(runner._steps), max(runner._steps)
