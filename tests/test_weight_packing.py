@@ -199,6 +199,36 @@ def test_plain_siblings_are_fused_before_packing_and_keep_their_other_leaves():
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.fast
+def test_what_does_not_fit_twice_in_free_memory_stays_plain_and_unfused(monkeypatch, caplog):
+    """Packing holds a target's plain array, its packed host copy and the device copy at
+    once: with host memory for only the small targets, the big ones stay plain (and a group
+    whose fused packing does not fit keeps its members' own kernels), said in the log."""
+    import logging
+
+    from jaxserve.engine import weight_packing
+
+    _packs_or_skip(jnp.bfloat16)
+    rng = np.random.default_rng(8)
+    layers = {name: {"kernel": jax.device_put(rng.standard_normal((2, 64, out))
+                                             .astype(jnp.bfloat16))}
+              for name, out in (("q_proj", 64), ("k_proj", 64), ("v_proj", 64),
+                                ("gate_proj", 1024), ("up_proj", 1024), ("o_proj", 64))}
+    params = {"params": {"layers": layers}}
+    # room for twice o_proj's packed bytes and q|k|v's, not gate|up's
+    monkeypatch.setattr(weight_packing, "available_host_bytes", lambda: 2 * 2 * 64 * 200 * 2)
+    spec = weight_packing.packed_spec(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), jnp.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        packed, names, _ = weight_packing.pack_layer_weights(params, jnp.bfloat16)
+    assert sorted(names) == ["layers.o_proj", "layers.qkv_proj"]
+    assert "kept plain" in caplog.text and "layers.gate_up_proj" in caplog.text
+    out = packed["params"]["layers"]
+    assert "gate_up_proj" not in out and "kernel" in out["gate_proj"] and "kernel" in out["up_proj"]
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), packed) == \
+        jax.tree.map(lambda s: (s.shape, s.dtype), spec)
+
+
 def test_a_served_bf16_model_with_packed_weights_gives_the_plain_weights_logits_and_tokens(
         make_tiny_model):
     """The same tiny llama in bfloat16, served with its projections packed (bf16 units: q|k|v

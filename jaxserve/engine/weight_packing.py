@@ -129,14 +129,16 @@ def _replaced(params: Any, new: dict[Target, Any]) -> Any:
     return {**params, "params": inner}
 
 
-def packed_spec(spec: Any, dtype: Any) -> Any:
-    """The ShapeDtypeStructs `pack_layer_weights` turns ``spec``'s arrays into."""
-    spec = _fused(spec, _fusable(spec, dtype), _fuse_specs)
+def packed_spec(spec: Any, dtype: Any, plan: Any = None) -> Any:
+    """The ShapeDtypeStructs `pack_layer_weights` (with the same ``plan``) turns ``spec``'s
+    arrays into."""
+    groups, targets, _ = plan or _planned(spec, dtype)
+    spec = _fused(spec, groups, _fuse_specs)
     return _replaced(spec, {
         target: jax.ShapeDtypeStruct((target.stacked_shape(target.get(spec))[0], size),
                                      jnp.uint8,
                                      sharding=getattr(target.get(spec), "sharding", None))
-        for target, size in _packable(spec, dtype).items()})
+        for target, size in targets.items()})
 
 
 def _fusable(params: Any, dtype: Any) -> list[str]:
@@ -172,12 +174,27 @@ def _fused(params: Any, groups: list[str], concatenate: Any) -> Any:
     return {**params, "params": {**inner, "layers": layers}}
 
 
-def _fuse_arrays(kernels: list[Any]) -> Any:
-    fused = jnp.concatenate(kernels, axis=2)
-    for kernel in kernels:
-        if isinstance(kernel, jax.Array):
-            kernel.delete()
-    return fused
+class _LazyConcat:
+    """Sibling kernels [L, in, out_i] seen as their concatenation [L, in, sum out_i], read a
+    layer at a time and never materialized: a fused gate|up of a 7B model is 7.5 GB, which
+    a whole concatenation would add to the peak on top of its packed copy."""
+
+    def __init__(self, kernels: list[Any]) -> None:
+        self.kernels = kernels
+        first = kernels[0]
+        self.shape = (*first.shape[:2], sum(k.shape[2] for k in kernels))
+        self.dtype = first.dtype
+        self.sharding = getattr(first, "sharding", None)
+        self.nbytes = sum(k.nbytes for k in kernels)
+
+    def layer(self, i: int) -> np.ndarray:
+        """Layer i's [in, sum out_i] (the members on a CPU device: host views, not copies)."""
+        return np.concatenate([np.asarray(k)[i] for k in self.kernels], axis=1)
+
+    def delete(self) -> None:
+        for kernel in self.kernels:
+            if isinstance(kernel, jax.Array):
+                kernel.delete()
 
 
 def _fuse_specs(kernels: list[Any]) -> Any:
@@ -186,22 +203,68 @@ def _fuse_specs(kernels: list[Any]) -> Any:
                                 first.dtype, sharding=getattr(first, "sharding", None))
 
 
-def pack_layer_weights(params: Any, dtype: Any) -> tuple[Any, list[str], int]:
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _planned(params: Any, dtype: Any, still_to_arrive: int = 0
+             ) -> tuple[list[str], dict[Target, int], list[str]]:
+    """(sibling groups to fuse, targets to pack: packed bytes per layer, what stays plain for
+    lack of memory). Packing a target holds its plain array, the packed one on the host and
+    its device copy at once: one whose two packed copies do not fit the host's available
+    memory (less ``still_to_arrive`` bytes a restore has yet to fill) stays plain, and a
+    group whose fused packing does not fit keeps its members."""
+    groups = _fusable(params, dtype)
+    targets = _packable(_fused(params, groups, _fuse_specs), dtype)
+    free = available_host_bytes()
+    if free is None:
+        return groups, targets, []
+    free -= still_to_arrive
+    kept_plain = []
+    for target, size in list(targets.items()):
+        layers = target.stacked_shape(target.get(_fused(params, groups, _fuse_specs)))[0]
+        if 2 * size * layers <= free:
+            continue
+        del targets[target]
+        kept_plain.append(target.name)
+        if target.scope == "layers" and target.module in groups:
+            groups.remove(target.module)
+    return groups, targets, kept_plain
+
+
+def pack_layer_weights(params: Any, dtype: Any,
+                       plan: tuple[list[str], dict[Target, int], list[str]] | None = None
+                       ) -> tuple[Any, list[str], int]:
     """(params with every ``dtype`` target packed, the targets' names, bytes before minus
     after). The plain arrays are freed as each is replaced; one oneDNN would read plain here
-    stays."""
-    from jaxserve.kernels.cpu.packed_matmul import pack_stacked
+    stays. ``plan``: `_planned`'s, made earlier (a restore's spec was compiled on it)."""
+    from jaxserve.kernels.cpu.packed_matmul import pack_layers, pack_stacked
 
-    params = _fused(params, _fusable(params, dtype), _fuse_arrays)
+    groups, targets, kept_plain = plan or _planned(params, dtype)
+    if kept_plain:
+        logger.warning("projection weights kept plain (packing them needs twice their size "
+                       "free in host memory): %s", ", ".join(kept_plain))
+    params = _fused(params, groups, _LazyConcat)
     new, saved = {}, 0
-    for target in _packable(params, dtype):
+    for target in targets:
         plain = target.get(params)
-        host = np.asarray(plain)
-        packed = pack_stacked(host[None] if target.transposed else host,
-                              transposed=target.transposed)
+        if isinstance(plain, _LazyConcat):
+            packed = pack_layers(plain.layer, *plain.shape, plain.dtype)
+        else:
+            host = np.asarray(plain)
+            packed = pack_stacked(host[None] if target.transposed else host,
+                                  transposed=target.transposed)
         new[target] = jax.device_put(packed, getattr(plain, "sharding", None))
         saved += plain.nbytes - packed.nbytes
-        if isinstance(plain, jax.Array):
+        del packed
+        if isinstance(plain, (jax.Array, _LazyConcat)):
             plain.delete()
     return _replaced(params, new), [t.name for t in new], saved
 
@@ -212,10 +275,18 @@ class PackedOnArrival:
 
     def __init__(self, restoring: Any, dtype: Any) -> None:
         self._restoring, self._dtype = restoring, dtype
-        self.spec = packed_spec(restoring.spec, dtype)
+        arriving = sum(leaf.nbytes if hasattr(leaf, "nbytes") else
+                       int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+                       for leaf in jax.tree.leaves(restoring.spec))
+        self._plan = _planned(restoring.spec, dtype, still_to_arrive=arriving)
+        self.spec = packed_spec(restoring.spec, dtype, self._plan)
+
+    @property
+    def targets(self) -> list[Target]:
+        return list(self._plan[1])
 
     def result(self) -> Any:
-        return pack_layer_weights(self._restoring.result(), self._dtype)[0]
+        return pack_layer_weights(self._restoring.result(), self._dtype, self._plan)[0]
 
 
 def pack_for_serving(config: Any, placed: Any, in_place: bool) -> None:
@@ -232,10 +303,8 @@ def pack_for_serving(config: Any, placed: Any, in_place: bool) -> None:
         logger.debug("projection weights plain: %s", why)
         return
     if hasattr(placed.params, "result"):      # being restored: packed on arrival
-        spec = placed.params.spec
-        names = [t.name for t in _packable(_fused(spec, _fusable(spec, placed.dtype),
-                                                  _fuse_specs), placed.dtype)]
         placed.params = PackedOnArrival(placed.params, placed.dtype)
+        names = [t.name for t in placed.params.targets]
     else:
         placed.params, names, saved = pack_layer_weights(placed.params, placed.dtype)
         placed.resident_bytes -= saved

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,27 @@ def pack_stacked(weights: np.ndarray, parts: int | None = None,
                                        _DTYPES[jnp.dtype(weights.dtype)], int(transposed),
                                        dst.ctypes.data):
         raise RuntimeError(f"oneDNN failed to pack [{n_in}, {n_out}] {weights.dtype} weights")
+    return dst
+
+
+def pack_layers(layer: Callable[[int], np.ndarray], count: int, n_in: int, n_out: int,
+                dtype, parts: int | None = None) -> np.ndarray:
+    """Host weights given a layer at a time (``layer(i)``: [in, out] of ``dtype``) packed,
+    uint8 [count, bytes]: `pack_stacked` without the whole stack in one array (a fused
+    sibling group, concatenated one layer at a time)."""
+    parts = parts or packing_parts()
+    size = packed_bytes(n_in, n_out, dtype, parts)
+    if size == 0:
+        raise RuntimeError(f"[{n_in}, {n_out}] {jnp.dtype(dtype)} weights do not pack here")
+    dst = np.zeros((count, size), np.uint8)
+    for i in range(count):
+        src = np.ascontiguousarray(layer(i))
+        if src.shape != (n_in, n_out) or src.dtype != jnp.dtype(dtype):
+            raise ValueError(f"pack_layers: layer {i} is {src.shape} {src.dtype}, not "
+                             f"[{n_in}, {n_out}] {jnp.dtype(dtype)}")
+        if _library().jaxserve_onednn_pack(src.ctypes.data, 1, n_in, n_out, parts,
+                                           _DTYPES[jnp.dtype(dtype)], 0, dst[i].ctypes.data):
+            raise RuntimeError(f"oneDNN failed to pack [{n_in}, {n_out}] {dtype} weights")
     return dst
 
 
