@@ -4,9 +4,10 @@ A decoder layer's float projections, stacked ``kernel`` [L, in, out], are read i
 the CPU matmul library (models/layer_matmul.py). Handed that plain layout, oneDNN 3.2 runs
 its older gemm kernel, which reorganises the weights on every call; packed once into the
 layout its brgemm kernels read (kernels/cpu/packed_matmul.py), the same projections take
-0.86x the time at 64 rows, 0.69x at 16, and 0.87x the streaming GEMV's at one (SmolLM2-135M's
+0.88x the time at 64 rows, 0.72x at 16, and ~0.9x the streaming GEMV's at one (SmolLM2-135M's
 seven bfloat16 projections, AVX512-BF16 EPYC, 2 cores:
-benchmarks/results/prepacked-matmul-bf16-epyc-avx512bf16-packed.json).
+benchmarks/results/prepacked-matmul-bf16-epyc-avx512bf16-packed.json); a served step 0.91x
+at 64 rows, 0.84x at 16 (prepacked-weights-step-epyc-avx512bf16.md).
 
 The rule: bfloat16 weights, a CPU whose matrix units compute bf16 (``--matrix-units``:
 AVX512-BF16, AMX; oneDNN natively), the plan that reads weights in place (one CPU device,
