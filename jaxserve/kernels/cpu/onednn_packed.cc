@@ -48,6 +48,7 @@ using jaxserve_cpu::parallel_for;
 constexpr int64_t kColumnAlign = 64;   // the matrix units' column blocking
 constexpr int64_t kLayoutRows = 64;    // the row count the layout is asked for
 constexpr int64_t kOffsetAlign = 64;   // bytes: each part starts on a cache line
+constexpr int64_t kRowBlock = 256;     // rows per task of a call (bounds its dense buffer)
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -222,15 +223,25 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     const int64_t n = int64_t(l.parts.size());
     int64_t workers = std::max<int64_t>(1, pool.num_threads());
     if (T * in * out < (int64_t(1) << 20)) workers = 1;   // waking a thread costs about this
-    workers = std::min(workers, n);
-    std::vector<const Prim*> prims;   // built here, not on a pool thread (they throw)
-    for (const Part& part : l.parts) prims.push_back(&primitive(T, in, part, wt));
+    // Tasks: each column range times each block of at most kRowBlock rows (a prefill
+    // chunk's or a long prompt's logits: the dense buffer stays a block's size).
+    const int64_t blocks = (T + kRowBlock - 1) / kRowBlock, tail = T - (blocks - 1) * kRowBlock;
+    std::vector<const Prim*> full, last;   // built here, not on a pool thread (they throw)
+    for (const Part& part : l.parts) {
+      full.push_back(blocks > 1 ? &primitive(kRowBlock, in, part, wt) : nullptr);
+      last.push_back(&primitive(tail, in, part, wt));
+    }
+    const int64_t esize = bf16 ? 2 : 4;
     std::mutex mu;
-    parallel_for(pool, n, workers, [&](int64_t i, int64_t) {
-      const Part& part = l.parts[size_t(i)];
+    const int64_t tasks = n * blocks;
+    parallel_for(pool, tasks, std::min(workers, tasks), [&](int64_t i, int64_t) {
+      const int64_t p = i % n, b = i / n, r0 = b * kRowBlock;
+      const Part& part = l.parts[size_t(p)];
+      const bool is_last = b == blocks - 1;
       try {
-        run_part(*prims[size_t(i)], X, W + part.offset, Y + part.c0, T, part.c1 - part.c0,
-                 out);
+        run_part(is_last ? *last[size_t(p)] : *full[size_t(p)], X + r0 * in * esize,
+                 W + part.offset, Y + r0 * out + part.c0, is_last ? tail : kRowBlock,
+                 part.c1 - part.c0, out);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(mu);
         error = e.what();
