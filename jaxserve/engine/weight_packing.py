@@ -25,6 +25,7 @@ the serving machine, and is never saved (`jaxserve convert` writes the plain lay
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,12 +304,14 @@ def pack_for_serving(config: Any, placed: Any, in_place: bool) -> None:
     if why is not None:
         logger.debug("projection weights plain: %s", why)
         return
+    start = time.perf_counter()
     if hasattr(placed.params, "result"):      # being restored: packed on arrival
         placed.params = PackedOnArrival(placed.params, placed.dtype)
-        names = [t.name for t in placed.params.targets]
+        names, when = [t.name for t in placed.params.targets], "as the restore delivers them"
     else:
         placed.params, names, saved = pack_layer_weights(placed.params, placed.dtype)
         placed.resident_bytes -= saved
+        when = f"in {time.perf_counter() - start:.2f} s"
     if names:
-        logger.info("projection weights packed into oneDNN's blocked layout (%s): %s",
-                    jnp.dtype(placed.dtype).name, ", ".join(names))
+        logger.info("projection weights packed into oneDNN's blocked layout (%s) %s: %s",
+                    jnp.dtype(placed.dtype).name, when, ", ".join(names))
