@@ -74,7 +74,7 @@ def test_a_table_packed_transposed_gives_the_tied_heads_logits():
 
 
 @pytest.mark.fast
-def test_packed_weights_of_another_shape_or_cpu_are_refused_with_a_clear_error():
+def test_packed_weights_of_another_shape_or_part_count_are_refused_with_a_clear_error():
     from jaxserve.kernels.cpu.packed_matmul import pack_stacked, packed_layer_matmul
 
     _packs_or_skip(jnp.bfloat16)
@@ -83,6 +83,16 @@ def test_packed_weights_of_another_shape_or_cpu_are_refused_with_a_clear_error()
     x = jnp.ones((4, 64), jnp.bfloat16)
     with pytest.raises(Exception, match="packed on another CPU or for another shape"):
         jax.block_until_ready(packed_layer_matmul(x, packed, 0, 192, jnp.bfloat16))
+    # the same bytes cut into other column ranges (another CPU count): named, never misread
+    from jaxserve.kernels.cpu.packed_matmul import packing_parts
+
+    other = pack_stacked(w, parts=2 * packing_parts())
+    assert other.shape == packed.shape      # 128 columns: the byte counts agree
+    with pytest.raises(Exception, match=f"in {2 * packing_parts()} parts, read as"):
+        jax.block_until_ready(packed_layer_matmul(x, other, 0, 128, jnp.bfloat16))
+    with pytest.raises(Exception, match="holds no packed weights"):
+        jax.block_until_ready(packed_layer_matmul(x, np.zeros_like(packed), 0, 128,
+                                                  jnp.bfloat16))
 
 
 @pytest.mark.fast

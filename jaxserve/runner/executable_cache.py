@@ -82,6 +82,16 @@ def _aval_description(tree: Any) -> list[str]:
     return described
 
 
+def _schedulable_cpus() -> int:
+    """CPUs this process may run on: XLA's intra-op pool size, and the column ranges weights
+    packed for oneDNN are cut into (kernels/cpu/packed_matmul.packing_parts), which a step
+    names in its calls."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def executable_key(settings: dict[str, Any], params: Any) -> str:
     import jaxlib
 
@@ -91,6 +101,7 @@ def executable_key(settings: dict[str, Any], params: Any) -> str:
     devices = [f"{d.platform}:{d.id}:{d.device_kind}" for d in jax.devices()]
     parts = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
              "backend": host.name, "devices": devices, "cpu": host.machine_identity(),
+             "cpus": _schedulable_cpus(),   # packed weights' column ranges follow it
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_fingerprint(),
              "settings": {k: repr(v) for k, v in sorted(settings.items())},
              "params": _aval_description(params)}

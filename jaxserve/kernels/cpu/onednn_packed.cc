@@ -14,11 +14,11 @@
 // calls: 0.31 / 0.68; these kernels outside XLA: 0.28 / 0.66 -- the rest is the calls'
 // thread-pool wake-ups.
 //
-// The layout: the output columns are cut into `parts` ranges of whole 64-column blocks (one
-// per worker of XLA's intra-op pool, as matmul.cc splits the plain call), each packed on its
-// own, back to back at 64-byte aligned offsets. The layout oneDNN picks depends on the CPU
-// (AMX and AVX512-BF16 block differently), so packing happens on the serving machine and is
-// never stored in a checkpoint. A call runs each part single-threaded on its worker; the
+// The layout: a 64-byte header (what the layer was packed as), then the output columns cut
+// into `parts` ranges of whole 64-column blocks (two per worker of XLA's intra-op pool), each
+// packed on its own, back to back at 64-byte aligned offsets. The layout oneDNN picks
+// depends on the CPU (AMX and AVX512-BF16 block differently), so packing happens on the
+// serving machine and is never stored in a checkpoint. A call runs each part single-threaded on its worker; the
 // part's primitive is built for the call's row count with the part's packed descriptor.
 
 #include <algorithm>
@@ -49,6 +49,25 @@ constexpr int64_t kColumnAlign = 64;   // the matrix units' column blocking
 constexpr int64_t kLayoutRows = 64;    // the row count the layout is asked for
 constexpr int64_t kOffsetAlign = 64;   // bytes: each part starts on a cache line
 constexpr int64_t kRowBlock = 256;     // rows per task of a call (bounds its dense buffer)
+
+// Each packed layer starts with what it was packed as, checked by every call: the part
+// boundaries follow the packing process's CPU count, and a layout read with other ones
+// (an executable built for another count, weights packed elsewhere) would be silently
+// wrong wherever the byte counts happen to agree.
+struct Header {
+  char magic[8];
+  int64_t in, out, parts, dtype;
+};
+constexpr char kMagic[8] = {'j', 'x', 's', 'p', 'k', 'v', '1', '\0'};
+constexpr int64_t kHeaderBytes = 64;
+static_assert(sizeof(Header) <= kHeaderBytes, "the header fits its cache line");
+
+Header header_of(int64_t in, int64_t out, int64_t parts, dt wt) {
+  Header h{};
+  std::memcpy(h.magic, kMagic, sizeof(kMagic));
+  h.in = in, h.out = out, h.parts = parts, h.dtype = static_cast<int64_t>(wt);
+  return h;
+}
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -107,6 +126,7 @@ const Layout& layout(int64_t in, int64_t out, int64_t parts, dt wt) {
   OneThreadTeam team;
   Layout l;
   l.blocked = true;
+  l.bytes = kHeaderBytes;
   const int64_t blocks = (out + kColumnAlign - 1) / kColumnAlign;
   for (int64_t p = 0; p < parts; ++p) {
     const int64_t c0 = std::min(out, blocks * p / parts * kColumnAlign);
@@ -218,6 +238,20 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     const int64_t layer = std::min<int64_t>(std::max<int64_t>(layer_buf.typed_data()[0], 0),
                                             L - 1);
     const char* W = static_cast<const char*>(packed.untyped_data()) + layer * l.bytes;
+    const Header want = header_of(in, out, parts, wt);
+    if (std::memcmp(W, &want, sizeof(Header)) != 0) {
+      Header got;
+      std::memcpy(&got, W, sizeof(Header));
+      return ffi::Error::InvalidArgument(
+          std::memcmp(got.magic, kMagic, sizeof(kMagic)) != 0
+              ? std::string("packed matmul: layer ") + std::to_string(layer) +
+                    " holds no packed weights"
+              : "packed matmul: weights packed as [" + std::to_string(got.in) + ", " +
+                    std::to_string(got.out) + "] in " + std::to_string(got.parts) +
+                    " parts, read as [" + std::to_string(in) + ", " + std::to_string(out) +
+                    "] in " + std::to_string(parts) + " (a step built for another CPU count " +
+                    "or shape: the weights and the step must come from one process)");
+    }
     const char* X = static_cast<const char*>(x.untyped_data());
     float* Y = static_cast<float*>(y->untyped_data());
     const int64_t n = int64_t(l.parts.size());
@@ -300,6 +334,8 @@ extern "C" int32_t jaxserve_onednn_pack(const void* src, int64_t layers, int64_t
     for (int64_t layer = 0; layer < layers; ++layer) {
       const char* w = static_cast<const char*>(src) + layer * in * out * esize;
       char* d = static_cast<char*>(dst) + layer * l.bytes;
+      const Header h = header_of(in, out, parts, wt);
+      std::memcpy(d, &h, sizeof(Header));
       for (const Part& part : l.parts) {
         const md plain = transposed ? md({in, part.c1 - part.c0}, wt, {1, in})
                                     : md({in, part.c1 - part.c0}, wt, {out, 1});
