@@ -224,15 +224,15 @@ def _planned(params: Any, dtype: Any, still_to_arrive: int = 0
     memory (less ``still_to_arrive`` bytes a restore has yet to fill) stays plain, and a
     group whose fused packing does not fit keeps its members."""
     groups = _fusable(params, dtype)
-    targets = _packable(_fused(params, groups, _fuse_specs), dtype)
+    fused = _fused(params, groups, _fuse_specs)
+    targets = _packable(fused, dtype)
     free = available_host_bytes()
     if free is None:
         return groups, targets, []
     free -= still_to_arrive
     kept_plain = []
     for target, size in list(targets.items()):
-        layers = target.stacked_shape(target.get(_fused(params, groups, _fuse_specs)))[0]
-        if 2 * size * layers <= free:
+        if 2 * size * target.stacked_shape(target.get(fused))[0] <= free:
             continue
         del targets[target]
         kept_plain.append(target.name)

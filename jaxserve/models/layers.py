@@ -159,12 +159,11 @@ def _fused_products(x: jax.Array, fused: ProjectionWeights, features: list[int],
         from jaxserve.kernels.cpu.packed_matmul import packed_layer_matmul
 
         y = packed_layer_matmul(x, packed, fused.layer, sum(features), dtype)
-        ends = [sum(features[:i + 1]) for i in range(len(features))]
-        return [y[:, end - width:end] for end, width in zip(ends, features)]
-    kernel, layer = fused.leaves["kernel"], fused.layer
-    if x.shape[0] <= MAX_ROWS:        # read in place by the library (models/layer_matmul.py)
+    elif x.shape[0] <= MAX_ROWS:      # read in place by the library (models/layer_matmul.py)
+        kernel, layer = fused.leaves["kernel"], fused.layer
         y = layer_matmul(x, kernel, layer, jnp.float32, fused.gemv_rows)
     else:
+        kernel, layer = fused.leaves["kernel"], fused.layer
         w = jax.lax.dynamic_index_in_dim(kernel, layer, 0, keepdims=False)
         y = float32_accumulating_dot(x.astype(w.dtype), w)
     ends = [sum(features[:i + 1]) for i in range(len(features))]

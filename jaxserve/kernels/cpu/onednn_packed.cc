@@ -43,6 +43,7 @@ namespace {
 
 using dt = dnnl::memory::data_type;
 using md = dnnl::memory::desc;
+using jaxserve_cpu::dims_str;
 using jaxserve_cpu::parallel_for;
 
 constexpr int64_t kColumnAlign = 64;   // the matrix units' column blocking
@@ -195,16 +196,7 @@ void run_part(const Prim& p, const void* x, const void* w, float* y, int64_t row
     std::memcpy(y + r * ldy, dense.data() + r * cols, size_t(cols) * sizeof(float));
 }
 
-bool to_dt(int32_t bf16, dt* out) {
-  *out = bf16 ? dt::bf16 : dt::f32;
-  return true;
-}
-
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
+dt weight_dt(int32_t bf16) { return bf16 ? dt::bf16 : dt::f32; }
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed,
                             ffi::Buffer<ffi::S32> layer_buf, ffi::Result<ffi::AnyBuffer> y,
@@ -225,7 +217,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     std::memset(y->untyped_data(), 0, size_t(T * out) * 4);
     return ffi::Error::Success();
   }
-  const dt wt = bf16 ? dt::bf16 : dt::f32;
+  const dt wt = weight_dt(bf16);
   std::string error;
   try {
     const Layout& l = layout(in, out, parts, wt);
@@ -304,8 +296,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmulImpl,
 // kernel, an AVX2 CPU's f32 gemm) or cannot say; -1 on an error.
 extern "C" int64_t jaxserve_onednn_packed_bytes(int64_t in, int64_t out, int64_t parts,
                                                 int32_t bf16) {
-  dt wt;
-  if (in <= 0 || out <= 0 || parts < 1 || !to_dt(bf16, &wt)) return -1;
+  const dt wt = weight_dt(bf16);
+  if (in <= 0 || out <= 0 || parts < 1) return -1;
   try {
     const Layout& l = layout(in, out, parts, wt);
     return l.blocked ? l.bytes : 0;
@@ -322,8 +314,7 @@ extern "C" int64_t jaxserve_onednn_packed_bytes(int64_t in, int64_t out, int64_t
 extern "C" int32_t jaxserve_onednn_pack(const void* src, int64_t layers, int64_t in,
                                         int64_t out, int64_t parts, int32_t bf16,
                                         int32_t transposed, void* dst) {
-  dt wt;
-  if (!to_dt(bf16, &wt)) return -1;
+  const dt wt = weight_dt(bf16);
   try {
     const Layout& l = layout(in, out, parts, wt);
     if (!l.blocked) return -1;

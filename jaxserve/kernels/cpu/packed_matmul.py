@@ -77,36 +77,31 @@ def pack_stacked(weights: np.ndarray, parts: int | None = None,
     layers, n_in, n_out = weights.shape
     if transposed:
         n_in, n_out = n_out, n_in
-    parts = parts or packing_parts()
-    size = packed_bytes(n_in, n_out, weights.dtype, parts)
-    if size == 0:
+    if packed_bytes(n_in, n_out, weights.dtype, parts) == 0:
         return None
-    src = np.ascontiguousarray(weights)
-    dst = np.zeros((layers, size), np.uint8)      # zeros: the alignment gaps are defined
-    if _library().jaxserve_onednn_pack(src.ctypes.data, layers, n_in, n_out, parts,
-                                       _DTYPES[jnp.dtype(weights.dtype)], int(transposed),
-                                       dst.ctypes.data):
-        raise RuntimeError(f"oneDNN failed to pack [{n_in}, {n_out}] {weights.dtype} weights")
-    return dst
+    return pack_layers(weights.__getitem__, layers, n_in, n_out, weights.dtype, parts,
+                       transposed)
 
 
 def pack_layers(layer: Callable[[int], np.ndarray], count: int, n_in: int, n_out: int,
-                dtype, parts: int | None = None) -> np.ndarray:
-    """Host weights given a layer at a time (``layer(i)``: [in, out] of ``dtype``) packed,
-    uint8 [count, bytes]: `pack_stacked` without the whole stack in one array (a fused
-    sibling group, concatenated one layer at a time)."""
+                dtype, parts: int | None = None, transposed: bool = False) -> np.ndarray:
+    """Host weights given a layer at a time (``layer(i)``: [in, out] of ``dtype``;
+    ``transposed``: [out, in]) packed, uint8 [count, bytes]: no whole stack in one array is
+    needed (a fused sibling group, concatenated one layer at a time)."""
     parts = parts or packing_parts()
     size = packed_bytes(n_in, n_out, dtype, parts)
     if size == 0:
         raise RuntimeError(f"[{n_in}, {n_out}] {jnp.dtype(dtype)} weights do not pack here")
-    dst = np.zeros((count, size), np.uint8)
+    shape = (n_out, n_in) if transposed else (n_in, n_out)
+    dst = np.zeros((count, size), np.uint8)      # zeros: the alignment gaps are defined
     for i in range(count):
         src = np.ascontiguousarray(layer(i))
-        if src.shape != (n_in, n_out) or src.dtype != jnp.dtype(dtype):
+        if src.shape != shape or src.dtype != jnp.dtype(dtype):
             raise ValueError(f"pack_layers: layer {i} is {src.shape} {src.dtype}, not "
-                             f"[{n_in}, {n_out}] {jnp.dtype(dtype)}")
+                             f"{list(shape)} {jnp.dtype(dtype)}")
         if _library().jaxserve_onednn_pack(src.ctypes.data, 1, n_in, n_out, parts,
-                                           _DTYPES[jnp.dtype(dtype)], 0, dst[i].ctypes.data):
+                                           _DTYPES[jnp.dtype(dtype)], int(transposed),
+                                           dst[i].ctypes.data):
             raise RuntimeError(f"oneDNN failed to pack [{n_in}, {n_out}] {dtype} weights")
     return dst
 
